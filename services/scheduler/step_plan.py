@@ -1,0 +1,65 @@
+"""The one step contract between the scheduler (KV metadata) and the worker (tensors).
+
+The scheduler sends a `StepPlan` per step; the worker answers with a `StepResult`.
+A request's full data travels once (`NewRequestSpec`), afterwards only deltas:
+the tokens to run and the KV pages appended to its page table. Payloads are
+lists of ints and floats, never tensors, so the same dataclasses map 1:1 onto
+the worker's protobuf messages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestSpec:
+    """Everything the worker keeps per request, sent on its first step (and again
+    after a retraction, when the worker dropped the request's state)."""
+
+    rid: str
+    prompt_ids: list[int]  # the original prompt (penalties need it even when cached)
+    output_ids: list[int]  # tokens already generated (non-empty after a retraction)
+    sampling: SamplingParams
+    seed: int  # always set: drawn at admission when the user gave none
+
+
+@dataclass
+class StepItem:
+    """One request's share of a step."""
+
+    rid: str
+    input_ids: list[int]  # tokens to run: a prefill chunk, or the last sampled token
+    start_pos: int  # position of input_ids[0] == tokens of this request already in KV
+    # Pages appended to the request's page table this step; with reset_pages the
+    # table is replaced by these (first step, or after a prefix-cache match).
+    new_pages: list[int]
+    reset_pages: bool = False
+    sample: bool = True  # False for a prefill chunk that is not the prompt's last
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestSpec] = field(default_factory=list)
+    items: list[StepItem] = field(default_factory=list)
+    # Requests whose worker-side state (page table row, history) can be dropped.
+    released_rids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float  # of the sampled token, under the model's raw distribution
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens for the items of the plan that had sample=True, in plan order."""
+
+    step_id: int
+    rids: list[str] = field(default_factory=list)
+    next_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    forward_seconds: float = 0.0
