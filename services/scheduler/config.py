@@ -1,0 +1,37 @@
+"""The scheduler's configuration."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("fcfs", "lpm")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = field(default=64, metadata={"help": "requests decoding at once"})
+    max_prefill_tokens: int = field(default=4096, metadata={"help": "prefill tokens admitted per step"})
+    chunked_prefill_size: int = field(default=512, metadata={"help": "prefill chunk per step; -1 disables chunking"})
+    schedule_policy: str = field(default="lpm", metadata={"help": "waiting-queue order: fcfs | lpm (longest prefix match)"})
+    lpm_fallback_queue_len: int = field(default=128, metadata={"help": "lpm falls back to fcfs above this queue length"})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "turn the prefix cache off"})
+    max_queued_requests: int = field(default=1024, metadata={"help": "waiting requests before new ones are refused"})
+    max_queued_tokens: int = field(default=1 << 20, metadata={"help": "waiting prompt tokens before new requests are refused"})
+    init_new_token_ratio: float = field(default=0.7, metadata={"help": "share of max_new_tokens reserved per running request"})
+    min_new_token_ratio: float = field(default=0.15, metadata={"help": "floor the reservation decays to"})
+    new_token_ratio_decay: float = field(default=0.002, metadata={"help": "per-step decay of the reservation ratio"})
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {POLICIES}, got {self.schedule_policy!r}")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("--chunked-prefill-size must be positive or -1 (off)")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("--max-prefill-tokens must be >= 1")
+
+    @property
+    def prefill_budget(self) -> int:
+        if self.chunked_prefill_size > 0:
+            return min(self.max_prefill_tokens, self.chunked_prefill_size)
+        return self.max_prefill_tokens

@@ -1,0 +1,115 @@
+"""A request's KV pages: prefix matching, growth, caching progress, release.
+
+Composes the page allocator and the radix cache; every page is in exactly one
+of three places: free in the allocator, owned by the tree (cached), or private
+to one running request (in use). `check_invariants` proves it.
+"""
+from __future__ import annotations
+
+from services.scheduler.page_allocator import PageAllocator
+from services.scheduler.radix_cache import RadixCache
+from services.scheduler.request import Request
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, disable_cache: bool):
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.cache = RadixCache(self.allocator, page_size, disable=disable_cache)
+        self.cache_enabled = not disable_cache
+
+    # --- capacity -------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def available_pages(self) -> int:
+        """Pages a new allocation can get: free ones plus evictable cached ones."""
+        return self.allocator.num_free + self.cache.evictable_pages
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    # --- request lifecycle ------------------------------------------------------
+    def match(self, req: Request) -> int:
+        """Attach the longest cached prefix of req.seq (leaving >= 1 token to run,
+        since sampling needs the last token's logits); returns its length."""
+        if not self.cache_enabled:
+            return 0
+        hit = self.cache.match_prefix(req.seq[: req.seq_len - 1], req.namespace)
+        self.cache.inc_lock(hit.node)
+        req.node, req.pages, req.tree_tokens = hit.node, list(hit.pages), hit.num_tokens
+        req.computed = hit.num_tokens
+        req.pages_changed = True
+        return hit.num_tokens
+
+    def grow(self, req: Request, upto_tokens: int) -> bool:
+        """Make req's pages cover positions [0, upto_tokens); evicts cached pages
+        if needed. False (and nothing changed) when memory is short."""
+        need = self.pages_for(upto_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if self.allocator.num_free < need:
+            self.cache.evict(need - self.allocator.num_free)
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def cache_progress(self, req: Request) -> None:
+        """Hand the computed, page-aligned part of req's KV to the tree so requests
+        arriving now can share it (a prefix being prefilled serves others)."""
+        if not self.cache_enabled:
+            return
+        aligned = req.computed // self.page_size * self.page_size
+        if aligned <= req.tree_tokens:
+            return
+        self._insert(req, aligned)
+
+    def release(self, req: Request) -> None:
+        """The request is done (finished, aborted or retracted): cache what it
+        computed, unlock its prefix, and free its private pages."""
+        if self.cache_enabled:
+            aligned = req.computed // self.page_size * self.page_size
+            if aligned > req.tree_tokens:
+                self._insert(req, aligned)
+            private = req.pages[self.pages_for(req.tree_tokens):]
+            self.cache.dec_lock(req.node)
+        else:
+            private = req.pages
+        self.allocator.free(private)
+        req.pages, req.node, req.tree_tokens = [], None, 0
+        req.computed = 0
+
+    def _insert(self, req: Request, n_tokens: int) -> None:
+        n_pages = n_tokens // self.page_size
+        already = self.cache.insert(req.seq[:n_tokens], req.pages[:n_pages], req.namespace)
+        # Pages the tree already had for [tree_tokens, already) are duplicates of
+        # ours: free ours and point the request at the tree's copy.
+        dup_from, dup_to = self.pages_for(req.tree_tokens), already // self.page_size
+        if dup_to > dup_from:
+            self.allocator.free(req.pages[dup_from:dup_to])
+        hit = self.cache.match_prefix(req.seq[:n_tokens], req.namespace)
+        assert hit.num_tokens == n_tokens, (hit.num_tokens, n_tokens)
+        self.cache.inc_lock(hit.node)
+        self.cache.dec_lock(req.node)
+        if dup_to > dup_from:
+            req.pages_changed = True
+        req.pages[:n_pages] = hit.pages
+        req.node, req.tree_tokens = hit.node, n_tokens
+
+    # --- checks -------------------------------------------------------------------
+    def check_invariants(self, running: list[Request]) -> None:
+        """free + cached + private pages == total, with no page in two places."""
+        self.cache.check_invariants()
+        private: list[int] = []
+        for req in running:
+            private.extend(req.pages[self.pages_for(req.tree_tokens):] if self.cache_enabled else req.pages)
+        assert len(private) == len(set(private)), "a private page is held by two requests"
+        assert not any(self.allocator.is_free(p) for p in private), "a private page is also free"
+        total = self.allocator.num_free + self.cache.cached_pages + len(private)
+        assert total == self.num_pages, (
+            f"free {self.allocator.num_free} + cached {self.cache.cached_pages} + "
+            f"private {len(private)} != total {self.num_pages}")

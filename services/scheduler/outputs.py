@@ -1,0 +1,50 @@
+"""What the scheduler reports per request after a step, and its counters."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.step_plan import TokenLogprobs
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its request or token limit: retry later (HTTP 503)."""
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class SchedulerStats:
+    running: int = 0
+    waiting: int = 0
+    kv_pages_total: int = 0
+    kv_pages_used: int = 0  # not free: running requests' plus cached pages
+    kv_pages_cached: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    retracted: int = 0
+    aborted: int = 0
+    finished: int = 0
+    steps: int = 0
+    schedule_seconds: float = 0.0  # the scheduler's own CPU time, summed
+
+    @property
+    def token_usage(self) -> float:
+        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0

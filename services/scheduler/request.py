@@ -1,0 +1,64 @@
+"""A request as the scheduler sees it: tokens, progress, and the KV it holds."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+from services.scheduler.radix_cache import TreeNode
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    namespace: str = ""  # adapter / weights version: part of the prefix-cache key
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # KV: pages[i] holds positions [i*ps, (i+1)*ps). The first `tree_tokens`
+    # tokens' pages belong to the radix tree (locked through `node`); the rest
+    # are private to this request.
+    pages: list[int] = field(default_factory=list)
+    node: TreeNode | None = None
+    tree_tokens: int = 0
+    computed: int = 0  # tokens of `seq` whose KV is in the pool
+    cached_tokens: int = 0  # prefix reused from the cache at (first) admission
+    pages_changed: bool = True  # worker must receive the full page table next step
+    sent_pages: int = 0  # pages the worker already has for this request
+    worker_has_state: bool = False
+    retractions: int = 0
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    first_token_time: float | None = None
+    admit_time: float | None = None
+
+    @property
+    def seq(self) -> list[int]:
+        """Every token whose KV the request will need: prompt then outputs."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to run before the next sample: the prompt (and, after a
+        retraction, the outputs) while prefilling; 1 (the last sampled token,
+        whose KV is not computed yet) while decoding."""
+        return self.seq_len - self.computed
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling.max_new_tokens - len(self.output_ids), 0)

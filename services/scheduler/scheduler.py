@@ -1,0 +1,366 @@
+"""The scheduling loop's core: admission, batch formation, retraction, finishing.
+
+Single-threaded and transport-free: `submit`/`abort` queue work, `schedule()`
+returns the next StepPlan, `process(result)` applies the worker's answer and
+yields per-request outputs. Each step carries every decoding request (one
+token each) plus prefill chunks admitted against a token budget.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from services.common.sampling_params import InvalidRequest, SamplingParams
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_manager import KVManager
+from services.scheduler.outputs import QueueFull, RequestOutput, SchedulerStats
+from services.scheduler.policy import order_waiting
+from services.scheduler.request import Request, Status
+from services.scheduler.step_plan import NewRequestSpec, StepItem, StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the scheduler must know about the worker's model and KV pool."""
+    num_pages: int
+    page_size: int
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, limits: ModelLimits):
+        self.config, self.limits = config, limits
+        self.kv = KVManager(limits.num_pages, limits.page_size, config.disable_radix_cache)
+        self.waiting: list[Request] = []
+        self.running: dict[str, Request] = {}
+        self.stats = SchedulerStats(kv_pages_total=limits.num_pages)
+        self.new_token_ratio = config.init_new_token_ratio
+        self._aborts: set[str] = set()
+        self._release: list[str] = []  # worker state to drop at the next step
+        self._inflight: dict[str, int] = {}  # rid -> tokens run in the step being executed
+        self._outputs: list[RequestOutput] = []
+        self._step_id = 0
+
+    # --- intake -------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise InvalidRequest for input that can never be served."""
+        lim = self.limits
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < lim.vocab_size)]
+        if bad:
+            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {lim.vocab_size})")
+        sampling.validate(lim.vocab_size)
+        total = len(prompt_ids) + sampling.max_new_tokens
+        if total > lim.context_length:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
+                f"exceeds the model's context length of {lim.context_length} tokens")
+        if self.kv.pages_for(total) > lim.num_pages:
+            raise InvalidRequest(
+                f"prompt + max_new_tokens = {total} tokens can never fit in the KV cache "
+                f"({lim.num_pages * lim.page_size} tokens): lower max_tokens or raise --kv-cache-bytes")
+
+    def submit(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, seed: int,
+               namespace: str = "") -> None:
+        self.validate(prompt_ids, sampling)
+        if rid in self.running or any(r.rid == rid for r in self.waiting):
+            raise InvalidRequest(f"request id {rid!r} is already in use")
+        self.check_capacity(len(prompt_ids))
+        self.waiting.append(Request(rid, list(prompt_ids), sampling, seed, namespace))
+
+    def check_capacity(self, prompt_len: int) -> None:
+        if len(self.waiting) >= self.config.max_queued_requests:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (limit {self.config.max_queued_requests})")
+        queued = sum(r.seq_len for r in self.waiting)
+        if queued + prompt_len > self.config.max_queued_tokens:
+            raise QueueFull(f"{queued} prompt tokens are waiting (limit {self.config.max_queued_tokens})")
+
+    def abort(self, rid: str) -> None:
+        self._aborts.add(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborts or self._release)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    # --- one step -------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when there is nothing to run."""
+        t0 = time.perf_counter()
+        self._apply_aborts()
+        items: list[StepItem] = []
+        scheduled: list[Request] = []
+        self._schedule_decodes(items, scheduled)
+        self._schedule_prefills(items, scheduled)
+        if not items and self.running and not self.waiting:
+            # Nothing can grow: free memory by retracting the least advanced request.
+            victim = self._pick_victim()
+            if victim is not None:
+                self._retract(victim)
+        plan = None
+        if items or self._release:
+            self._step_id += 1
+            plan = StepPlan(self._step_id, released_rids=self._release)
+            self._release = []
+            for req in scheduled:
+                if not req.worker_has_state:
+                    plan.new_requests.append(NewRequestSpec(
+                        req.rid, req.prompt_ids, list(req.output_ids), req.sampling, req.seed))
+                    req.worker_has_state = True
+            plan.items = items
+            self._inflight = {it.rid: len(it.input_ids) for it in items}
+        self._refresh_gauges()
+        self.stats.schedule_seconds += time.perf_counter() - t0
+        return plan
+
+    def _item(self, req: Request, n: int) -> StepItem:
+        start = req.computed
+        reset = req.pages_changed
+        new_pages = req.pages if reset else req.pages[req.sent_pages:]
+        req.sent_pages = len(req.pages)
+        req.pages_changed = False
+        return StepItem(req.rid, req.seq[start:start + n], start, list(new_pages), reset,
+                        sample=start + n == req.seq_len)
+
+    def _schedule_decodes(self, items: list[StepItem], scheduled: list[Request]) -> None:
+        decoding = [r for r in self.running.values() if r.pending == 1]
+        need = sum(max(self.kv.pages_for(r.computed + 1) - len(r.pages), 0) for r in decoding)
+        while need > self.kv.available_pages:
+            victim = self._pick_victim()
+            if victim is None:
+                break
+            if victim in decoding:
+                decoding.remove(victim)
+                need -= max(self.kv.pages_for(victim.computed + 1) - len(victim.pages), 0)
+            self._retract(victim)
+        for req in decoding:
+            if not self.kv.grow(req, req.computed + 1):  # cannot happen after the loop above
+                raise RuntimeError(f"KV accounting error: no page for decoding request {req.rid}")
+            items.append(self._item(req, 1))
+            scheduled.append(req)
+
+    def _pick_victim(self) -> Request | None:
+        """Least progress first (fewest outputs, then the latest arrival), keeping one."""
+        if len(self.running) <= 1:
+            return None
+        return min(self.running.values(), key=lambda r: (len(r.output_ids), -r.arrival_time))
+
+    def _retract(self, req: Request) -> None:
+        self.kv.release(req)  # its KV stays cached (evictable) for the recompute
+        del self.running[req.rid]
+        req.status, req.worker_has_state = Status.WAITING, False
+        req.retractions += 1
+        self._release.append(req.rid)
+        self.waiting.append(req)
+        self.stats.retracted += 1
+        # Retraction means the reservation was too optimistic: reserve more.
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
+
+    def _reserved_pages(self) -> int:
+        """KV to keep back for the expected decode growth of running requests."""
+        total = 0
+        for r in self.running.values():
+            expected = r.seq_len + int(r.remaining_new_tokens * self.new_token_ratio)
+            total += max(self.kv.pages_for(expected) - len(r.pages), 0)
+        return total
+
+    def _schedule_prefills(self, items: list[StepItem], scheduled: list[Request]) -> None:
+        budget = self.config.prefill_budget
+        for req in [r for r in self.running.values() if r.pending > 1]:  # chunked ones continue
+            room = (len(req.pages) + self.kv.available_pages) * self.kv.page_size - req.computed
+            n = min(req.pending, budget, room)
+            if n <= 0 or not self.kv.grow(req, req.computed + n):
+                continue
+            items.append(self._item(req, n))
+            scheduled.append(req)
+            budget -= n
+        if not self.waiting or budget <= 0:
+            return
+        cache = self.kv.cache if self.kv.cache_enabled else None
+        ordered = order_waiting(self.waiting, self.config.schedule_policy, cache,
+                                self.config.lpm_fallback_queue_len)
+        reserved = self._reserved_pages()
+        admitted: list[Request] = []
+        for req in ordered:
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            n = self._admit(req, budget, reserved, first=not items)
+            if n == 0:
+                if self._blocked_by_memory:
+                    break
+                continue
+            budget -= n
+            reserved += self._own_reservation(req)
+            admitted.append(req)
+            items.append(self._item(req, n))
+            scheduled.append(req)
+        if admitted:
+            gone = set(map(id, admitted))
+            self.waiting = [r for r in self.waiting if id(r) not in gone]
+        self.new_token_ratio = max(self.config.min_new_token_ratio,
+                                   self.new_token_ratio - self.config.new_token_ratio_decay)
+
+    # --- admission helpers ------------------------------------------------------------
+    _blocked_by_memory = False
+
+    def _admit(self, req: Request, budget: int, reserved: int, first: bool) -> int:
+        """Try to start (or restart) req with up to `budget` prefill tokens.
+        Returns the tokens scheduled, 0 when it must wait."""
+        self._blocked_by_memory = False
+        if self._shares_inflight_prefill(req):
+            return 0  # its prefix is being computed right now: reuse it next step
+        matched = self.kv.match(req)
+        n = min(req.pending, budget)
+        if n < req.pending and self.config.chunked_prefill_size < 0:
+            if not first:
+                self.kv.release(req)
+                return 0
+            n = req.pending  # chunking off: a long prompt runs whole, alone
+        need = self.kv.pages_for(req.computed + n) - len(req.pages)
+        if n == req.pending:
+            need += self._own_reservation(req, extra_tokens=0)
+        if need > self.kv.available_pages - reserved:
+            self.kv.release(req)
+            self._blocked_by_memory = True
+            return 0
+        if not self.kv.grow(req, req.computed + n):
+            self.kv.release(req)
+            self._blocked_by_memory = True
+            return 0
+        self.stats.prefix_queries += 1
+        self.stats.prefix_query_tokens += req.seq_len
+        self.stats.prefix_hit_tokens += matched
+        self.stats.prefix_hits += matched > 0
+        if req.retractions == 0:
+            req.cached_tokens = matched
+            req.admit_time = time.monotonic()
+        req.status = Status.RUNNING
+        self.running[req.rid] = req
+        return n
+
+    def _own_reservation(self, req: Request, extra_tokens: int = 0) -> int:
+        expected = req.seq_len + extra_tokens + int(req.remaining_new_tokens * self.new_token_ratio)
+        return max(self.kv.pages_for(expected) - max(len(req.pages), self.kv.pages_for(req.seq_len)), 0)
+
+    def _shares_inflight_prefill(self, req: Request) -> bool:
+        """True when a request now prefilling will soon cache a long prefix of req:
+        waiting a step or two beats computing the same prefix twice."""
+        if not self.kv.cache_enabled:
+            return False
+        min_gain = max(64, self.limits.page_size)
+        for other in self.running.values():
+            if other.computed >= len(other.prompt_ids) or other.namespace != req.namespace:
+                continue
+            common = common_prefix_len(req.prompt_ids, other.prompt_ids)
+            if common - other.computed >= min_gain:
+                return True
+        return False
+
+    # --- applying the worker's answer -------------------------------------------------------
+    def process(self, result: StepResult) -> list[RequestOutput]:
+        sampled = {rid: (tok, lp) for rid, tok, lp in
+                   zip(result.rids, result.next_token_ids, result.logprobs or [None] * len(result.rids))}
+        now = time.monotonic()
+        for rid, n in self._inflight.items():
+            req = self.running.get(rid)
+            if req is None:
+                continue
+            req.computed += n
+            if n > 1:
+                self.kv.cache_progress(req)
+            if rid not in sampled:
+                continue
+            tok, lp = sampled[rid]
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            out = RequestOutput(rid, [tok], [lp], prompt_tokens=len(req.prompt_ids),
+                                completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
+            reason, matched = self._finish_reason(req, tok)
+            if reason:
+                self._finish(req, reason, matched, out)
+            self._outputs.append(out)
+        self._inflight = {}
+        self.stats.steps += 1
+        self._refresh_gauges()
+        return self.take_outputs()
+
+    def _finish_reason(self, req: Request, tok: int) -> tuple[str | None, int | None]:
+        sp, n_out = req.sampling, len(req.output_ids)
+        if n_out >= sp.min_new_tokens:
+            if tok in sp.stop_token_ids:
+                return "stop", tok
+            if not sp.ignore_eos and tok in self.limits.eos_token_ids:
+                return "stop", tok
+        if n_out >= sp.max_new_tokens or req.seq_len >= self.limits.context_length:
+            return "length", None
+        return None, None
+
+    def finish_early(self, rid: str, reason: str = "stop", matched: str | None = None) -> None:
+        """End a running request for a reason found outside (a stop string)."""
+        req = self.running.get(rid)
+        if req is not None:
+            self._finish(req, reason, matched, None)
+
+    def _finish(self, req: Request, reason: str, matched, out: RequestOutput | None) -> None:
+        self.kv.release(req)
+        self.running.pop(req.rid, None)
+        req.status, req.finish_reason, req.matched_stop = Status.FINISHED, reason, matched
+        if req.worker_has_state:
+            self._release.append(req.rid)
+        if reason == "abort":
+            self.stats.aborted += 1
+        else:
+            self.stats.finished += 1
+        if out is not None:
+            out.finished, out.finish_reason, out.matched_stop = True, reason, matched
+
+    def _apply_aborts(self) -> None:
+        if not self._aborts:
+            return
+        aborts, self._aborts = self._aborts, set()
+        for req in [r for r in self.waiting if r.rid in aborts]:
+            self.waiting.remove(req)
+            self.stats.aborted += 1
+            self._outputs.append(self._abort_output(req))
+        for rid in aborts & self.running.keys():
+            req = self.running[rid]
+            out = self._abort_output(req)
+            self._finish(req, "abort", None, out)
+            self._outputs.append(out)
+
+    @staticmethod
+    def _abort_output(req: Request) -> RequestOutput:
+        return RequestOutput(req.rid, finished=True, finish_reason="abort", prompt_tokens=len(req.prompt_ids),
+                             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
+
+    def _refresh_gauges(self) -> None:
+        s = self.stats
+        s.running, s.waiting = len(self.running), len(self.waiting)
+        s.kv_pages_used = self.kv.num_pages - self.kv.allocator.num_free
+        s.kv_pages_cached = self.kv.cache.cached_pages
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants(list(self.running.values()))
+        for req in self.waiting:
+            assert not req.pages and req.node is None, f"waiting request {req.rid} holds KV"
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix, by binary search over C-speed slice compares."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo], a[:hi+1] != b[:hi+1] beyond
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,31 @@
+"""What an attention backend implements (torch reference now; Triton and FlashInfer later)."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.worker.attention.batch_layout import BatchLayout
+from services.worker.kv_pool import KVPool
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, layout: BatchLayout, pool: KVPool) -> None:
+        """Build per-step index tensors once; every layer's `forward` reuses them."""
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this step's k, v [T, Hkv, D] into the pool, attend q [T, H, D]
+        causally over each request's KV, and return [T, H, D]."""
+
+
+_BACKENDS: dict[str, str] = {
+    "torch": "services.worker.attention.torch_backend:TorchAttentionBackend",
+}
+
+
+def create_backend(name: str, scale: float) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
+    module, cls = _BACKENDS[name].split(":")
+    import importlib
+    return getattr(importlib.import_module(module), cls)(scale=scale)

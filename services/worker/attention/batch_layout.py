@@ -1,0 +1,49 @@
+"""The flat token layout of one step, derived once from the plan's items."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """A step's tokens are the items' input_ids concatenated (T tokens, B items).
+
+    Item i owns tokens [cu_q[i], cu_q[i+1]) at positions start_pos[i] + 0.. and
+    its KV (after this step's write) spans positions [0, kv_lens[i]).
+    """
+
+    q_lens: torch.Tensor  # [B] int64
+    start_pos: torch.Tensor  # [B] int64, tokens already in KV before this step
+    kv_lens: torch.Tensor  # [B] int64 == start_pos + q_lens
+    page_rows: torch.Tensor  # [B, max_pages] int64, each item's page table (padded)
+    page_size: int
+    positions: torch.Tensor  # [T] int64
+    token_item: torch.Tensor  # [T] int64, the item each token belongs to
+    out_slots: torch.Tensor  # [T] int64, KV slots this step writes
+    max_q_len: int
+    max_kv_len: int
+
+    @classmethod
+    def build(cls, q_lens: list[int], start_pos: list[int], page_rows: torch.Tensor, page_size: int) -> "BatchLayout":
+        ql = torch.tensor(q_lens, dtype=torch.int64)
+        sp = torch.tensor(start_pos, dtype=torch.int64)
+        T = int(ql.sum())
+        token_item = torch.repeat_interleave(torch.arange(len(q_lens)), ql, output_size=T)
+        offsets = torch.cumsum(ql, 0) - ql  # [B] first token index of each item
+        positions = sp[token_item] + (torch.arange(T) - offsets[token_item])
+        out_slots = slots_of(page_rows, token_item, positions, page_size)
+        kv = sp + ql
+        return cls(ql, sp, kv, page_rows, page_size, positions, token_item, out_slots,
+                   max(q_lens), int(kv.max()))
+
+    @property
+    def all_decode(self) -> bool:
+        return self.max_q_len == 1
+
+
+def slots_of(page_rows: torch.Tensor, item: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """KV slot of (item, position) pairs through the page table; any shape."""
+    pages = page_rows[item, pos // page_size]
+    return pages * page_size + pos % page_size

@@ -1,0 +1,77 @@
+"""Reference attention over the paged KV pool, in plain torch.
+
+Items are split into two groups, each run as one padded SDPA call: decode
+items (one query token) and extend items (prefill chunks). Padding a decode
+item to a prefill chunk's length would waste most of the work of a mixed step.
+There is no loop over requests: gathers through slot matrices do the paging.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention.batch_layout import BatchLayout, slots_of
+from services.worker.kv_pool import KVPool
+
+
+@dataclass
+class _Group:
+    q_index: torch.Tensor  # [b, Lq] token indices into the step's T tokens (padding repeats a valid one)
+    q_valid: torch.Tensor  # [b, Lq] bool
+    kv_slots: torch.Tensor  # [b, Lk] KV slots (padding clamped to a valid slot)
+    mask: torch.Tensor  # [b, 1, Lq, Lk] bool, True = attend
+
+
+class TorchAttentionBackend:
+    def __init__(self, scale: float):
+        self.scale = scale
+        self.pool: KVPool | None = None
+        self.layout: BatchLayout | None = None
+        self.groups: list[_Group] = []
+
+    def prepare(self, layout: BatchLayout, pool: KVPool) -> None:
+        self.pool, self.layout = pool, layout
+        is_decode = layout.q_lens == 1
+        self.groups = [
+            _build_group(layout, sel.nonzero().flatten())
+            for sel in (is_decode, ~is_decode) if bool(sel.any())
+        ]
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [T, H, D]; k, v [T, Hkv, D]
+        pool = self.pool
+        pool.write(layer, self.layout.out_slots, k, v)
+        if len(self.groups) == 1 and self.groups[0].q_index.shape[1] == 1:
+            return self._attend(layer, q, self.groups[0]).squeeze(1)  # pure decode: rows already in order
+        out = torch.empty_like(q)
+        for group in self.groups:  # at most two: decode, extend
+            o = self._attend(layer, q, group)  # [b, Lq, H, D]
+            out[group.q_index[group.q_valid]] = o[group.q_valid]
+        return out
+
+    def _attend(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
+        b, lq = g.q_index.shape
+        qg = q[g.q_index.flatten()].view(b, lq, *q.shape[1:]).transpose(1, 2)  # [b, H, Lq, D]
+        kv_dtype = self.pool.k.dtype
+        kg = self.pool.k[layer][g.kv_slots].transpose(1, 2)  # [b, Hkv, Lk, D]
+        vg = self.pool.v[layer][g.kv_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qg.to(kv_dtype), kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+        return o.transpose(1, 2).to(q.dtype)  # [b, Lq, H, D]
+
+
+def _build_group(layout: BatchLayout, items: torch.Tensor) -> _Group:
+    q_lens, start, kv_lens = layout.q_lens[items], layout.start_pos[items], layout.kv_lens[items]
+    max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
+    first_token = (torch.cumsum(layout.q_lens, 0) - layout.q_lens)[items]
+    qi = torch.arange(max_q)
+    q_valid = qi[None, :] < q_lens[:, None]  # [b, Lq]
+    q_index = first_token[:, None] + torch.minimum(qi[None, :], q_lens[:, None] - 1)
+    kj = torch.arange(max_kv)
+    k_pos = torch.minimum(kj[None, :], kv_lens[:, None] - 1)  # [b, Lk]
+    kv_slots = slots_of(layout.page_rows, items[:, None], k_pos, layout.page_size)
+    q_abs = start[:, None] + qi[None, :]  # [b, Lq] absolute position of each query
+    mask = (kj[None, None, :] <= q_abs[:, :, None]) & (kj[None, None, :] < kv_lens[:, None, None])
+    return _Group(q_index, q_valid, kv_slots, mask.unsqueeze(1))

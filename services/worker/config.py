@@ -1,0 +1,34 @@
+"""The worker's configuration: model, dtype, KV pool, attention backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str | None = field(default=None, metadata={"help": "a .gguf file or HF directory; default: SmolLM2-135M-Instruct"})
+    dtype: str = field(default="float32", metadata={"help": "weights and KV dtype: float32 | bfloat16 | float16"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    page_size: int = field(default=1, metadata={"help": "tokens per KV page"})
+    kv_cache_bytes: int | None = field(default=1 << 30, metadata={"help": "KV pool byte budget (default 1 GiB)"})
+    kv_mem_fraction: float | None = field(default=None, metadata={"help": "size the KV pool as this fraction of free memory instead of a byte budget"})
+    attention_backend: str = field(default="torch", metadata={"help": "attention implementation"})
+    max_running_requests: int = field(default=64, metadata={"help": "page-table rows: requests the worker can hold at once"})
+    context_length: int | None = field(default=None, metadata={"help": "cap the model's context length"})
+    num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,152 @@
+"""The worker's core: executes a StepPlan on the model and the KV pool.
+
+It keeps per-request state (page-table row, token history, sampling params)
+so the scheduler only sends deltas, builds the step's index tensors once,
+runs one forward for the whole batch and samples every row at once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.scheduler.step_plan import NewRequestSpec, StepPlan, StepResult, TokenLogprobs
+from services.worker.attention.backend import create_backend
+from services.worker.attention.batch_layout import BatchLayout
+from services.worker.config import WorkerConfig
+from services.worker.kv_pool import KVPool, KVPoolSpec
+from services.worker.loader.checkpoint import Checkpoint
+from services.worker.model.config import ModelConfig
+from services.worker.model.llama import LlamaForCausalLM
+from services.worker.sampler_inputs import run_sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    row: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    num_pages: int = 0
+
+
+@dataclass
+class _ForwardMeta:
+    positions: torch.Tensor  # [T]
+    attention: object  # the backend's forward(layer, q, k, v)
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig, checkpoint: Checkpoint):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = torch.device(config.device)
+        mc = checkpoint.config
+        if config.context_length:
+            mc = _with_context(mc, config.context_length)
+        self.model_config: ModelConfig = mc
+        self.model = build_model(mc, checkpoint.tensors, config.torch_dtype, self.device)
+        self.kv_spec = KVPoolSpec.from_budget(
+            mc, config.page_size, config.torch_dtype,
+            None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
+        self.pool = KVPool(self.kv_spec, self.device)
+        self.backend = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5)
+        max_pages = -(-mc.max_position_embeddings // config.page_size)
+        self.page_table = torch.zeros((config.max_running_requests, max_pages), dtype=torch.int64)
+        self.free_rows = list(range(config.max_running_requests - 1, -1, -1))
+        self.requests: dict[str, _Request] = {}
+        log.info("worker ready: %s, %d KV pages x %d tokens (%.2f GiB %s)", mc.name,
+                 self.kv_spec.num_pages, self.kv_spec.page_size, self.kv_spec.total_bytes / 2**30, config.dtype)
+
+    # --- request state -------------------------------------------------------------
+    def _admit(self, spec: NewRequestSpec) -> None:
+        old = self.requests.pop(spec.rid, None)
+        if old is not None:
+            self.free_rows.append(old.row)
+        if not self.free_rows:
+            raise RuntimeError(f"worker holds {self.config.max_running_requests} requests already "
+                               "(scheduler's max_running_requests exceeds the worker's)")
+        self.requests[spec.rid] = _Request(self.free_rows.pop(), list(spec.prompt_ids),
+                                           list(spec.output_ids), spec.sampling, spec.seed)
+
+    def _release(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is not None:
+            self.free_rows.append(req.row)
+
+    def _append_pages(self, req: _Request, pages: list[int], reset: bool) -> None:
+        start = 0 if reset else req.num_pages
+        if pages:
+            self.page_table[req.row, start:start + len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        req.num_pages = start + len(pages)
+
+    # --- the step ------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        for spec in plan.new_requests:
+            self._admit(spec)
+        result = StepResult(step_id=plan.step_id)
+        if plan.items:
+            self._run_items(plan, result)
+        for rid in plan.released_rids:
+            self._release(rid)
+        result.forward_seconds = time.perf_counter() - t0
+        return result
+
+    def _run_items(self, plan: StepPlan, result: StepResult) -> None:
+        reqs = [self.requests[item.rid] for item in plan.items]
+        for req, item in zip(reqs, plan.items):
+            if item.new_pages or item.reset_pages:
+                self._append_pages(req, item.new_pages, item.reset_pages)
+        q_lens = [len(item.input_ids) for item in plan.items]
+        start = [item.start_pos for item in plan.items]
+        max_pages = -(-max(s + q for s, q in zip(start, q_lens)) // self.kv_spec.page_size)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        layout = BatchLayout.build(q_lens, start, self.page_table[rows, :max_pages].to(self.device),
+                                   self.kv_spec.page_size)
+        self.backend.prepare(layout, self.pool)
+        flat_ids = [t for item in plan.items for t in item.input_ids]
+        input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)
+        sampled = [i for i, item in enumerate(plan.items) if item.sample]
+        ends = torch.cumsum(layout.q_lens, 0) - 1
+        logits_indices = ends[torch.tensor(sampled, dtype=torch.int64)] if sampled else ends[:0]
+        meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
+        logits = self.model(input_ids, meta, logits_indices.to(self.device))  # [len(sampled), V]
+        if not sampled:
+            return
+        sampled_reqs = [reqs[i] for i in sampled]
+        tokens, logprobs = run_sampler(logits, sampled_reqs, self.model_config.eos_token_ids)
+        for i, req, token, lp in zip(sampled, sampled_reqs, tokens, logprobs):
+            req.output_ids.append(token)
+            result.rids.append(plan.items[i].rid)
+            result.next_token_ids.append(token)
+            result.logprobs.append(lp)
+
+
+def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> LlamaForCausalLM:
+    """Construct without random init (meta device), then load the checkpoint."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(mc)
+    model = model.to_empty(device=device)
+    model.load_hf_tensors(tensors)
+    model.rope = model.rope.__class__(mc).to(device)  # buffers were never materialized on meta
+    return model.to(dtype).eval()
+
+
+def _with_context(mc: ModelConfig, n: int) -> ModelConfig:
+    from dataclasses import replace
+    return replace(mc, max_position_embeddings=min(n, mc.max_position_embeddings))
+
+
+def default_threads() -> int:
+    return os.cpu_count() or 1
