@@ -1,0 +1,217 @@
+"""The in-process Engine: tokenizer + scheduler + model runner + detokenizer in
+one process, driven by one background thread. Tests, benchmarks and the mesh's
+services build on it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from services.common.model_path import resolve_model_path
+from services.common.sampling_params import InvalidRequest, SamplingParams
+from services.detokenizer.incremental import IncrementalDetokenizer
+from services.engine.outputs import GenerateOutput, StreamChunk
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.outputs import QueueFull, RequestOutput
+from services.scheduler.scheduler import ModelLimits, Scheduler
+from services.tokenizer.text_tokenizer import TextTokenizer, load_tokenizer
+from services.worker.config import WorkerConfig
+from services.worker.loader.checkpoint import load_checkpoint
+from services.worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Handle:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    sink: Callable[[StreamChunk], None]
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """generate()/stream() from text, chat messages or token ids; abort(rid)."""
+
+    def __init__(self, model: str | None = None, worker: WorkerConfig | None = None,
+                 scheduler: SchedulerConfig | None = None):
+        worker = worker or WorkerConfig(model=model)
+        path = resolve_model_path(model or worker.model)
+        self.tokenizer: TextTokenizer = load_tokenizer(path)
+        self.runner = ModelRunner(worker, load_checkpoint(path))
+        mc, spec = self.runner.model_config, self.runner.kv_spec
+        eos = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self.limits = ModelLimits(spec.num_pages, spec.page_size, mc.max_position_embeddings, mc.vocab_size, eos)
+        sched_cfg = scheduler or SchedulerConfig(max_running_requests=worker.max_running_requests)
+        if sched_cfg.max_running_requests > worker.max_running_requests:
+            raise ValueError("scheduler max_running_requests exceeds the worker's page-table rows")
+        self.scheduler = Scheduler(sched_cfg, self.limits)
+        self.model_name = mc.name
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._handles: dict[str, _Handle] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # --- requests -----------------------------------------------------------------
+    def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None,
+                   input_ids: list[int] | None = None) -> list[int]:
+        given = sum(x is not None for x in (prompt, messages, input_ids))
+        if given != 1:
+            raise InvalidRequest("give exactly one of prompt, messages or input_ids")
+        if input_ids is not None:
+            return list(input_ids)
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def submit(self, ids: list[int], sampling: SamplingParams, sink: Callable[[StreamChunk], None],
+               rid: str | None = None, namespace: str = "") -> str:
+        """Queue a request; `sink` receives its chunks from the engine thread.
+        Raises InvalidRequest or QueueFull at once, before anything is queued."""
+        self.scheduler.validate(ids, sampling)
+        self.scheduler.check_capacity(len(ids))
+        rid = rid or uuid.uuid4().hex
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=list(sampling.stop))
+        self._inbox.put(("submit", _Handle(rid, ids, sampling, sink, detok), seed, namespace))
+        self._wake.set()
+        return rid
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+        self._wake.set()
+
+    def generate(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
+                 messages: list[dict] | None = None, input_ids: list[int] | None = None,
+                 timeout: float | None = None) -> GenerateOutput:
+        """Blocking: the whole completion."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        ids = self.prompt_ids(prompt, messages, input_ids)
+        self.submit(ids, sampling or SamplingParams(), q.put)
+        chunks = []
+        while True:
+            chunk = q.get(timeout=timeout)
+            chunks.append(chunk)
+            if chunk.finished:
+                return GenerateOutput.from_chunks(chunks)
+
+    def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+                       ) -> list[GenerateOutput]:
+        """Submit all at once (they batch together), wait for all."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        queues = [queue.SimpleQueue() for _ in prompts]
+        for ids, sp, q in zip(prompts, params, queues):
+            self.submit(ids, sp, q.put)
+        results = []
+        for q in queues:
+            chunks = [q.get()]
+            while not chunks[-1].finished:
+                chunks.append(q.get())
+            results.append(GenerateOutput.from_chunks(chunks))
+        return results
+
+    async def stream(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
+                     messages: list[dict] | None = None, input_ids: list[int] | None = None,
+                     rid: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Async streaming; cancelling the consumer aborts the request."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[StreamChunk] = asyncio.Queue()
+        ids = self.prompt_ids(prompt, messages, input_ids)
+        rid = self.submit(ids, sampling or SamplingParams(), lambda c: loop.call_soon_threadsafe(q.put_nowait, c),
+                          rid=rid)
+        finished = False
+        try:
+            while not finished:
+                chunk = await q.get()
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # --- the engine thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while not self._stopped:
+            self._drain_inbox()
+            plan = sched.schedule()
+            if plan is None:
+                self._deliver(sched.take_outputs())
+                if not sched.has_work:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                continue
+            try:
+                result = self.runner.execute(plan)
+            except Exception as exc:  # a worker failure ends the requests it served, not the engine
+                log.exception("step %d failed", plan.step_id)
+                self._fail_step(plan, exc)
+                continue
+            self._deliver(sched.take_outputs() + sched.process(result))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "abort":
+                self.scheduler.abort(msg[1])
+                continue
+            _, handle, seed, namespace = msg
+            try:
+                self.scheduler.submit(handle.rid, handle.prompt_ids, handle.sampling, seed, namespace)
+                self._handles[handle.rid] = handle
+            except (InvalidRequest, QueueFull) as exc:
+                handle.sink(StreamChunk(handle.rid, finished=True, finish_reason="error", error=str(exc)))
+
+    def _fail_step(self, plan, exc: Exception) -> None:
+        for item in plan.items:
+            self.scheduler.abort(item.rid)
+            handle = self._handles.pop(item.rid, None)
+            if handle:
+                handle.sink(StreamChunk(item.rid, finished=True, finish_reason="error", error=f"worker error: {exc}"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            handle = self._handles.get(out.rid)
+            if handle is None:
+                continue
+            chunk = self._to_chunk(handle, out)
+            if chunk.finished:
+                del self._handles[out.rid]
+            handle.sink(chunk)
+
+    def _to_chunk(self, handle: _Handle, out: RequestOutput) -> StreamChunk:
+        text, finished, reason, matched = "", out.finished, out.finish_reason, out.matched_stop
+        ids = out.new_token_ids
+        if ids:
+            visible = [] if finished and reason == "stop" and matched in ids[-1:] else ids
+            delta = handle.detok.push(visible)
+            text = delta.text
+            if delta.stopped and not finished:
+                self.scheduler.finish_early(out.rid, "stop", delta.matched_stop)
+                finished, reason, matched = True, "stop", delta.matched_stop
+            elif delta.stopped:
+                reason, matched = "stop", delta.matched_stop
+        if finished and not (reason == "stop" and isinstance(matched, str)):
+            text += handle.detok.flush()
+        handle.token_ids.extend(ids)
+        return StreamChunk(out.rid, ids, text, list(out.logprobs), finished, reason, matched,
+                           out.prompt_tokens, out.completion_tokens, out.cached_tokens, out.error)

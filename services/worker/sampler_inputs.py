@@ -1,0 +1,44 @@
+"""Turns the runner's per-request state into the sampler's batched inputs."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.scheduler.step_plan import TokenLogprobs
+from services.worker.sampling import SamplingBatch, pad_token_lists, sample, token_logprobs
+
+
+class _SampledRequest(Protocol):
+    prompt_ids: list[int]
+    output_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+
+
+def run_sampler(logits: torch.Tensor, reqs: list[_SampledRequest], eos_token_ids: tuple[int, ...]
+                ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits [B, V] for the rows of `reqs` → (next token ids, logprobs per row)."""
+    params = [r.sampling for r in reqs]
+    batch = SamplingBatch.build(
+        params, [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
+        [_suppressed(r, eos_token_ids) for r in reqs], logits.shape[-1], logits.device)
+    prompt_tokens = output_tokens = None
+    if batch.any_penalties:
+        prompt_tokens = pad_token_lists([r.prompt_ids for r in reqs], logits.device)
+        output_tokens = pad_token_lists([r.output_ids for r in reqs], logits.device)
+    want = [p.top_logprobs if p.logprobs else -1 for p in params]
+    out = sample(logits, batch, prompt_tokens, output_tokens, want)
+    return out.next_token_ids.tolist(), token_logprobs(out, want)
+
+
+def _suppressed(req: _SampledRequest, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """Tokens that would end the request before min_new_tokens: banned this step."""
+    sp = req.sampling
+    if len(req.output_ids) >= sp.min_new_tokens:
+        return []
+    stops = list(sp.stop_token_ids)
+    if not sp.ignore_eos:
+        stops.extend(eos_token_ids)
+    return stops
