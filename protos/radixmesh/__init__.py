@@ -1,0 +1,1 @@
+"""Generated code of the radixmesh protos; see scripts/gen_protos.py."""

@@ -1,0 +1,138 @@
+from protos.radixmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class NewRequestSpec(_message.Message):
+    __slots__ = ("rid", "prompt_ids", "output_ids", "sampling", "seed")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    seed: int
+    def __init__(self, rid: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class StepItem(_message.Message):
+    __slots__ = ("rid", "input_ids", "start_pos", "new_pages", "reset_pages", "sample")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RESET_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_pos: int
+    new_pages: _containers.RepeatedScalarFieldContainer[int]
+    reset_pages: bool
+    sample: bool
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_pages: _Optional[_Iterable[int]] = ..., reset_pages: _Optional[bool] = ..., sample: _Optional[bool] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "new_requests", "items", "released_rids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_RIDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestSpec]
+    items: _containers.RepeatedCompositeFieldContainer[StepItem]
+    released_rids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestSpec, _Mapping]]] = ..., items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., released_rids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SampledLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class LogprobSlot(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: SampledLogprobs
+    def __init__(self, value: _Optional[_Union[SampledLogprobs, _Mapping]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RIDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    rids: _containers.RepeatedScalarFieldContainer[str]
+    next_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[LogprobSlot]
+    forward_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelConfig(_message.Message):
+    __slots__ = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling_json", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_ids", "name")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEY_VALUE_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    RMS_NORM_EPS_FIELD_NUMBER: _ClassVar[int]
+    ROPE_THETA_FIELD_NUMBER: _ClassVar[int]
+    ROPE_SCALING_JSON_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    TIE_WORD_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BIAS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling_json: str
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    name: str
+    def __init__(self, vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rms_norm_eps: _Optional[float] = ..., rope_theta: _Optional[float] = ..., rope_scaling_json: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., tie_word_embeddings: _Optional[bool] = ..., attention_bias: _Optional[bool] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("model", "num_kv_pages", "page_size", "dtype", "kv_dtype", "tp_size", "weights_version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: ModelConfig
+    num_kv_pages: int
+    page_size: int
+    dtype: str
+    kv_dtype: str
+    tp_size: int
+    weights_version: str
+    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., num_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., weights_version: _Optional[str] = ...) -> None: ...

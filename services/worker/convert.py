@@ -1,0 +1,121 @@
+"""StepPlan / StepResult dataclasses ↔ radixmesh.v1 worker messages.
+
+Field-by-field, lossless copies (services/scheduler/step_plan.py is the source
+of truth; the proto mirrors it). These run once per step on both ends, so they
+build messages through constructor keyword arguments (one call into the
+protobuf runtime per message) instead of per-field assignment.
+
+Encoding notes:
+- `StepItem.sample` is `optional bool`: written only when False, unset reads
+  as True, so the common decode item costs nothing for it.
+- `StepResult.logprobs` entries may be None; each travels in a `LogprobSlot`
+  whose `value` is unset for None. `top` pairs travel as two packed arrays.
+"""
+from __future__ import annotations
+
+from protos.radixmesh.v1 import worker_pb2 as pb
+from services.common.convert import sampling_from_proto, sampling_to_proto
+from services.scheduler.step_plan import (
+    NewRequestSpec,
+    StepItem,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+
+
+def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
+    return pb.StepPlan(
+        step_id=plan.step_id,
+        new_requests=[
+            pb.NewRequestSpec(
+                rid=r.rid,
+                prompt_ids=r.prompt_ids,
+                output_ids=r.output_ids,
+                sampling=sampling_to_proto(r.sampling),
+                seed=r.seed,
+            )
+            for r in plan.new_requests
+        ],
+        items=[
+            pb.StepItem(
+                rid=it.rid,
+                input_ids=it.input_ids,
+                start_pos=it.start_pos,
+                new_pages=it.new_pages,
+                reset_pages=it.reset_pages,
+                sample=None if it.sample else False,  # None leaves it unset (= True)
+            )
+            for it in plan.items
+        ],
+        released_rids=plan.released_rids,
+    )
+
+
+def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=msg.step_id,
+        new_requests=[
+            NewRequestSpec(
+                rid=r.rid,
+                prompt_ids=list(r.prompt_ids),
+                output_ids=list(r.output_ids),
+                sampling=sampling_from_proto(r.sampling),
+                seed=r.seed,
+            )
+            for r in msg.new_requests
+        ],
+        items=[
+            StepItem(
+                rid=it.rid,
+                input_ids=list(it.input_ids),
+                start_pos=it.start_pos,
+                new_pages=list(it.new_pages),
+                reset_pages=it.reset_pages,
+                sample=it.sample if it.HasField("sample") else True,
+            )
+            for it in msg.items
+        ],
+        released_rids=list(msg.released_rids),
+    )
+
+
+def _logprobs_to_proto(lp: TokenLogprobs | None) -> pb.LogprobSlot:
+    if lp is None:
+        return pb.LogprobSlot()
+    return pb.LogprobSlot(value=pb.SampledLogprobs(
+        logprob=lp.logprob,
+        top_token_ids=[tok for tok, _ in lp.top],
+        top_logprobs=[logprob for _, logprob in lp.top],
+    ))
+
+
+def _logprobs_from_proto(slot: pb.LogprobSlot) -> TokenLogprobs | None:
+    if not slot.HasField("value"):
+        return None
+    v = slot.value
+    if len(v.top_token_ids) != len(v.top_logprobs):
+        raise ValueError(f"top_token_ids ({len(v.top_token_ids)}) and top_logprobs "
+                         f"({len(v.top_logprobs)}) must have the same length")
+    return TokenLogprobs(logprob=v.logprob, top=list(zip(v.top_token_ids, v.top_logprobs)))
+
+
+def result_to_proto(result: StepResult) -> pb.StepResult:
+    return pb.StepResult(
+        step_id=result.step_id,
+        rids=result.rids,
+        next_token_ids=result.next_token_ids,
+        logprobs=[_logprobs_to_proto(lp) for lp in result.logprobs],
+        forward_seconds=result.forward_seconds,
+    )
+
+
+def result_from_proto(msg: pb.StepResult) -> StepResult:
+    """Raises ValueError when a logprob entry's parallel top arrays disagree in length."""
+    return StepResult(
+        step_id=msg.step_id,
+        rids=list(msg.rids),
+        next_token_ids=list(msg.next_token_ids),
+        logprobs=[_logprobs_from_proto(slot) for slot in msg.logprobs],
+        forward_seconds=msg.forward_seconds,
+    )
