@@ -22,10 +22,17 @@ from services.scheduler.outputs import QueueFull, RequestOutput
 from services.scheduler.scheduler import ModelLimits, Scheduler
 from services.tokenizer.text_tokenizer import TextTokenizer, load_tokenizer
 from services.worker.config import WorkerConfig
-from services.worker.loader.checkpoint import load_checkpoint
+from services.worker.loader.checkpoint import Checkpoint, load_checkpoint
 from services.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Flags of an in-process engine: the worker's and the scheduler's, flattened."""
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
 @dataclass
@@ -42,16 +49,18 @@ class Engine:
     """generate()/stream() from text, chat messages or token ids; abort(rid)."""
 
     def __init__(self, model: str | None = None, worker: WorkerConfig | None = None,
-                 scheduler: SchedulerConfig | None = None):
+                 scheduler: SchedulerConfig | None = None, *, checkpoint: Checkpoint | None = None,
+                 tokenizer: TextTokenizer | None = None):
+        """`checkpoint`/`tokenizer` reuse already loaded ones (tests build many engines)."""
         worker = worker or WorkerConfig(model=model)
-        path = resolve_model_path(model or worker.model)
-        self.tokenizer: TextTokenizer = load_tokenizer(path)
-        self.runner = ModelRunner(worker, load_checkpoint(path))
+        path = None if checkpoint and tokenizer else resolve_model_path(model or worker.model)
+        self.tokenizer: TextTokenizer = tokenizer or load_tokenizer(path)
+        self.runner = ModelRunner(worker, checkpoint or load_checkpoint(path))
         mc, spec = self.runner.model_config, self.runner.kv_spec
         eos = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.limits = ModelLimits(spec.num_pages, spec.page_size, mc.max_position_embeddings, mc.vocab_size, eos)
-        sched_cfg = scheduler or SchedulerConfig(max_running_requests=worker.max_running_requests)
-        if sched_cfg.max_running_requests > worker.max_running_requests:
+        sched_cfg = scheduler or SchedulerConfig(max_running_requests=worker.max_requests)
+        if sched_cfg.max_running_requests > worker.max_requests:
             raise ValueError("scheduler max_running_requests exceeds the worker's page-table rows")
         self.scheduler = Scheduler(sched_cfg, self.limits)
         self.model_name = mc.name

@@ -17,7 +17,7 @@ class WorkerConfig:
     kv_cache_bytes: int | None = field(default=1 << 30, metadata={"help": "KV pool byte budget (default 1 GiB)"})
     kv_mem_fraction: float | None = field(default=None, metadata={"help": "size the KV pool as this fraction of free memory instead of a byte budget"})
     attention_backend: str = field(default="torch", metadata={"help": "attention implementation"})
-    max_running_requests: int = field(default=64, metadata={"help": "page-table rows: requests the worker can hold at once"})
+    max_requests: int = field(default=64, metadata={"help": "page-table rows: requests the worker holds at once (>= the scheduler's max_running_requests)"})
     context_length: int | None = field(default=None, metadata={"help": "cap the model's context length"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
 
@@ -26,8 +26,8 @@ class WorkerConfig:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_requests < 1:
+            raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

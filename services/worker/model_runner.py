@@ -60,8 +60,8 @@ class ModelRunner:
         self.pool = KVPool(self.kv_spec, self.device)
         self.backend = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5)
         max_pages = -(-mc.max_position_embeddings // config.page_size)
-        self.page_table = torch.zeros((config.max_running_requests, max_pages), dtype=torch.int64)
-        self.free_rows = list(range(config.max_running_requests - 1, -1, -1))
+        self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
+        self.free_rows = list(range(config.max_requests - 1, -1, -1))
         self.requests: dict[str, _Request] = {}
         log.info("worker ready: %s, %d KV pages x %d tokens (%.2f GiB %s)", mc.name,
                  self.kv_spec.num_pages, self.kv_spec.page_size, self.kv_spec.total_bytes / 2**30, config.dtype)
@@ -72,7 +72,7 @@ class ModelRunner:
         if old is not None:
             self.free_rows.append(old.row)
         if not self.free_rows:
-            raise RuntimeError(f"worker holds {self.config.max_running_requests} requests already "
+            raise RuntimeError(f"worker holds {self.config.max_requests} requests already "
                                "(scheduler's max_running_requests exceeds the worker's)")
         self.requests[spec.rid] = _Request(self.free_rows.pop(), list(spec.prompt_ids),
                                            list(spec.output_ids), spec.sampling, spec.seed)

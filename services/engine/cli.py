@@ -1,0 +1,41 @@
+"""`radixmesh generate`: run the in-process Engine on prompts from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+from services.common.config import config_from_args, flags_from_dataclass
+from services.common.sampling_params import SamplingParams
+from services.engine.engine import Engine, EngineConfig
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="radixmesh generate", description=__doc__)
+    parser.add_argument("prompts", nargs="+", help="prompts, run as one batch")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    flags_from_dataclass(EngineConfig, parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = config_from_args(EngineConfig, args)
+    engine = Engine(worker=cfg.worker, scheduler=cfg.scheduler)
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    ids = [engine.prompt_ids(messages=[{"role": "user", "content": p}]) if args.chat else engine.prompt_ids(p)
+           for p in args.prompts]
+    t0 = time.perf_counter()
+    outputs = engine.generate_batch(ids, sp)
+    dt = time.perf_counter() - t0
+    for prompt, out in zip(args.prompts, outputs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
+                              "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens}))
+        else:
+            print(f"=== {prompt!r}\n{out.text}\n[{out.finish_reason}, {out.completion_tokens} tokens]")
+    total = sum(o.completion_tokens for o in outputs)
+    logging.info("%d tokens in %.2fs (%.1f tok/s)", total, dt, total / dt)
+    engine.shutdown()
+    return 0
