@@ -47,7 +47,8 @@ class DetokenizerServicer:
     def Detokenize(self, request_iterator, context):
         """One stream per generation request. The client sends token ids per
         sequence (`index`) as they are sampled; the server answers each request
-        message with at most one text delta for that index. Text that may still
+        message with exactly one response for that index, in order (its text may
+        be empty), so a client can pair them up. Text that may still
         become part of a stop string or of an incomplete UTF-8 character is held
         back until it is decided (or until `finished`).
         """

@@ -5,6 +5,7 @@ import warnings
 
 from protos.radixmesh.v1 import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 from protos.radixmesh.v1 import scheduler_pb2 as radixmesh_dot_v1_dot_scheduler__pb2
+from protos.radixmesh.v1 import worker_pb2 as radixmesh_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -55,6 +56,11 @@ class SchedulerStub:
                 request_serializer=radixmesh_dot_v1_dot_scheduler__pb2.FlushCacheRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_scheduler__pb2.FlushCacheResponse.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/radixmesh.v1.Scheduler/GetInfo',
+                request_serializer=radixmesh_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -69,7 +75,9 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a request by rid; its stream ends with FINISH_REASON_ABORT.
+        """Aborts a request by rid; its stream ends with FINISH_REASON_ABORT. With
+        `as_stop`, the sequence instead ends as finished by a stop string found
+        downstream (FINISH_REASON_STOP, `matched_stop`), its KV freed at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +91,15 @@ class SchedulerServicer:
 
     def FlushCache(self, request, context):
         """Drops every unreferenced cached page (e.g. after a weight update).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInfo(self, request, context):
+        """The connected worker's model and KV pool, as learned at connection time
+        (eos_token_ids: every id that ends generation). UNAVAILABLE while no
+        worker is connected.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +127,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.FlushCache,
                     request_deserializer=radixmesh_dot_v1_dot_scheduler__pb2.FlushCacheRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_scheduler__pb2.FlushCacheResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=radixmesh_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +242,33 @@ class Scheduler:
             '/radixmesh.v1.Scheduler/FlushCache',
             radixmesh_dot_v1_dot_scheduler__pb2.FlushCacheRequest.SerializeToString,
             radixmesh_dot_v1_dot_scheduler__pb2.FlushCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Scheduler/GetInfo',
+            radixmesh_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
+            radixmesh_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,37 +22,46 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.radixmesh.v1 import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v1/tokenizer.proto\x12\x0cradixmesh.v1\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\";\n\x0c\x43onversation\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.radixmesh.v1.ChatMessage\"\x1a\n\tTextBatch\x12\r\n\x05texts\x18\x01 \x03(\t\"F\n\x11\x43onversationBatch\x12\x31\n\rconversations\x18\x01 \x03(\x0b\x32\x1a.radixmesh.v1.Conversation\"\xf4\x01\n\x0fTokenizeRequest\x12(\n\x05texts\x18\x01 \x01(\x0b\x32\x17.radixmesh.v1.TextBatchH\x00\x12\x38\n\rconversations\x18\x02 \x01(\x0b\x32\x1f.radixmesh.v1.ConversationBatchH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x10TokenizeResponse\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.radixmesh.v1.TokenIds\"\x8b\x01\n\x18\x41pplyChatTemplateRequest\x12\x31\n\rconversations\x18\x01 \x03(\x0b\x32\x1a.radixmesh.v1.Conversation\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\",\n\x19\x41pplyChatTemplateResponse\x12\x0f\n\x07prompts\x18\x01 \x03(\t\"\r\n\x0bInfoRequest\"\xd8\x01\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id2\xfb\x01\n\tTokenizer\x12I\n\x08Tokenize\x12\x1d.radixmesh.v1.TokenizeRequest\x1a\x1e.radixmesh.v1.TokenizeResponse\x12\x64\n\x11\x41pplyChatTemplate\x12&.radixmesh.v1.ApplyChatTemplateRequest\x1a\'.radixmesh.v1.ApplyChatTemplateResponse\x12=\n\x04Info\x12\x19.radixmesh.v1.InfoRequest\x1a\x1a.radixmesh.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v1/tokenizer.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\";\n\x0c\x43onversation\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.radixmesh.v1.ChatMessage\"\x1a\n\tTextBatch\x12\r\n\x05texts\x18\x01 \x03(\t\"F\n\x11\x43onversationBatch\x12\x31\n\rconversations\x18\x01 \x03(\x0b\x32\x1a.radixmesh.v1.Conversation\"\xf4\x01\n\x0fTokenizeRequest\x12(\n\x05texts\x18\x01 \x01(\x0b\x32\x17.radixmesh.v1.TextBatchH\x00\x12\x38\n\rconversations\x18\x02 \x01(\x0b\x32\x1f.radixmesh.v1.ConversationBatchH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x10TokenizeResponse\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.radixmesh.v1.TokenIds\"\x8b\x01\n\x18\x41pplyChatTemplateRequest\x12\x31\n\rconversations\x18\x01 \x03(\x0b\x32\x1a.radixmesh.v1.Conversation\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\",\n\x19\x41pplyChatTemplateResponse\x12\x0f\n\x07prompts\x18\x01 \x03(\t\"\r\n\x0bInfoRequest\"\xd8\x01\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\x8c\x03\n\x13GenerateTextRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x32\n\x0c\x63onversation\x18\x03 \x01(\x0b\x32\x1a.radixmesh.v1.ConversationH\x00\x12+\n\tinput_ids\x18\x04 \x01(\x0b\x32\x16.radixmesh.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x0e\n\x01n\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tnamespace\x18\x07 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x02\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x03\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x42\x08\n\x06promptB\x04\n\x02_nB\x15\n\x13_add_special_tokensB\x16\n\x14_skip_special_tokens\"\x0e\n\x0cReadyRequest\"N\n\x0bStageHealth\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"I\n\rReadyResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12)\n\x06stages\x18\x02 \x03(\x0b\x32\x19.radixmesh.v1.StageHealth2\x8e\x03\n\tTokenizer\x12O\n\x08Generate\x12!.radixmesh.v1.GenerateTextRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12@\n\x05Ready\x12\x1a.radixmesh.v1.ReadyRequest\x1a\x1b.radixmesh.v1.ReadyResponse\x12I\n\x08Tokenize\x12\x1d.radixmesh.v1.TokenizeRequest\x1a\x1e.radixmesh.v1.TokenizeResponse\x12\x64\n\x11\x41pplyChatTemplate\x12&.radixmesh.v1.ApplyChatTemplateRequest\x1a\'.radixmesh.v1.ApplyChatTemplateResponse\x12=\n\x04Info\x12\x19.radixmesh.v1.InfoRequest\x1a\x1a.radixmesh.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.radixmesh.v1.tokenizer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=46
-  _globals['_CHATMESSAGE']._serialized_end=118
-  _globals['_CONVERSATION']._serialized_start=120
-  _globals['_CONVERSATION']._serialized_end=179
-  _globals['_TEXTBATCH']._serialized_start=181
-  _globals['_TEXTBATCH']._serialized_end=207
-  _globals['_CONVERSATIONBATCH']._serialized_start=209
-  _globals['_CONVERSATIONBATCH']._serialized_end=279
-  _globals['_TOKENIZEREQUEST']._serialized_start=282
-  _globals['_TOKENIZEREQUEST']._serialized_end=526
-  _globals['_TOKENIDS']._serialized_start=528
-  _globals['_TOKENIDS']._serialized_end=551
-  _globals['_TOKENIZERESPONSE']._serialized_start=553
-  _globals['_TOKENIZERESPONSE']._serialized_end=610
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=613
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=752
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=754
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=798
-  _globals['_INFOREQUEST']._serialized_start=800
-  _globals['_INFOREQUEST']._serialized_end=813
-  _globals['_INFORESPONSE']._serialized_start=816
-  _globals['_INFORESPONSE']._serialized_end=1032
-  _globals['_TOKENIZER']._serialized_start=1035
-  _globals['_TOKENIZER']._serialized_end=1286
+  _globals['_CHATMESSAGE']._serialized_start=73
+  _globals['_CHATMESSAGE']._serialized_end=145
+  _globals['_CONVERSATION']._serialized_start=147
+  _globals['_CONVERSATION']._serialized_end=206
+  _globals['_TEXTBATCH']._serialized_start=208
+  _globals['_TEXTBATCH']._serialized_end=234
+  _globals['_CONVERSATIONBATCH']._serialized_start=236
+  _globals['_CONVERSATIONBATCH']._serialized_end=306
+  _globals['_TOKENIZEREQUEST']._serialized_start=309
+  _globals['_TOKENIZEREQUEST']._serialized_end=553
+  _globals['_TOKENIDS']._serialized_start=555
+  _globals['_TOKENIDS']._serialized_end=578
+  _globals['_TOKENIZERESPONSE']._serialized_start=580
+  _globals['_TOKENIZERESPONSE']._serialized_end=637
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=640
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=779
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=781
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=825
+  _globals['_INFOREQUEST']._serialized_start=827
+  _globals['_INFOREQUEST']._serialized_end=840
+  _globals['_INFORESPONSE']._serialized_start=843
+  _globals['_INFORESPONSE']._serialized_end=1059
+  _globals['_GENERATETEXTREQUEST']._serialized_start=1062
+  _globals['_GENERATETEXTREQUEST']._serialized_end=1458
+  _globals['_READYREQUEST']._serialized_start=1460
+  _globals['_READYREQUEST']._serialized_end=1474
+  _globals['_STAGEHEALTH']._serialized_start=1476
+  _globals['_STAGEHEALTH']._serialized_end=1554
+  _globals['_READYRESPONSE']._serialized_start=1556
+  _globals['_READYRESPONSE']._serialized_end=1629
+  _globals['_TOKENIZER']._serialized_start=1632
+  _globals['_TOKENIZER']._serialized_end=2030
 # @@protoc_insertion_point(module_scope)

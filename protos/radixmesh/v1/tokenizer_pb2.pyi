@@ -1,3 +1,4 @@
+from protos.radixmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -93,3 +94,51 @@ class InfoResponse(_message.Message):
     pad_token_id: int
     has_chat_template: bool
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+
+class GenerateTextRequest(_message.Message):
+    __slots__ = ("rid", "text", "conversation", "input_ids", "sampling", "n", "namespace", "add_special_tokens", "skip_special_tokens", "include_stop_str_in_output")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    text: str
+    conversation: Conversation
+    input_ids: TokenIds
+    sampling: _common_pb2.SamplingParams
+    n: int
+    namespace: str
+    add_special_tokens: bool
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    def __init__(self, rid: _Optional[str] = ..., text: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., namespace: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
+
+class ReadyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageHealth(_message.Message):
+    __slots__ = ("stage", "address", "serving", "detail")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    address: str
+    serving: bool
+    detail: str
+    def __init__(self, stage: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReadyResponse(_message.Message):
+    __slots__ = ("ready", "stages")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    stages: _containers.RepeatedCompositeFieldContainer[StageHealth]
+    def __init__(self, ready: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[StageHealth, _Mapping]]] = ...) -> None: ...

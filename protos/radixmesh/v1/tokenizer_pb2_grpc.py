@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos.radixmesh.v1 import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 from protos.radixmesh.v1 import tokenizer_pb2 as radixmesh_dot_v1_dot_tokenizer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -34,6 +35,16 @@ class TokenizerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Generate = channel.unary_stream(
+                '/radixmesh.v1.Tokenizer/Generate',
+                request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.GenerateTextRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+                _registered_method=True)
+        self.Ready = channel.unary_unary(
+                '/radixmesh.v1.Tokenizer/Ready',
+                request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.ReadyRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.ReadyResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/radixmesh.v1.Tokenizer/Tokenize',
                 request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
@@ -53,6 +64,26 @@ class TokenizerStub:
 
 class TokenizerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Generate(self, request, context):
+        """The replica's entry point: tokenizes the prompt (chat template from the
+        model), generates through the scheduler, detokenizes through the
+        detokenizer, and streams GenerateChunks with token ids, text deltas and
+        usage, then one Finish per sequence (or one Error). Invalid input fails
+        the call with INVALID_ARGUMENT and a message; a full queue with
+        RESOURCE_EXHAUSTED. Cancelling the call aborts the request everywhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ready(self, request, context):
+        """Whether the whole path behind this tokenizer can serve now: scheduler
+        (with its worker connected) and detokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
         """Tokenizes a batch of texts or a batch of conversations (chat template
@@ -79,6 +110,16 @@ class TokenizerServicer:
 
 def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.GenerateTextRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_common__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Ready': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ready,
+                    request_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.ReadyRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.ReadyResponse.SerializeToString,
+            ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
                     request_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.TokenizeRequest.FromString,
@@ -104,6 +145,60 @@ def add_TokenizerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Tokenizer:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/radixmesh.v1.Tokenizer/Generate',
+            radixmesh_dot_v1_dot_tokenizer__pb2.GenerateTextRequest.SerializeToString,
+            radixmesh_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ready(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Tokenizer/Ready',
+            radixmesh_dot_v1_dot_tokenizer__pb2.ReadyRequest.SerializeToString,
+            radixmesh_dot_v1_dot_tokenizer__pb2.ReadyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Tokenize(request,
