@@ -1,0 +1,50 @@
+"""A loaded checkpoint (config + HF-named float32 tensors) and the path dispatcher."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.model.config import ModelConfig
+
+
+@dataclass
+class Checkpoint:
+    """Everything a model needs to be built, independent of the file format.
+
+    `tensors` maps Hugging Face Llama/Qwen2 parameter names (`model.embed_tokens.weight`,
+    `model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight` only when the head is
+    not tied) to contiguous float32 tensors in HF layout ([out, in] for linear weights).
+    `source` is the path the checkpoint was read from.
+    """
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    source: str
+
+
+def load_checkpoint(path: str) -> Checkpoint:
+    """Load a `.gguf` file or a Hugging Face directory (config.json + *.safetensors).
+
+    Raises FileNotFoundError when `path` does not exist (or a directory lacks config.json)
+    and ValueError for a file that is not GGUF or holds an unsupported architecture/quant type.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist (expected a .gguf file or a HF directory)")
+    if os.path.isdir(path):
+        from services.worker.loader.hf_loader import load_hf_dir
+
+        return load_hf_dir(path)
+    if path.endswith(".gguf") or _has_gguf_magic(path):
+        from services.worker.loader.gguf_loader import load_gguf
+
+        return load_gguf(path)
+    raise ValueError(
+        f"unsupported model file {path!r}: expected a .gguf file or a directory with config.json + *.safetensors")
+
+
+def _has_gguf_magic(path: str) -> bool:
+    # Files downloaded under other names (blobs in a cache) are still recognised by content.
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"

@@ -1,0 +1,75 @@
+"""Load a Hugging Face model directory (config.json + *.safetensors) into a `Checkpoint`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from services.worker.loader.checkpoint import Checkpoint
+from services.worker.model.config import ModelConfig
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def load_hf_dir(path: str) -> Checkpoint:
+    """Read `path/config.json` and every tensor of its safetensors shards as float32.
+
+    Shards come from `model.safetensors.index.json` when present, otherwise every `*.safetensors`
+    in the directory. Raises FileNotFoundError when config.json or the weights are missing and
+    ValueError when the config is not a Llama/Qwen2 decoder.
+    """
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{path} has no config.json (expected a Hugging Face model directory)")
+    with open(config_file, encoding="utf-8") as f:
+        raw = json.load(f)
+    try:
+        config = ModelConfig.from_hf_dict(raw, name=os.path.basename(os.path.normpath(path)))
+    except KeyError as e:
+        raise ValueError(f"{config_file} lacks {e.args[0]!r}; is it a Llama/Qwen2 decoder config?") from e
+    config = _with_generation_eos(config, path)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in _shards(path):
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # a buffer old checkpoints saved; the model recomputes it from the config
+                # to(float32) copies bf16/fp16 shards and keeps fp32 ones as loaded (no second copy).
+                tensors[name] = f.get_tensor(name).to(torch.float32).contiguous()
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some exports save the tied head; one copy is enough
+    return Checkpoint(config=config, tensors=tensors, source=path)
+
+
+def _shards(path: str) -> list[str]:
+    index_file = os.path.join(path, _INDEX)
+    if os.path.isfile(index_file):
+        with open(index_file, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, _SINGLE)):
+        files = [_SINGLE]
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights (pytorch_model.bin is not supported)")
+    missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
+    if missing:
+        raise FileNotFoundError(f"{path} is missing weight shards {missing}")
+    return [os.path.join(path, n) for n in files]
+
+
+def _with_generation_eos(config: ModelConfig, path: str) -> ModelConfig:
+    # Chat models list extra stop ids only in generation_config.json (Llama-3.1: 128001/8/9).
+    gen_file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen_file):
+        return config
+    with open(gen_file, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token_id")
+    extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    merged = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
+    return dataclasses.replace(config, eos_token_ids=merged)
