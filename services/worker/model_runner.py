@@ -103,6 +103,21 @@ class ModelRunner:
         return result
 
     def _run_items(self, plan: StepPlan, result: StepResult) -> None:
+        logits, sampled = self.compute_logits(plan)
+        if not sampled:
+            return
+        reqs = [self.requests[plan.items[i].rid] for i in sampled]
+        tokens, logprobs = run_sampler(logits, reqs, self.model_config.eos_token_ids)
+        for i, req, token, lp in zip(sampled, reqs, tokens, logprobs):
+            req.output_ids.append(token)
+            result.rids.append(plan.items[i].rid)
+            result.next_token_ids.append(token)
+            result.logprobs.append(lp)
+
+    @torch.inference_mode()
+    def compute_logits(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
+        """Run the plan's items (KV written) → (logits [S, V] of the S sampled items,
+        their indices in plan.items). Requests must have been admitted."""
         reqs = [self.requests[item.rid] for item in plan.items]
         for req, item in zip(reqs, plan.items):
             if item.new_pages or item.reset_pages:
@@ -118,18 +133,9 @@ class ModelRunner:
         input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)
         sampled = [i for i, item in enumerate(plan.items) if item.sample]
         ends = torch.cumsum(layout.q_lens, 0) - 1
-        logits_indices = ends[torch.tensor(sampled, dtype=torch.int64)] if sampled else ends[:0]
+        logits_indices = ends[torch.tensor(sampled, dtype=torch.int64)]
         meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
-        logits = self.model(input_ids, meta, logits_indices.to(self.device))  # [len(sampled), V]
-        if not sampled:
-            return
-        sampled_reqs = [reqs[i] for i in sampled]
-        tokens, logprobs = run_sampler(logits, sampled_reqs, self.model_config.eos_token_ids)
-        for i, req, token, lp in zip(sampled, sampled_reqs, tokens, logprobs):
-            req.output_ids.append(token)
-            result.rids.append(plan.items[i].rid)
-            result.next_token_ids.append(token)
-            result.logprobs.append(lp)
+        return self.model(input_ids, meta, logits_indices.to(self.device)), sampled
 
 
 def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
