@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.step_plan import NewRequestSpec, StepPlan, StepResult, TokenLogprobs
+from services.scheduler.step_plan import NewRequestSpec, StepPlan, StepResult
 from services.worker.attention.backend import create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
