@@ -14,7 +14,7 @@ class WorkerConfig:
     dtype: str = field(default="float32", metadata={"help": "weights and KV dtype: float32 | bfloat16 | float16"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     page_size: int = field(default=1, metadata={"help": "tokens per KV page"})
-    kv_cache_bytes: int | None = field(default=1 << 30, metadata={"help": "KV pool byte budget (default 1 GiB)"})
+    kv_cache_bytes: int | None = field(default=3 << 30, metadata={"help": "KV pool byte budget (default 3 GiB: ~70k tokens of SmolLM2 in float32)"})
     kv_mem_fraction: float | None = field(default=None, metadata={"help": "size the KV pool as this fraction of free memory instead of a byte budget"})
     attention_backend: str = field(default="torch", metadata={"help": "attention implementation"})
     max_requests: int = field(default=64, metadata={"help": "page-table rows: requests the worker holds at once (>= the scheduler's max_running_requests)"})

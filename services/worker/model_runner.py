@@ -18,6 +18,7 @@ from services.scheduler.step_plan import NewRequestSpec, StepPlan, StepResult
 from services.worker.attention.backend import create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
+from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.kv_pool import KVPool, KVPoolSpec
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
@@ -47,6 +48,8 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig, checkpoint: Checkpoint):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            keep_freed_memory()
         self.config = config
         self.device = torch.device(config.device)
         mc = checkpoint.config

@@ -53,10 +53,12 @@ class TorchAttentionBackend:
 
     def _attend(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
         b, lq = g.q_index.shape
-        qg = q[g.q_index.flatten()].view(b, lq, *q.shape[1:]).transpose(1, 2)  # [b, H, Lq, D]
+        qg = q.index_select(0, g.q_index.flatten()).view(b, lq, *q.shape[1:]).transpose(1, 2)  # [b, H, Lq, D]
         kv_dtype = self.pool.k.dtype
-        kg = self.pool.k[layer][g.kv_slots].transpose(1, 2)  # [b, Hkv, Lk, D]
-        vg = self.pool.v[layer][g.kv_slots].transpose(1, 2)
+        flat = g.kv_slots.flatten()
+        # index_select copies whole [Hkv, D] rows; advanced indexing is ~10x slower here.
+        kg = self.pool.k[layer].index_select(0, flat).view(b, -1, *self.pool.k.shape[2:]).transpose(1, 2)
+        vg = self.pool.v[layer].index_select(0, flat).view(b, -1, *self.pool.v.shape[2:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             qg.to(kv_dtype), kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
         return o.transpose(1, 2).to(q.dtype)  # [b, Lq, H, D]
