@@ -1,0 +1,75 @@
+"""The aiohttp application: routes, the error middleware, the readiness monitor."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aiohttp import web
+
+from services.gateway.backend import Backend, BackendError
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import APIError, error_response, from_backend
+from services.gateway.routes import routes
+from services.gateway.state import STATE, GatewayState, monitor
+
+log = logging.getLogger(__name__)
+
+
+def _http_error(e: web.HTTPException) -> APIError:
+    if isinstance(e, web.HTTPNotFound):
+        return APIError(404, "unknown route: see /openapi.json for the API", "not_found_error", code="unknown_route")
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        return APIError(405, f"method not allowed; allowed: {', '.join(sorted(e.allowed_methods))}",
+                        "invalid_request_error", code="method_not_allowed")
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        return APIError(413, f"the request body is larger than {e.text}", "invalid_request_error",
+                        code="request_too_large")
+    return APIError(e.status, e.reason, "invalid_request_error" if e.status < 500 else "server_error")
+
+
+@web.middleware
+async def errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure leaves as OpenAI's error envelope."""
+    state: GatewayState = request.app[STATE]
+    try:
+        return await handler(request)
+    except APIError as e:
+        return error_response(e)
+    except BackendError as e:
+        return error_response(from_backend(e, state.config.retry_after_s))
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(APIError(413, f"the request body is larger than --max-request-bytes "
+                                       f"({state.config.max_request_bytes} bytes)", code="request_too_large"))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        response = error_response(_http_error(e))
+        if isinstance(e, web.HTTPMethodNotAllowed):
+            response.headers["Allow"] = ",".join(sorted(e.allowed_methods))
+        return response
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise  # the client went away: nothing to answer
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path})
+        return error_response(APIError(500, "internal error in the gateway", "server_error"))
+
+
+def build_app(config: GatewayConfig, backend: Backend, *, monitor_backend: bool = True) -> web.Application:
+    """The gateway app. The backend is closed on cleanup; with monitor_backend the
+    readiness check runs in the background (tests may drive state.refresh())."""
+    app = web.Application(middlewares=[errors], client_max_size=config.max_request_bytes)
+    app[STATE] = GatewayState(config, backend)
+    app.add_routes(routes)
+
+    async def lifecycle(app: web.Application):
+        task = asyncio.ensure_future(monitor(app[STATE])) if monitor_backend else None
+        yield
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await backend.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

@@ -1,0 +1,204 @@
+"""What the gateway needs from the mesh, as an interface with transport-free types.
+
+The gateway talks to exactly one thing: the replica's entry point (the
+tokenizer service, or later a router with the same Generate/Info surface).
+`Backend` is the seam: `GrpcBackend` (grpc_backend.py) speaks gRPC, and
+`FakeBackend` (fake_backend.py) answers in-process for tests.
+
+Contract of `Backend.generate(call)`: an async iterator of `Chunk` and
+`Finish` events, exactly one Finish per sequence index in [0, call.n).
+Failures raise `BackendError` (before the first event or mid-stream).
+Closing the iterator early (aclose, or cancelling the task awaiting it)
+aborts the request in the mesh; callers use `contextlib.aclosing`.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.radixmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.convert import sampling_to_proto
+from services.common.sampling_params import SamplingParams
+
+
+class BackendError(Exception):
+    """A failed request or call. `code` is a grpc.StatusCode name, e.g.
+    "INVALID_ARGUMENT" (bad input), "RESOURCE_EXHAUSTED" (queue full),
+    "UNAVAILABLE" (backend down); errors.py maps it to HTTP."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...] = ()
+    has_chat_template: bool = True
+
+
+@dataclass
+class GenerateCall:
+    """One generation request: exactly one of text, messages, input_ids."""
+    rid: str
+    sampling: SamplingParams
+    n: int = 1
+    text: str | None = None
+    messages: list[dict] | None = None  # [{"role", "content", optional "name"}]
+    input_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
+class TopToken:
+    token_id: int
+    logprob: float
+    token: str | None = None  # the token's text, when the backend knows it
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[TopToken] = field(default_factory=list)  # most likely first
+    token: str | None = None
+
+
+@dataclass
+class Chunk:
+    """New tokens of sequence `index`; counters are cumulative for the request."""
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Finish:
+    index: int
+    reason: str  # stop | length | abort
+    matched_stop: str | int | None = None
+
+
+Event = Chunk | Finish
+
+
+class Backend(Protocol):
+    async def info(self) -> ModelInfo:
+        """The served model; raises BackendError when the backend cannot answer."""
+
+    async def not_ready(self) -> str | None:
+        """None when the backend can serve now, else why not; never raises."""
+
+    def generate(self, call: GenerateCall) -> AsyncIterator[Event]:
+        """See the module docstring."""
+
+    async def close(self) -> None:
+        """Release connections; in-flight generate iterators are cancelled."""
+
+
+# --- the gRPC client -----------------------------------------------------------------
+
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+_FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                   common_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+def _rpc_error(e: grpc.aio.AioRpcError) -> BackendError:
+    return BackendError(e.code().name, e.details() or "")
+
+
+def generate_request(call: GenerateCall) -> tokenizer_pb2.GenerateTextRequest:
+    """GenerateCall → the tokenizer's request. Raises ValueError for integers
+    protobuf cannot hold (the gateway bounds them before)."""
+    req = tokenizer_pb2.GenerateTextRequest(
+        rid=call.rid, sampling=sampling_to_proto(call.sampling), n=call.n,
+        skip_special_tokens=call.skip_special_tokens, include_stop_str_in_output=call.include_stop_str_in_output)
+    if call.input_ids is not None:
+        req.input_ids.ids.extend(call.input_ids)
+    elif call.messages is not None:
+        req.conversation.messages.extend(tokenizer_pb2.ChatMessage(**m) for m in call.messages)
+    else:
+        req.text = call.text or ""
+    return req
+
+
+def _event(msg: common_pb2.GenerateResponse) -> Event:
+    kind = msg.WhichOneof("event")
+    if kind == "chunk":
+        c = msg.chunk
+        return Chunk(c.index, list(c.token_ids), c.text, [
+            TokenLogprob(lp.token_id, lp.logprob, [TopToken(t.token_id, t.logprob, getattr(t, "token", None) or None)
+                                                   for t in lp.top], getattr(lp, "token", None) or None)
+            for lp in c.logprobs], c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+    if kind == "finish":
+        f = msg.finish
+        which = f.WhichOneof("matched_stop")
+        return Finish(f.index, _FINISH_REASONS.get(f.finish_reason, "stop"),
+                      getattr(f, which) if which else None)
+    if kind == "error":
+        raise BackendError(_CODE_NAMES.get(msg.error.code, "INTERNAL"), msg.error.message)
+    raise BackendError("INTERNAL", "backend sent an empty GenerateResponse")
+
+
+class GrpcBackend:
+    """Backend over one gRPC channel to the tokenizer service (or a router)."""
+
+    def __init__(self, address: str, probe_timeout_s: float = 5.0) -> None:
+        self.address = address
+        self.probe_timeout_s = probe_timeout_s
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def info(self) -> ModelInfo:
+        try:
+            r = await self._stub.Info(tokenizer_pb2.InfoRequest(), timeout=self.probe_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _rpc_error(e) from None
+        return ModelInfo(r.model_name, r.vocab_size, r.context_length, tuple(r.eos_token_ids),
+                         r.has_chat_template)
+
+    async def not_ready(self) -> str | None:
+        """grpc health of the tokenizer must be SERVING, and its Ready (the
+        whole path behind it: scheduler, worker, detokenizer) must say ready."""
+        try:
+            h = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.probe_timeout_s)
+            if h.status != health_pb2.HealthCheckResponse.SERVING:
+                return f"the tokenizer at {self.address} is not serving (draining or loading)"
+            r = await self._stub.Ready(tokenizer_pb2.ReadyRequest(), timeout=self.probe_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            return f"the tokenizer at {self.address} does not answer: {e.code().name} {e.details() or ''}".rstrip()
+        if not r.ready:
+            down = [f"{s.stage} at {s.address}: {s.detail or 'not serving'}" for s in r.stages if not s.serving]
+            return "not every stage is serving: " + ("; ".join(down) or "no detail")
+        return None
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[Event]:
+        try:
+            request = generate_request(call)
+        except ValueError as e:
+            raise BackendError("INVALID_ARGUMENT", str(e)) from None
+        rpc = self._stub.Generate(request)
+        try:
+            async for msg in rpc:
+                yield _event(msg)
+        except grpc.aio.AioRpcError as e:
+            raise _rpc_error(e) from None
+        finally:
+            rpc.cancel()  # no-op once the call ended; otherwise aborts the request in the mesh
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,46 @@
+"""The gateway's flags, generated from this dataclass (services/common/config.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.config import LOG_LEVELS
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": "address to serve HTTP on (0.0.0.0 in a container)"})
+    http_port: int = field(default=8000, metadata={"help": "HTTP port; 0 picks a free one (logged as `listening`)"})
+    tokenizer_addr: str = field(default="127.0.0.1:50051", metadata={
+        "help": "HOST:PORT of the tokenizer service (the replica's entry point: Generate, Info)"})
+    model_name: str | None = field(default=None, metadata={
+        "help": "the model name clients must send; none = the name the tokenizer's Info reports"})
+    max_request_bytes: int = field(default=8 * 1024 * 1024, metadata={
+        "help": "request bodies above this size are refused with 413"})
+    default_max_tokens: int | None = field(default=None, metadata={
+        "help": "max_tokens when a request gives none; none = the core's default (SamplingParams)"})
+    ready_interval_s: float = field(default=1.0, metadata={
+        "help": "seconds between backend checks (grpc health SERVING and Info) behind /ready"})
+    retry_after_s: int = field(default=1, metadata={
+        "help": "Retry-After seconds sent with 503 (queue full, backend unavailable)"})
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are cancelled"})
+    log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
+        host, sep, port = self.tokenizer_addr.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"--tokenizer-addr must be HOST:PORT, got {self.tokenizer_addr!r}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
+        if self.ready_interval_s <= 0:
+            raise ValueError(f"--ready-interval-s must be > 0, got {self.ready_interval_s}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"--retry-after-s must be >= 0, got {self.retry_after_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")

@@ -1,0 +1,236 @@
+"""Request bodies → GenerateCalls with SamplingParams, with OpenAI's semantics.
+
+Each parse_* function takes the decoded JSON body and the served model and
+returns a `ParsedRequest`, or raises APIError(400) with a message naming the
+offending parameter. Order of checks: JSON shape against schemas.py (types,
+ranges, unknown fields), then the model name, then rules that span fields,
+then `SamplingParams.validate` as the last word of the core.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.sampling_params import InvalidRequest, SamplingParams
+from services.gateway import schemas
+from services.gateway.backend import GenerateCall, ModelInfo
+from services.gateway.errors import APIError, invalid
+
+# Fields that exist in OpenAI's API but not here: the reason replaces the schema's message.
+_UNSUPPORTED = {
+    "echo": "echo=true is not supported: the response carries only the completion",
+    "best_of": "best_of is not supported: use n to get several completions",
+    "logit_bias": "logit_bias is not supported",
+    "suffix": "suffix is not supported",
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "response_format": "only response_format {\"type\": \"text\"} is supported (structured output comes later)",
+}
+MAX_SEQUENCES = 64  # prompts x n in one request
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # completion | chat | generate
+    id: str
+    model: str
+    calls: list[GenerateCall]  # one per prompt; choice index = prompt * n + sequence
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def decode_json(raw: bytes) -> dict:
+    """Bytes → a JSON object; NaN/Infinity literals and non-objects are 400s."""
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(raw, parse_constant=no_constants)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise invalid(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def _validated(schema: dict, body: dict) -> dict:
+    try:
+        return schemas.check(schema, body)
+    except schemas.SchemaError as e:
+        top = e.param.split(".")[0].split("[")[0]
+        message = _UNSUPPORTED.get(top, e.message) if top in body else e.message
+        raise invalid(message, param=e.param or None) from None
+
+
+def _check_model(body: dict, served: str) -> None:
+    if body["model"] != served:
+        raise APIError(400, f"the model {body['model']!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")
+
+
+def _sampling(values: dict, info: ModelInfo, default_max_tokens: int | None,
+              names: dict[str, str] | None = None) -> SamplingParams:
+    """Sampling fields under their OpenAI names → SamplingParams. `names` maps
+    a field to the parameter name the client used, for error messages."""
+    names = names or {}
+
+    def get(key: str, default: Any) -> Any:
+        value = values.get(key)
+        return default if value is None else value
+
+    sp = SamplingParams()
+    max_tokens = get("max_tokens", None)
+    if max_tokens is None:
+        max_tokens = default_max_tokens or sp.max_new_tokens
+    stop = get("stop", [])
+    sp = SamplingParams(
+        max_new_tokens=max_tokens,
+        min_new_tokens=get("min_tokens", 0),
+        temperature=float(get("temperature", sp.temperature)),
+        top_p=float(get("top_p", sp.top_p)),
+        top_k=get("top_k", sp.top_k),
+        min_p=float(get("min_p", sp.min_p)),
+        repetition_penalty=float(get("repetition_penalty", sp.repetition_penalty)),
+        frequency_penalty=float(get("frequency_penalty", sp.frequency_penalty)),
+        presence_penalty=float(get("presence_penalty", sp.presence_penalty)),
+        seed=get("seed", None),
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        stop_token_ids=list(get("stop_token_ids", [])),
+        ignore_eos=get("ignore_eos", False),
+    )
+    max_name, min_name = names.get("max_tokens", "max_tokens"), names.get("min_tokens", "min_tokens")
+    if sp.max_new_tokens >= info.context_length:
+        raise invalid(f"{max_name} ({sp.max_new_tokens}) leaves no room for the prompt: the model's context "
+                      f"length is {info.context_length} tokens", param=max_name)
+    if sp.min_new_tokens > sp.max_new_tokens:
+        raise invalid(f"{min_name} ({sp.min_new_tokens}) must be <= {max_name} ({sp.max_new_tokens})",
+                      param=min_name)
+    bad = [t for t in sp.stop_token_ids if t >= info.vocab_size]
+    if bad:
+        raise invalid(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {info.vocab_size})",
+                      param=names.get("stop_token_ids", "stop_token_ids"))
+    return sp
+
+
+def _finish_sampling(sp: SamplingParams, info: ModelInfo, logprobs: bool, top: int) -> SamplingParams:
+    sp.logprobs, sp.top_logprobs = logprobs, top
+    try:
+        sp.validate(info.vocab_size)
+    except InvalidRequest as e:
+        raise invalid(str(e)) from None
+    return sp
+
+
+def _check_ids(ids: list[int], info: ModelInfo, param: str) -> None:
+    bad = [t for t in ids if t >= info.vocab_size]
+    if bad:
+        raise invalid(f"token ids {bad[:5]} are outside the vocabulary [0, {info.vocab_size})", param=param)
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise invalid("stream_options is only allowed when stream is true", param="stream_options")
+    return stream, bool((options or {}).get("include_usage"))
+
+
+def _calls(rid: str, sp: SamplingParams, n: int, prompts: list[dict], values: dict) -> list[GenerateCall]:
+    """One call per prompt; `values` holds the detokenizer options."""
+    if len(prompts) * n > MAX_SEQUENCES:
+        raise invalid(f"{len(prompts)} prompts x n={n} is more than {MAX_SEQUENCES} sequences in one request",
+                      param="n")
+    many = len(prompts) > 1
+    skip = values.get("skip_special_tokens")
+    options = {"skip_special_tokens": True if skip is None else skip,
+               "include_stop_str_in_output": bool(values.get("include_stop_str_in_output"))}
+    return [GenerateCall(f"{rid}-{i}" if many else rid, _copy(sp), n, **p, **options)
+            for i, p in enumerate(prompts)]
+
+
+def _copy(sp: SamplingParams) -> SamplingParams:
+    return SamplingParams(**{**vars(sp), "stop": list(sp.stop), "stop_token_ids": list(sp.stop_token_ids)})
+
+
+def parse_completion(body: dict, info: ModelInfo, served: str, default_max_tokens: int | None = None
+                     ) -> ParsedRequest:
+    body = _validated(schemas.COMPLETION_REQUEST, body)
+    _check_model(body, served)
+    stream, include_usage = _stream_flags(body)
+    n = body.get("n") or 1
+    logprobs = body.get("logprobs")
+    sp = _finish_sampling(_sampling(body, info, default_max_tokens), info,
+                          logprobs is not None, logprobs or 0)
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        prompts = [{"text": prompt}]
+    elif isinstance(prompt[0], str):
+        prompts = [{"text": p} for p in prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [{"input_ids": prompt}]
+    else:
+        prompts = [{"input_ids": p} for p in prompt]
+    for i, p in enumerate(prompts):
+        if "input_ids" in p:
+            _check_ids(p["input_ids"], info, "prompt")
+            if len(p["input_ids"]) + sp.max_new_tokens > info.context_length:
+                raise invalid(f"prompt ({len(p['input_ids'])} tokens) + max_tokens ({sp.max_new_tokens}) exceeds "
+                              f"the model's context length of {info.context_length} tokens", param="prompt")
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    return ParsedRequest("completion", rid, served, _calls(rid, sp, n, prompts, body), n, stream, include_usage,
+                         logprobs is not None, logprobs or 0)
+
+
+def parse_chat(body: dict, info: ModelInfo, served: str, default_max_tokens: int | None = None) -> ParsedRequest:
+    body = _validated(schemas.CHAT_REQUEST, body)
+    _check_model(body, served)
+    if not info.has_chat_template:
+        raise invalid(f"the model {served!r} has no chat template: use /v1/completions", param="messages")
+    stream, include_usage = _stream_flags(body)
+    n = body.get("n") or 1
+    logprobs, top = bool(body.get("logprobs")), body.get("top_logprobs") or 0
+    if top and not logprobs:
+        raise invalid("top_logprobs requires logprobs=true", param="top_logprobs")
+    newer = body.get("max_completion_tokens") is not None
+    values = {**body, "max_tokens": body["max_completion_tokens"]} if newer else body
+    names = {"max_tokens": "max_completion_tokens"} if newer else {}
+    sp = _finish_sampling(_sampling(values, info, default_max_tokens, names), info, logprobs, top)
+    messages = []
+    for m in body["messages"]:
+        content = m["content"] if isinstance(m["content"], str) else "\n".join(p["text"] for p in m["content"])
+        msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        if m.get("name") is not None:
+            msg["name"] = m["name"]
+        messages.append(msg)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    return ParsedRequest("chat", rid, served, _calls(rid, sp, n, [{"messages": messages}], body), n, stream,
+                         include_usage, logprobs, top)
+
+
+def parse_generate(body: dict, info: ModelInfo, served: str, default_max_tokens: int | None = None
+                   ) -> ParsedRequest:
+    if ("text" in body) == ("input_ids" in body):
+        raise invalid("give exactly one of text and input_ids", param="text")
+    body = _validated(schemas.GENERATE_REQUEST, body)
+    params = body.get("sampling_params") or {}
+    values = {**params, "max_tokens": params.get("max_new_tokens"), "min_tokens": params.get("min_new_tokens")}
+    names = {"max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
+             "stop_token_ids": "sampling_params.stop_token_ids"}
+    sp = _sampling(values, info, default_max_tokens, names)
+    logprobs, top = bool(body.get("return_logprob")), body.get("top_logprobs_num") or 0
+    sp = _finish_sampling(sp, info, logprobs or top > 0, top)
+    if "input_ids" in body:
+        _check_ids(body["input_ids"], info, "input_ids")
+        prompt = {"input_ids": body["input_ids"]}
+    else:
+        prompt = {"text": body["text"]}
+    rid = body.get("rid") or uuid.uuid4().hex
+    n = params.get("n") or 1
+    return ParsedRequest("generate", rid, served, _calls(rid, sp, n, [prompt], params), n, bool(body.get("stream")),
+                         False, sp.logprobs, top)

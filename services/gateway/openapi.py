@@ -1,0 +1,145 @@
+"""The /openapi.json document (OpenAPI 3.1): request schemas come from
+schemas.py, the very dicts the gateway validates with; response schemas here."""
+from __future__ import annotations
+
+import copy
+import functools
+
+from services.gateway import schemas
+
+_ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+_USAGE = {
+    "type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
+    "properties": {
+        "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"],
+                                  "properties": {"cached_tokens": {"type": "integer"}}},
+    },
+}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]}
+_MATCHED = {"type": ["string", "integer", "null"]}
+
+
+def _response(obj: str, choice: dict) -> dict:
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {"id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
+                           "model": {"type": "string"}, "usage": _USAGE,
+                           "choices": {"type": "array", "items": {
+                               "type": "object", "required": ["index", "finish_reason", *choice],
+                               "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH,
+                                              "matched_stop": _MATCHED, "logprobs": {"type": ["object", "null"]},
+                                              **choice}}}}}
+
+
+_COMPLETION = _response("text_completion", {"text": {"type": "string"}})
+_CHAT = _response("chat.completion", {"message": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}})
+_GENERATE_ONE = {
+    "type": "object", "required": ["text", "output_ids", "meta_info"],
+    "properties": {"text": {"type": "string"}, "output_ids": {"type": "array", "items": {"type": "integer"}},
+                   "meta_info": {"type": "object", "required": ["id", "finish_reason", "prompt_tokens",
+                                                                "completion_tokens", "cached_tokens"]}},
+}
+_MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+          "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                         "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}
+
+
+# One server-sent event (before 3.2, an event stream's schema describes each event).
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk, an error envelope {\"error\": ...}, or [DONE] last"},
+    "event": {"type": "string"}}}
+
+
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_RETRY = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}}
+_ERRORS = {
+    "400": _json(_ERROR, "invalid input: malformed JSON, a bad or unknown parameter, an unknown model, "
+                         "a prompt beyond the context length"),
+    "413": _json(_ERROR, "the body is larger than --max-request-bytes"),
+    "503": {**_json(_ERROR, "the queue is full or the backend is unavailable; retry later"), "headers": _RETRY},
+}
+
+
+def _generation(summary: str, request: dict, ok: dict, ok_description: str) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+        "responses": {
+            "200": {"description": ok_description + " With stream=true: text/event-stream of `data: <json>` "
+                                                    "events, an error event on a failure mid-stream, then "
+                                                    "`data: [DONE]`.",
+                    "content": {"application/json": {"schema": ok},
+                                "text/event-stream": {"schema": _SSE_EVENT}}},
+            **_ERRORS,
+        },
+    }}
+
+
+def _with_model(request: dict, model_name: str | None) -> dict:
+    """The served name is the only valid `model`: say so (fuzzers then use it)."""
+    if not model_name:
+        return request
+    out = copy.deepcopy(request)
+    out["properties"]["model"] = {**out["properties"]["model"], "enum": [model_name]}
+    return out
+
+
+@functools.cache
+def _document(model_name: str | None) -> dict:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "radixmesh gateway", "version": "1",
+                 "description": "OpenAI-compatible HTTP API of a radixmesh replica, plus a native /generate. "
+                                "Errors use OpenAI's envelope {\"error\": {message, type, param, code}}."},
+        "paths": {
+            "/v1/completions": _generation("Text completion (OpenAI)",
+                                           _with_model(schemas.COMPLETION_REQUEST, model_name), _COMPLETION,
+                                           "The completion."),
+            "/v1/chat/completions": _generation("Chat completion (OpenAI); the model's chat template renders "
+                                                "the messages", _with_model(schemas.CHAT_REQUEST, model_name),
+                                                _CHAT, "The completion."),
+            "/generate": _generation("Native generation from text or token ids (SGLang-like)",
+                                     schemas.GENERATE_REQUEST,
+                                     {"anyOf": [_GENERATE_ONE, {"type": "array", "items": _GENERATE_ONE}]},
+                                     "One object, or a list when n > 1. Streamed events carry the text and "
+                                     "ids so far."),
+            "/v1/models": {"get": {"summary": "The served model", "responses": {
+                "200": _json({"type": "object", "required": ["object", "data"],
+                              "properties": {"object": {"const": "list"},
+                                             "data": {"type": "array", "items": _MODEL}}}, "The model list."),
+                "503": _ERRORS["503"]}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One model",
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json(_MODEL, "The model."),
+                              "404": _json(_ERROR, "No such model."), "503": _ERRORS["503"]}}},
+            "/health": {"get": {"summary": "Liveness: 200 while the process runs", "responses": {
+                "200": _json({"type": "object", "properties": {"status": {"const": "ok"}}}, "Alive.")}}},
+            "/ready": {"get": {"summary": "Readiness: 200 when the backend is SERVING and answers Info",
+                               "responses": {"200": _json({"type": "object", "required": ["status"],
+                                                           "properties": {"status": {"const": "ready"},
+                                                                          "model": {"type": "string"}}},
+                                                          "Ready."),
+                                             "503": _ERRORS["503"]}}},
+            "/openapi.json": {"get": {"summary": "This document", "responses": {
+                "200": _json({"type": "object"}, "The OpenAPI document.")}}},
+        },
+    }
+
+
+def document(model_name: str | None = None) -> dict:
+    """A fresh copy of the document (callers may mutate it); with the served
+    model's name when it is known."""
+    return copy.deepcopy(_document(model_name))

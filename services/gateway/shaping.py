@@ -1,0 +1,189 @@
+"""Backend events → OpenAI (and native /generate) response objects.
+
+`Collector` folds the events of a request (one backend call per prompt) into
+per-choice state and usage; the `*_chunk` functions shape one streamed event,
+the `*_response` functions the whole non-streamed answer. Choice index =
+prompt index * n + sequence index.
+
+Usage: the backend's counters are cumulative per call, so a call's usage is the
+largest value seen; completion tokens are also counted from the token ids
+received, and the larger of the two wins. Calls (prompts) add up.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from services.gateway.backend import Chunk, Finish, TokenLogprob
+from services.gateway.openai_protocol import ParsedRequest
+
+
+@dataclass
+class Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    text_offset: int = 0  # characters of token text so far (completions logprobs)
+
+
+@dataclass
+class _CallUsage:
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+    counted: int = 0
+
+
+class Collector:
+    def __init__(self, req: ParsedRequest) -> None:
+        self.req = req
+        self.created = int(time.time())
+        self.choices = [Choice() for _ in range(len(req.calls) * req.n)]
+        self._usage = [_CallUsage() for _ in req.calls]
+
+    def add(self, call_index: int, event: Chunk | Finish) -> int:
+        """Record an event; returns its choice index."""
+        index = call_index * self.req.n + event.index
+        choice = self.choices[index]
+        if isinstance(event, Finish):
+            choice.finish_reason, choice.matched_stop = event.reason, event.matched_stop
+            return index
+        u = self._usage[call_index]
+        u.prompt, u.cached = max(u.prompt, event.prompt_tokens), max(u.cached, event.cached_tokens)
+        u.completion = max(u.completion, event.completion_tokens)
+        u.counted += len(event.token_ids)
+        choice.text += event.text
+        choice.token_ids += event.token_ids
+        choice.logprobs += event.logprobs
+        return index
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def usage(self) -> dict:
+        prompt = sum(u.prompt for u in self._usage)
+        completion = sum(max(u.completion, u.counted) for u in self._usage)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(u.cached for u in self._usage)}}
+
+    def _envelope(self, obj: str) -> dict:
+        return {"id": self.req.id, "object": obj, "created": self.created, "model": self.req.model}
+
+
+# --- logprobs in OpenAI's two shapes ----------------------------------------------------
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -inf
+
+
+def _token(text: str | None, token_id: int) -> str:
+    return text if text is not None else f"token_id:{token_id}"
+
+
+def _bytes(text: str | None) -> list[int] | None:
+    return list(text.encode("utf-8")) if text is not None else None
+
+
+def chat_logprobs(lps: list[TokenLogprob]) -> dict:
+    return {"content": [{
+        "token": _token(lp.token, lp.token_id), "logprob": _finite(lp.logprob), "bytes": _bytes(lp.token),
+        "top_logprobs": [{"token": _token(t.token, t.token_id), "logprob": _finite(t.logprob),
+                          "bytes": _bytes(t.token)} for t in lp.top],
+    } for lp in lps], "refusal": None}
+
+
+def completion_logprobs(lps: list[TokenLogprob], choice: Choice) -> dict:
+    """Advances choice.text_offset past the tokens given."""
+    offsets = []
+    for lp in lps:
+        offsets.append(choice.text_offset)
+        choice.text_offset += len(_token(lp.token, lp.token_id))
+    return {
+        "tokens": [_token(lp.token, lp.token_id) for lp in lps],
+        "token_logprobs": [_finite(lp.logprob) for lp in lps],
+        "top_logprobs": [{_token(t.token, t.token_id): _finite(t.logprob) for t in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+# --- streamed chunks ---------------------------------------------------------------------
+
+def stream_chunk(col: Collector, index: int, event: Chunk | Finish, first: bool) -> dict | None:
+    """The SSE object for one event of choice `index` (None when there is nothing
+    to send). `first` marks the first event of that choice (chat sends the role)."""
+    req, choice = col.req, col.choices[index]
+    if req.kind == "generate":
+        return generate_object(col, index, meta=True)
+    is_finish = isinstance(event, Finish)
+    if not is_finish and not event.text and not event.logprobs and not (first and req.kind == "chat"):
+        return None
+    out: dict = {"index": index}
+    if req.kind == "chat":
+        obj = col._envelope("chat.completion.chunk")
+        delta: dict = {"role": "assistant", "content": ""} if first else {}
+        if not is_finish and (event.text or not first):
+            delta["content"] = event.text
+        out["delta"] = delta
+        out["logprobs"] = chat_logprobs(event.logprobs) if req.logprobs and not is_finish else None
+    else:
+        obj = col._envelope("text_completion")
+        out["text"] = "" if is_finish else event.text
+        out["logprobs"] = completion_logprobs(event.logprobs, choice) if req.logprobs and not is_finish else None
+    out["finish_reason"] = choice.finish_reason if is_finish else None
+    if is_finish:
+        out["matched_stop"] = choice.matched_stop
+    obj["choices"] = [out]
+    if req.include_usage:
+        obj["usage"] = None
+    return obj
+
+
+def usage_chunk(col: Collector) -> dict:
+    kind = "chat.completion.chunk" if col.req.kind == "chat" else "text_completion"
+    return {**col._envelope(kind), "choices": [], "usage": col.usage()}
+
+
+# --- whole responses -----------------------------------------------------------------------
+
+def completion_response(col: Collector) -> dict:
+    choices = []
+    for i, c in enumerate(col.choices):
+        c.text_offset = 0
+        choices.append({"index": i, "text": c.text, "logprobs": completion_logprobs(c.logprobs, c)
+                        if col.req.logprobs else None, "finish_reason": c.finish_reason,
+                        "matched_stop": c.matched_stop})
+    return {**col._envelope("text_completion"), "choices": choices, "usage": col.usage()}
+
+
+def chat_response(col: Collector) -> dict:
+    return {**col._envelope("chat.completion"), "choices": [{
+        "index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+        "logprobs": chat_logprobs(c.logprobs) if col.req.logprobs else None,
+        "finish_reason": c.finish_reason, "matched_stop": c.matched_stop,
+    } for i, c in enumerate(col.choices)], "usage": col.usage()}
+
+
+def generate_object(col: Collector, index: int, meta: bool = True) -> dict:
+    """SGLang's shape: the text and ids so far, and meta_info (usage, finish)."""
+    c = col.choices[index]
+    usage = col.usage()
+    info: dict = {
+        "id": col.req.calls[0].rid, "index": index,
+        "finish_reason": None if c.finish_reason is None else {"type": c.finish_reason, "matched": c.matched_stop},
+        "prompt_tokens": usage["prompt_tokens"], "completion_tokens": len(c.token_ids),
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+    }
+    if col.req.logprobs:
+        info["output_token_logprobs"] = [[_finite(lp.logprob), lp.token_id, lp.token] for lp in c.logprobs]
+        info["output_top_logprobs"] = [[[_finite(t.logprob), t.token_id, t.token] for t in lp.top]
+                                       for lp in c.logprobs]
+    return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": info}
+
+
+def generate_response(col: Collector) -> dict | list[dict]:
+    objs = [generate_object(col, i) for i in range(len(col.choices))]
+    return objs[0] if len(objs) == 1 else objs

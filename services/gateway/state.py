@@ -1,0 +1,75 @@
+"""What the gateway knows about its backend: the served model, and whether it can serve.
+
+`monitor` refreshes it every --ready-interval-s: ready means the backend's
+grpc health says SERVING *and* Info answers. A request arriving before the
+first successful check triggers one check itself instead of failing at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from services.gateway.backend import Backend, BackendError, ModelInfo
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import APIError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    backend: Backend
+    info: ModelInfo | None = None
+    ready: bool = False
+    draining: bool = False
+    not_ready_reason: str = "the backend has not been checked yet"
+    started: int = field(default_factory=lambda: int(time.time()))
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def served_name(self) -> str:
+        return self.config.model_name or (self.info.name if self.info else "")
+
+    async def refresh(self) -> bool:
+        """One readiness check; updates ready/info and logs transitions."""
+        async with self._lock:
+            was = self.ready
+            reason = await self.backend.not_ready() or ""
+            if not reason:
+                try:
+                    self.info = await self.backend.info()
+                except BackendError as e:
+                    reason = f"the backend's Info failed: {e.message or e.code}"
+            if self.draining:
+                reason = "the gateway is shutting down"
+            self.ready, self.not_ready_reason = not reason, reason
+            if self.ready != was:
+                log.info("ready" if self.ready else "not ready", extra={"reason": reason or None,
+                                                                        "model": self.served_name})
+            return self.ready
+
+    async def require_info(self) -> ModelInfo:
+        """The model's info, or a 503 APIError while the backend is not known."""
+        if self.info is None:
+            await self.refresh()
+        if self.info is None:
+            raise APIError(503, f"the model is not available yet: {self.not_ready_reason}",
+                           "service_unavailable_error", code="not_ready", retry_after=self.config.retry_after_s)
+        return self.info
+
+
+STATE = web.AppKey("radixmesh_gateway_state", GatewayState)
+
+
+async def monitor(state: GatewayState) -> None:
+    while True:
+        try:
+            await state.refresh()
+        except Exception:  # a probe must never end the monitor
+            log.exception("readiness check failed")
+        await asyncio.sleep(state.config.ready_interval_s)
