@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.config import LOG_LEVELS
+from services.common.config import CommonConfig
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    """`common.listen` serves gRPC health (and reflection) only, like every
+    service: SERVING while the gateway is ready (its /ready is 200)."""
+    common: CommonConfig = field(default_factory=CommonConfig)
     host: str = field(default="127.0.0.1", metadata={"help": "address to serve HTTP on (0.0.0.0 in a container)"})
     http_port: int = field(default=8000, metadata={"help": "HTTP port; 0 picks a free one (logged as `listening`)"})
     tokenizer_addr: str = field(default="127.0.0.1:50051", metadata={
@@ -22,9 +25,6 @@ class GatewayConfig:
         "help": "seconds between backend checks (grpc health SERVING and Info) behind /ready"})
     retry_after_s: int = field(default=1, metadata={
         "help": "Retry-After seconds sent with 503 (queue full, backend unavailable)"})
-    drain_timeout_s: float = field(default=30.0, metadata={
-        "help": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are cancelled"})
-    log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
@@ -40,7 +40,3 @@ class GatewayConfig:
             raise ValueError(f"--ready-interval-s must be > 0, got {self.ready_interval_s}")
         if self.retry_after_s < 0:
             raise ValueError(f"--retry-after-s must be >= 0, got {self.retry_after_s}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")

@@ -1,11 +1,14 @@
 """`radixmesh serve gateway ...`: the OpenAI-compatible HTTP gateway.
 
-    radixmesh serve gateway --http-port 8000 --tokenizer-addr 127.0.0.1:50051
+    radixmesh serve gateway --http-port 8000 --tokenizer-addr 127.0.0.1:50051 [--listen 127.0.0.1:0]
 
-Logs JSON lines; `listening` carries the bound `port` (useful with
---http-port 0). On SIGTERM/SIGINT it stops accepting connections, gives
-in-flight requests --drain-timeout-s to finish, cancels the rest (which aborts
-them in the mesh) and exits 0; a second signal cancels at once.
+Serves HTTP on --host:--http-port and, like every service, grpc.health.v1 (and
+reflection) on --listen: SERVING exactly while /ready says 200. Logs JSON
+lines; `listening` carries `port` (the gRPC one, as every service's does) and
+`http_port`/`url` (useful with --http-port 0). On SIGTERM/SIGINT: health
+NOT_SERVING, stop accepting HTTP connections, give in-flight requests
+--drain-timeout-s to finish, cancel the rest (which aborts them in the mesh),
+exit 0; a second signal cancels at once.
 """
 from __future__ import annotations
 
@@ -14,7 +17,10 @@ import asyncio
 import logging
 import signal
 
+import grpc
 from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from services.common.config import parse_config
 from services.common.logging import setup_logging
@@ -24,27 +30,48 @@ from services.gateway.config import GatewayConfig
 from services.gateway.state import STATE
 
 log = logging.getLogger(__name__)
+CONFIG_CLASS = GatewayConfig  # `radixmesh up` forwards the flags this accepts
 
 
-async def serve(config: GatewayConfig, backend: Backend | None = None,
-                started: asyncio.Future | None = None) -> int:
-    """Run until SIGTERM/SIGINT (main thread only); returns the exit status.
-    `started` (if given) receives the bound port."""
+async def _health_server(config: GatewayConfig) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection([health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        port = server.add_insecure_port(config.common.listen)
+    except RuntimeError as e:
+        raise OSError(f"cannot listen on {config.common.listen}: {e}") from e
+    await server.start()
+    return server, servicer, port
+
+
+async def serve(config: GatewayConfig, backend: Backend | None = None) -> int:
+    """Run until SIGTERM/SIGINT (main thread only); returns the exit status."""
     app = build_app(config, backend or GrpcBackend(config.tokenizer_addr))
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.drain_timeout_s,
+    state = app[STATE]
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.common.drain_timeout_s,
                            access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.http_port).start()
+        grpc_server, health_servicer, grpc_port = await _health_server(config)
     except OSError as e:
-        log.error("cannot start", extra={"error": f"cannot listen on {config.host}:{config.http_port}: {e}"})
+        log.error("cannot start", extra={"error": f"{e}"})
         await runner.cleanup()
         return 1
-    port = runner.addresses[0][1]
-    log.info("listening", extra={"address": f"http://{config.host}:{port}", "port": port,
-                                 "tokenizer_addr": config.tokenizer_addr})
-    if started is not None:
-        started.set_result(port)
+
+    async def set_health(ready: bool) -> None:
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if ready
+                                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    state.watchers.append(set_health)
+    await set_health(state.ready)  # the monitor may have run a check already
+    http_port = runner.addresses[0][1]
+    log.info("listening", extra={"address": f"{config.common.listen.rpartition(':')[0]}:{grpc_port}",
+                                 "port": grpc_port, "http_port": http_port,
+                                 "url": f"http://{config.host}:{http_port}", "tokenizer_addr": config.tokenizer_addr})
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -52,9 +79,9 @@ async def serve(config: GatewayConfig, backend: Backend | None = None,
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        app[STATE].draining = True
-        app[STATE].ready = False
-        log.info("draining", extra={"timeout_s": config.drain_timeout_s})
+        state.draining, state.ready = True, False
+        await health_servicer.enter_graceful_shutdown()
+        log.info("draining", extra={"timeout_s": config.common.drain_timeout_s})
         cleanup = asyncio.ensure_future(runner.cleanup())
         stop.clear()
         forced = asyncio.ensure_future(stop.wait())
@@ -64,6 +91,7 @@ async def serve(config: GatewayConfig, backend: Backend | None = None,
             cleanup.cancel()
         forced.cancel()
         await asyncio.gather(cleanup, forced, return_exceptions=True)
+        await grpc_server.stop(0)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
@@ -72,10 +100,10 @@ async def serve(config: GatewayConfig, backend: Backend | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="radixmesh serve gateway",
-                                     description="OpenAI-compatible HTTP gateway of a radixmesh replica.")
+    parser = argparse.ArgumentParser(prog="radixmesh serve gateway", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     config = parse_config(GatewayConfig, argv, parser)
-    setup_logging("gateway", config.log_level)
+    setup_logging("gateway", config.common.log_level)
     import uvloop
 
     return uvloop.run(serve(config))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -29,6 +30,8 @@ class GatewayState:
     draining: bool = False
     not_ready_reason: str = "the backend has not been checked yet"
     started: int = field(default_factory=lambda: int(time.time()))
+    # Called with the new value whenever `ready` changes (e.g. the gRPC health status).
+    watchers: list[Callable[[bool], Awaitable[None]]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -51,7 +54,12 @@ class GatewayState:
             if self.ready != was:
                 log.info("ready" if self.ready else "not ready", extra={"reason": reason or None,
                                                                         "model": self.served_name})
+                await self.notify()
             return self.ready
+
+    async def notify(self) -> None:
+        for watch in self.watchers:
+            await watch(self.ready)
 
     async def require_info(self) -> ModelInfo:
         """The model's info, or a 503 APIError while the backend is not known."""

@@ -42,7 +42,7 @@ class GatewayThread:
 
     async def _start(self) -> None:
         self._runner = web.AppRunner(build_app(self.config, self.backend), handler_cancellation=True,
-                                     shutdown_timeout=self.config.drain_timeout_s, access_log=None)
+                                     shutdown_timeout=self.config.common.drain_timeout_s, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.config.host, 0).start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
