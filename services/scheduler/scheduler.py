@@ -106,13 +106,17 @@ class Scheduler:
         plan = None
         if items or self._release:
             self._step_id += 1
-            plan = StepPlan(self._step_id, released_rids=self._release)
-            self._release = []
+            plan = StepPlan(self._step_id)
             for req in scheduled:
                 if not req.worker_has_state:
                     plan.new_requests.append(NewRequestSpec(
                         req.rid, req.prompt_ids, list(req.output_ids), req.sampling, req.seed))
                     req.worker_has_state = True
+            # A request retracted and re-admitted within this step: its new spec
+            # replaces the worker's old state, which must not be dropped after it.
+            readmitted = {spec.rid for spec in plan.new_requests}
+            plan.released_rids = [rid for rid in self._release if rid not in readmitted]
+            self._release = []
             plan.items = items
             self._inflight = {it.rid: len(it.input_ids) for it in items}
         self._refresh_gauges()
