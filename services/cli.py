@@ -8,6 +8,9 @@ import sys
 # subcommand -> "module:function(argv) -> int"; adding one is one line.
 SUBCOMMANDS = {
     "generate": "services.engine.cli:main",
+    "serve": "services.launcher.serve:main",
+    "up": "services.launcher.up:main",
+    "healthcheck": "services.launcher.healthcheck:main",
 }
 
 

@@ -1,0 +1,1 @@
+"""Running the mesh: `radixmesh serve <service>`, `radixmesh up`, `radixmesh healthcheck`."""

@@ -1,0 +1,281 @@
+"""`radixmesh up`: the whole mesh on this machine, one process per service, on loopback.
+
+    radixmesh up [--model PATH] [--http-port 8000] [--no-gateway] [service flags...]
+
+Starts worker and detokenizer, then the scheduler (once the worker listens),
+the tokenizer, and the gateway, each with `--listen 127.0.0.1:0` (the port a
+child bound is read from its `listening` log line) and its peers' addresses;
+waits until every one reports SERVING over gRPC health; prints the URL;
+supervises. If a child dies, the others are stopped and the launcher exits 1
+naming it, with its exit status and last log lines. SIGTERM / Ctrl-C stops
+the mesh front to back (gateway, tokenizer, scheduler + detokenizer, worker),
+each stage draining its in-flight requests before the next one is told; a
+child still running `--drain-timeout-s` + `--kill-grace-s` after its SIGTERM
+is SIGKILLed with its process group. A second signal hurries the drain.
+
+Flags the launcher does not know are forwarded to every service whose config
+accepts them (`--kv-cache-bytes` to the worker, `--max-running-requests` to
+the scheduler, `--log-level` to all); a flag no service accepts is an error.
+The gateway gets `--listen`, `--http-port` and `--tokenizer-addr`, plus the
+forwarded flags its `services.gateway.main.CONFIG_CLASS` accepts, if it has one.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.config import config_from_args, flags_from_dataclass
+from services.common.logging import setup_logging
+from services.launcher.children import Child
+
+log = logging.getLogger("radixmesh.up")
+
+# (service, [(flag, peer whose address it takes)]), in start order.
+TOPOLOGY = [
+    ("worker", []),
+    ("detokenizer", []),
+    ("scheduler", [("--worker-addr", "worker")]),
+    ("tokenizer", [("--scheduler-addr", "scheduler"), ("--detokenizer-addr", "detokenizer")]),
+    ("gateway", [("--tokenizer-addr", "tokenizer")]),
+]
+STOP_ORDER = [["gateway"], ["tokenizer"], ["scheduler", "detokenizer"], ["worker"]]
+TAKES_MODEL = ("worker", "detokenizer", "tokenizer")
+CONFIG_CLASSES = {
+    "worker": "services.worker.main:WorkerServiceConfig",
+    "detokenizer": "services.detokenizer.main:DetokenizerServiceConfig",
+    "scheduler": "services.scheduler.main:SchedulerServiceConfig",
+    "tokenizer": "services.tokenizer.main:TokenizerServiceConfig",
+    "gateway": "services.gateway.main:CONFIG_CLASS",
+}
+SET_BY_LAUNCHER = {"--listen", *(flag for _, peers in TOPOLOGY for flag, _ in peers)}
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str | None = field(default=None, metadata={"help": "a .gguf file or HF directory; default: SmolLM2-135M-Instruct"})
+    http_port: int = field(default=8000, metadata={"help": "the gateway's HTTP port"})
+    gateway: bool = field(default=True, metadata={"help": "start the HTTP gateway (--no-gateway: gRPC only, at the tokenizer)"})
+    drain_timeout_s: float = field(default=30.0, metadata={"help": "each service's drain deadline on stop"})
+    kill_grace_s: float = field(default=5.0, metadata={"help": "SIGKILL a child this long after its drain deadline"})
+    start_timeout_s: float = field(default=900.0, metadata={"help": "give up if the mesh is not SERVING by then"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
+        if self.drain_timeout_s < 0 or self.kill_grace_s < 0 or self.start_timeout_s <= 0:
+            raise ValueError("--drain-timeout-s and --kill-grace-s must be >= 0, --start-timeout-s > 0")
+
+
+class ChildDied(Exception):
+    def __init__(self, child: Child) -> None:
+        super().__init__(child.name)
+        self.child = child
+
+
+class Interrupted(Exception):
+    """SIGTERM / SIGINT asked the launcher to stop."""
+
+
+def _import(ref: str):
+    module, attr = ref.split(":")
+    try:
+        return getattr(importlib.import_module(module), attr, None)
+    except ModuleNotFoundError:
+        return None
+
+
+def _option_strings(cls) -> set[str]:
+    parser = argparse.ArgumentParser(add_help=False)
+    flags_from_dataclass(cls, parser)
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def route_flags(extra: list[str], services: list[str]) -> dict[str, list[str]]:
+    """Split unknown argv into `--flag [values]` groups, each forwarded to every service that
+    accepts it. Raises ValueError for a stray value, a flag the launcher sets, or one no service knows."""
+    routed: dict[str, list[str]] = {name: [] for name in services}
+    if not extra:
+        return routed
+    groups: list[list[str]] = []
+    for token in extra:
+        if token.startswith("--"):
+            groups.append([token])
+        elif groups:
+            groups[-1].append(token)
+        else:
+            raise ValueError(f"unexpected argument {token!r}")
+    accepted = {name: _option_strings(cls) if (cls := _import(CONFIG_CLASSES[name])) else set()
+                for name in services}
+    for group in groups:
+        flag = group[0].split("=", 1)[0]
+        if flag in SET_BY_LAUNCHER:
+            raise ValueError(f"{flag} is set by radixmesh up")
+        takers = [name for name in services if flag in accepted[name]]
+        if not takers:
+            raise ValueError(f"no service accepts {flag} (see `radixmesh serve <service> -h`)")
+        for name in takers:
+            routed[name] += group
+    return routed
+
+
+class Mesh:
+    def __init__(self, config: UpConfig, routed: dict[str, list[str]]) -> None:
+        self.config, self.routed = config, routed
+        self.children: dict[str, Child] = {}
+        self.exits: dict[str, asyncio.Task] = {}
+        self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()
+
+    def on_signal(self) -> None:
+        if self.stop.is_set():  # a second signal: children skip their drain wait
+            self.hurry.set()
+            for child in self.children.values():
+                child.signal(signal.SIGTERM)
+        self.stop.set()
+
+    async def race(self, awaitable, timeout: float | None, what: str):
+        """Await `awaitable` unless a child exits or a stop is asked for first."""
+        task = asyncio.ensure_future(awaitable)
+        stopping = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({task, stopping, *self.exits.values()}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        if self.stop.is_set():
+            raise Interrupted()
+        for name, exited in self.exits.items():
+            if exited.done():
+                raise ChildDied(self.children[name])
+        raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
+
+    def _argv(self, name: str, peers: list[tuple[str, str]]) -> list[str]:
+        cfg = self.config
+        argv = ["--listen", "127.0.0.1:0"]
+        for flag, peer in peers:
+            argv += [flag, self.children[peer].address]
+        if name == "gateway":
+            argv += ["--http-port", str(cfg.http_port)]
+            if _import(CONFIG_CLASSES["gateway"]) is not None:
+                argv += ["--drain-timeout-s", str(cfg.drain_timeout_s)]
+        else:
+            argv += ["--drain-timeout-s", str(cfg.drain_timeout_s)]
+        if name in TAKES_MODEL and cfg.model:
+            argv += ["--model", cfg.model]
+        return argv + self.routed.get(name, [])
+
+    async def start(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        for name, peers in TOPOLOGY:
+            if name not in self.routed:
+                continue
+            for _, peer in peers:
+                await self.race(self.children[peer].listening.wait(), deadline - time.monotonic(),
+                                f"{peer} listening")
+            child = Child(name, self._argv(name, peers), sys.stderr)
+            await child.spawn()
+            self.children[name] = child
+            self.exits[name] = asyncio.create_task(child.wait())
+            log.info("started", extra={"child": name, "pid": child.pid})
+        for name, child in self.children.items():
+            await self.race(child.listening.wait(), deadline - time.monotonic(), f"{name} listening")
+        for name, child in self.children.items():
+            await self.race(_serving(child.address), deadline - time.monotonic(), f"{name} SERVING")
+
+    async def shutdown(self) -> int:
+        """Stop front to back; returns 0 when every child exited 0."""
+        for group in STOP_ORDER:
+            members = [self.children[n] for n in group if n in self.children]
+            for child in members:
+                child.signal(signal.SIGTERM)
+            waits = [self.exits[c.name] for c in members if c.running]
+            if waits:
+                hurry = asyncio.ensure_future(self.hurry.wait())
+                grace = self.config.drain_timeout_s + self.config.kill_grace_s
+                await asyncio.wait({asyncio.ensure_future(asyncio.wait(waits, timeout=grace)), hurry},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if hurry.done():
+                    await asyncio.wait(waits, timeout=self.config.kill_grace_s)
+                hurry.cancel()
+            for child in members:
+                if child.running:
+                    log.warning("child did not stop in time: SIGKILL", extra={"child": child.name})
+                child.kill_group()  # also reaps anything it left in its group
+                await child.wait()
+        codes = {name: c.proc.returncode for name, c in self.children.items()}
+        log.info("stopped", extra={"exit_codes": codes})
+        return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+async def _serving(address: str) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+
+
+async def run(config: UpConfig, routed: dict[str, list[str]]) -> int:
+    mesh = Mesh(config, routed)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, mesh.on_signal)
+    try:
+        await mesh.start()
+        addresses = {name: c.address for name, c in mesh.children.items()}
+        url = f"http://127.0.0.1:{config.http_port}" if "gateway" in mesh.children else None
+        log.info("ready", extra={"url": url, "addresses": addresses,
+                                 "pids": {name: c.pid for name, c in mesh.children.items()}})
+        print(f"radixmesh is up: {url or 'no gateway'}; tokenizer gRPC at {addresses['tokenizer']} "
+              "(Ctrl-C to stop)", flush=True)
+        await mesh.race(asyncio.Event().wait(), None, "the end")
+    except Interrupted:
+        log.info("stopping", extra={"reason": "signal"})
+        return await mesh.shutdown()
+    except ChildDied as e:
+        child = e.child
+        log.error("child died", extra={"child": child.name, "status": child.describe_exit(),
+                                       "last_lines": list(child.tail)[-10:]})
+        print(f"radixmesh up: {child.name} died ({child.describe_exit()}); stopping the others. "
+              f"Its last log lines:\n{child.last_lines()}", file=sys.stderr, flush=True)
+        await mesh.shutdown()
+        return 1
+    except TimeoutError as e:
+        log.error("start timed out", extra={"error": str(e)})
+        await mesh.shutdown()
+        return 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="radixmesh up", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags_from_dataclass(UpConfig, parser)
+    args, extra = parser.parse_known_args(argv)
+    try:
+        config = config_from_args(UpConfig, args)
+        services = [name for name, _ in TOPOLOGY if name != "gateway" or config.gateway]
+        routed = route_flags(extra, services)
+    except ValueError as e:
+        parser.error(str(e))
+    if config.gateway and _import("services.gateway.main:main") is None:
+        parser.error("the gateway (services/gateway/main.py) is not available here: use --no-gateway")
+    setup_logging("launcher", "info")
+    return asyncio.run(run(config, routed))

@@ -1,0 +1,99 @@
+"""Scheduler core outputs and stats ↔ radixmesh.v1 messages (the service's side of the wire).
+
+A sequence's chunk carries the tokens of one RequestOutput; its counters are
+request-level (summed over the n sequences, see `Usage`). A finishing output
+becomes a chunk whose `finish` is set, then the same Finish on its own, as
+common.proto specifies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos.radixmesh.v1 import common_pb2 as cpb
+from protos.radixmesh.v1 import scheduler_pb2 as spb
+from services.scheduler.outputs import RequestOutput
+from services.scheduler.step_plan import TokenLogprobs
+
+_REASONS = {
+    "stop": cpb.FINISH_REASON_STOP,
+    "length": cpb.FINISH_REASON_LENGTH,
+    "abort": cpb.FINISH_REASON_ABORT,
+}
+
+
+def finish_proto(index: int, reason: str | None, matched: int | str | None) -> cpb.Finish:
+    msg = cpb.Finish(index=index, finish_reason=_REASONS.get(reason or "", cpb.FINISH_REASON_UNSPECIFIED))
+    if isinstance(matched, str):
+        msg.stop_str = matched
+    elif isinstance(matched, int):
+        msg.stop_token_id = matched
+    return msg
+
+
+def logprobs_proto(token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> list[cpb.TokenLogprob]:
+    """One entry per token when every token has logprobs, else none (they were not asked for)."""
+    if not logprobs or any(lp is None for lp in logprobs):
+        return []
+    return [cpb.TokenLogprob(token_id=tok, logprob=lp.logprob,
+                             top=[cpb.TokenLogprob.Top(token_id=t, logprob=v) for t, v in lp.top])
+            for tok, lp in zip(token_ids, logprobs)]
+
+
+@dataclass
+class Usage:
+    """Request-level counters over its n sequences: the prompt once, completions summed,
+    cached = the least any sequence reused (the prompt was computed at least once)."""
+    prompt_tokens: int = 0
+    completion: dict[int, int] = field(default_factory=dict)
+    cached: dict[int, int] = field(default_factory=dict)
+
+    def update(self, index: int, out: RequestOutput) -> None:
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion[index] = out.completion_tokens
+        self.cached[index] = out.cached_tokens
+
+    def fill(self, chunk: cpb.GenerateChunk) -> cpb.GenerateChunk:
+        chunk.prompt_tokens = self.prompt_tokens
+        chunk.completion_tokens = sum(self.completion.values())
+        chunk.cached_tokens = min(self.cached.values(), default=0)
+        return chunk
+
+
+def output_events(index: int, out: RequestOutput, usage: Usage) -> list[cpb.GenerateResponse]:
+    """The stream events of one core output: a chunk (when it has tokens), then its Finish."""
+    usage.update(index, out)
+    events = []
+    finish = finish_proto(index, out.finish_reason, out.matched_stop) if out.finished else None
+    if out.new_token_ids:
+        chunk = usage.fill(cpb.GenerateChunk(
+            index=index, token_ids=out.new_token_ids,
+            logprobs=logprobs_proto(out.new_token_ids, out.logprobs)))
+        if finish is not None:
+            chunk.finish.CopyFrom(finish)
+        events.append(cpb.GenerateResponse(chunk=chunk))
+    if finish is not None:
+        events.append(cpb.GenerateResponse(finish=finish))
+    return events
+
+
+def stats_proto(core, page_size: int, connected: bool, usage: cpb.Usage) -> spb.SchedulerStats:
+    """Counters from the core's stats; KV gauges read live (they may have changed since the last step)."""
+    s, kv = core.stats, core.kv
+    return spb.SchedulerStats(
+        num_running=len(core.running), num_waiting=len(core.waiting),
+        kv_pages_used=kv.num_pages - kv.allocator.num_free, kv_pages_total=kv.num_pages,
+        kv_pages_cached=kv.cache.cached_pages, page_size=page_size,
+        cache_hit_tokens=s.prefix_hit_tokens, cache_query_tokens=s.prefix_query_tokens,
+        cache_hits=s.prefix_hits, cache_queries=s.prefix_queries,
+        retracted=s.retracted, aborted=s.aborted, finished=s.finished, steps=s.steps,
+        worker_connected=connected, total_usage=usage)
+
+
+CARRIED_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens", "prefix_queries", "prefix_hits",
+                    "retracted", "aborted", "finished", "steps", "schedule_seconds")
+
+
+def carry_counters(old, new) -> None:
+    """Keep cumulative counters across a rebuilt core (after a worker reconnect)."""
+    for name in CARRIED_COUNTERS:
+        setattr(new, name, getattr(new, name) + getattr(old, name))

@@ -1,0 +1,302 @@
+"""The scheduler service: the Scheduler core on the event loop, one Step stream to the worker.
+
+Threading model: everything runs on one asyncio loop. Generate handlers
+validate and submit synchronously (so bad input fails the call at once with
+INVALID_ARGUMENT, a full queue with RESOURCE_EXHAUSTED), then read their
+outputs from a per-request queue. One loop task drives the worker: schedule()
+→ write the plan → deliver the previous step's outputs while the worker
+computes → read the result → process(). Early finishes (stop strings found by
+the detokenizer) are applied between steps; aborts go through the core's own
+abort queue, which schedule() applies.
+
+Worker loss: when the Step stream breaks, every open request fails with an
+Error (UNAVAILABLE), the core is rebuilt empty (the worker's KV may be gone,
+so no cached prefix can be trusted) and the service reconnects; Generate is
+refused with UNAVAILABLE meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator
+
+import grpc
+
+from protos.radixmesh.v1 import common_pb2 as cpb
+from protos.radixmesh.v1 import scheduler_pb2 as spb
+from protos.radixmesh.v1 import scheduler_pb2_grpc
+from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common.convert import sampling_from_proto
+from services.common.sampling_params import InvalidRequest
+from services.scheduler.convert import Usage, carry_counters, finish_proto, output_events, stats_proto
+from services.scheduler.outputs import QueueFull, RequestOutput
+from services.scheduler.scheduler import ModelLimits, Scheduler
+from services.worker.convert import plan_to_proto, result_from_proto
+
+log = logging.getLogger(__name__)
+
+MAX_N = 64
+_SEED_MOD = 2**63
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One Generate call: its core requests (one per sequence) and the queue its handler reads.
+    Queue items: ("out", index, RequestOutput) | ("stop", index, matched) | ("error", code, message)."""
+    rid: str
+    core_rids: list[str]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    open: set[int] = field(default_factory=set)
+    usage: Usage = field(default_factory=Usage)
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, config) -> None:  # a SchedulerServiceConfig
+        self.config = config
+        self.core: Scheduler | None = None
+        self.info: worker_pb2.WorkerInfo | None = None
+        self.connected = False
+        self._channel: grpc.aio.Channel | None = None
+        self._worker: worker_pb2_grpc.WorkerStub | None = None
+        self._call = None  # the Step stream
+        self._streams: dict[str, _Stream] = {}
+        self._owner: dict[str, tuple[_Stream, int]] = {}  # core rid -> (stream, index)
+        self._early: list[tuple[str, str | None]] = []  # (core rid, matched stop) to finish as stop
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._usage = cpb.Usage()
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Wait for the worker (health NOT_SERVING meanwhile), then drive it."""
+        self._channel = grpc.aio.insecure_channel(self.config.worker_addr)
+        self._worker = worker_pb2_grpc.WorkerStub(self._channel)
+        await self._connect(self.config.worker_wait_s)
+        self._loop_task = asyncio.create_task(self._run(), name="scheduler-loop")
+
+    async def _connect(self, wait_s: float) -> None:
+        """GetInfo with retries until the worker answers, a fresh core, a new Step stream."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                info = await self._worker.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+                break
+            except grpc.aio.AioRpcError as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {self.config.worker_addr} did not answer within "
+                                       f"{wait_s:.0f}s: {e.code().name} {e.details()}") from e
+                await asyncio.sleep(0.5)
+        m = info.model
+        limits = ModelLimits(info.num_kv_pages, info.page_size, m.max_position_embeddings, m.vocab_size,
+                             tuple(m.eos_token_ids))
+        cfg = self.config.scheduler
+        if info.max_requests and cfg.max_running_requests > info.max_requests:
+            log.warning("capping max_running_requests to the worker's page-table rows",
+                        extra={"requested": cfg.max_running_requests, "worker_max_requests": info.max_requests})
+            cfg = replace(cfg, max_running_requests=info.max_requests)
+        core = Scheduler(cfg, limits)
+        if self.core is not None:
+            carry_counters(self.core.stats, core.stats)
+        self.core, self.info = core, info
+        self._call = self._worker.Step()
+        self.connected = True
+        log.info("worker connected", extra={"worker": self.config.worker_addr, "model": m.name,
+                                            "kv_pages": info.num_kv_pages, "page_size": info.page_size})
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._drive(self.core, self._call)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the stream broke: fail what it served, reconnect
+                reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                log.error("worker stream broke", extra={"error": reason})
+                self.connected = False
+                self._call.cancel()
+                self._fail_all(grpc.StatusCode.UNAVAILABLE, f"worker stream broke: {reason}")
+                await self._connect(float("inf"))
+
+    async def _drive(self, core: Scheduler, call) -> None:
+        pending: list[RequestOutput] = []
+        while True:
+            self._apply_early(core)
+            plan = core.schedule()
+            pending += core.take_outputs()
+            if plan is None:
+                self._deliver(pending)
+                pending = []
+                if core.has_work:
+                    await asyncio.sleep(0.002)  # e.g. a prefill waits for a shared prefix
+                else:
+                    await self._wake.wait()
+                    self._wake.clear()
+                continue
+            await call.write(plan_to_proto(plan))
+            self._deliver(pending)  # while the worker computes
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                raise ConnectionError("the worker closed the step stream")
+            pending = core.process(result_from_proto(msg))
+            if self.config.check_invariants:
+                core.check_invariants()
+
+    def _apply_early(self, core: Scheduler) -> None:
+        early, self._early = self._early, []
+        for crid, matched in early:
+            if crid in core.running:
+                core.finish_early(crid, "stop", matched)
+            else:  # waiting (e.g. retracted): nothing to keep, drop it
+                core.abort(crid)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            owner = self._owner.get(out.rid)
+            if out.finished:
+                u = self._usage
+                u.prompt_tokens += out.prompt_tokens
+                u.completion_tokens += out.completion_tokens
+                u.cached_tokens += out.cached_tokens
+            if owner is not None:
+                stream, index = owner
+                stream.queue.put_nowait(("out", index, out))
+
+    def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(("error", code, message))
+
+    async def drain(self, deadline: float) -> None:
+        """Let open requests finish; abort those left shortly before the deadline so their
+        streams end with FINISH_REASON_ABORT rather than being cut; then leave the worker."""
+        margin = min(2.0, 0.25 * self.config.common.drain_timeout_s)
+        await _until(lambda: not self._streams, deadline - margin)
+        if self._streams and self.core is not None:
+            log.warning("drain: aborting requests", extra={"requests": len(self._streams)})
+            for crid in list(self._owner):
+                self.core.abort(crid)
+            self._wake.set()
+            await _until(lambda: not self._streams, deadline)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._call is not None:
+            self._call.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    # --- RPCs ------------------------------------------------------------------------
+    async def Generate(self, request: spb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.GenerateResponse]:
+        core = self.core
+        if core is None or not self.connected:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler has no worker connected")
+        n = request.n if request.HasField("n") else 1
+        rid = request.rid or uuid.uuid4().hex
+        ids, sampling = list(request.input_ids), sampling_from_proto(request.sampling)
+        try:
+            if not 1 <= n <= MAX_N:
+                raise InvalidRequest(f"n must be in [1, {MAX_N}], got {n}")
+            if rid in self._streams:
+                raise InvalidRequest(f"request id {rid!r} is already in use")
+            core.validate(ids, sampling)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        stream = _Stream(rid, [rid] if n == 1 else [f"{rid}/{i}" for i in range(n)], open=set(range(n)))
+        submitted: list[str] = []
+        try:
+            for i, crid in enumerate(stream.core_rids):
+                core.submit(crid, ids, sampling, (seed + i) % _SEED_MOD, request.namespace)
+                submitted.append(crid)
+        except (QueueFull, InvalidRequest) as e:
+            for crid in submitted:
+                core.abort(crid)
+            self._wake.set()
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(e))
+        self._streams[rid] = stream
+        for i, crid in enumerate(stream.core_rids):
+            self._owner[crid] = (stream, i)
+        self._wake.set()
+        try:
+            while stream.open:
+                for event in self._events(stream, await stream.queue.get()):
+                    yield event
+        finally:  # finished, failed, or cancelled by the client
+            for i in stream.open:
+                if self.core is core:
+                    core.abort(stream.core_rids[i])
+            for crid in stream.core_rids:
+                self._owner.pop(crid, None)
+            self._streams.pop(rid, None)
+            self._wake.set()
+
+    @staticmethod
+    def _events(stream: _Stream, item: tuple) -> list[cpb.GenerateResponse]:
+        kind, a, b = item
+        if kind == "error":
+            stream.open.clear()
+            return [cpb.GenerateResponse(error=cpb.Error(code=a.value[0], message=b))]
+        if a not in stream.open:
+            return []  # the sequence already ended (a stop string found downstream)
+        if kind == "stop":
+            stream.open.discard(a)
+            return [cpb.GenerateResponse(finish=finish_proto(a, "stop", b or None))]
+        out: RequestOutput = b
+        if out.finish_reason == "error":
+            stream.open.clear()
+            return [cpb.GenerateResponse(error=cpb.Error(code=grpc.StatusCode.INTERNAL.value[0],
+                                                         message=out.error or "request failed"))]
+        if out.finished:
+            stream.open.discard(a)
+        return output_events(a, out, stream.usage)
+
+    async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:
+        stream = self._streams.get(request.rid)
+        if stream is None or self.core is None:
+            return spb.AbortResponse(found=False)
+        indices = [request.index] if request.HasField("index") else sorted(stream.open)
+        found = False
+        for i in indices:
+            if i not in stream.open:
+                continue
+            found = True
+            crid = stream.core_rids[i]
+            if request.as_stop:
+                self._early.append((crid, request.matched_stop or None))
+                stream.queue.put_nowait(("stop", i, request.matched_stop))
+            else:
+                self.core.abort(crid)
+        self._wake.set()
+        return spb.AbortResponse(found=found)
+
+    async def GetStats(self, request: spb.GetStatsRequest, context: grpc.aio.ServicerContext) -> spb.SchedulerStats:
+        if self.core is None:
+            return spb.SchedulerStats(worker_connected=False)
+        return stats_proto(self.core, self.info.page_size, self.connected, self._usage)
+
+    async def FlushCache(self, request: spb.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> spb.FlushCacheResponse:
+        core = self.core
+        if core is None:
+            return spb.FlushCacheResponse(flushed=False, message="no worker connected")
+        if core.running or core.waiting:
+            return spb.FlushCacheResponse(flushed=False, message=(
+                f"{len(core.running)} running and {len(core.waiting)} waiting requests hold or need the cache"))
+        core.kv.cache.reset()
+        return spb.FlushCacheResponse(flushed=True)
+
+    async def GetInfo(self, request: worker_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        if self.info is None or not self.connected:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler has no worker connected")
+        return self.info
+
+
+async def _until(done, deadline: float, poll_s: float = 0.05) -> None:
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)

@@ -1,0 +1,195 @@
+"""The tokenizer service: the replica's entry point.
+
+Tokenize / ApplyChatTemplate / Info answer from the model's tokenizer. Generate
+tokenizes the prompt and runs it through the scheduler and the detokenizer
+(services/tokenizer/pipeline.py). Tokenizing runs on a thread (long prompts
+take milliseconds); the template and the vocabulary come from --model, the
+model facts (name, context length, eos ids) from the scheduler's GetInfo,
+which start() waits for, so SERVING means the path behind is up.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import grpc
+import jinja2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.radixmesh.v1 import common_pb2 as cpb
+from protos.radixmesh.v1 import detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from protos.radixmesh.v1 import tokenizer_pb2 as pb
+from protos.radixmesh.v1 import tokenizer_pb2_grpc, worker_pb2
+from services.common.sampling_params import InvalidRequest
+from services.tokenizer.pipeline import Pipeline, StageError
+from services.tokenizer.text_tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def messages_from_proto(conv: pb.Conversation) -> list[dict]:
+    out = []
+    for m in conv.messages:
+        msg = {"role": m.role, "content": m.content}
+        if m.HasField("name"):
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
+    def __init__(self, config) -> None:  # a TokenizerServiceConfig
+        self.config = config
+        self.tokenizer = None
+        self.model_info: worker_pb2.WorkerInfo | None = None
+        self._active: dict[str, Pipeline] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
+        self._sched_channel = grpc.aio.insecure_channel(self.config.scheduler_addr)
+        self._detok_channel = grpc.aio.insecure_channel(self.config.detokenizer_addr)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._sched_channel)
+        self.detokenizer = detokenizer_pb2_grpc.DetokenizerStub(self._detok_channel)
+        self._detok_health = health_pb2_grpc.HealthStub(self._detok_channel)
+        deadline = time.monotonic() + self.config.peer_wait_s
+        self.model_info = await _retry(lambda: self.scheduler.GetInfo(worker_pb2.GetInfoRequest(), timeout=5),
+                                       deadline, f"scheduler {self.config.scheduler_addr}")
+        await _retry(self._detokenizer_serving, deadline, f"detokenizer {self.config.detokenizer_addr}")
+        log.info("peers ready", extra={"model": self.model_info.model.name})
+
+    async def _detokenizer_serving(self) -> None:
+        resp = await self._detok_health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            raise ConnectionError(f"detokenizer is {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}")
+
+    async def drain(self, deadline: float) -> None:
+        """Let streams finish; shortly before the deadline abort the rest at the scheduler,
+        so they end with FINISH_REASON_ABORT instead of being cut."""
+        margin = min(2.0, 0.25 * self.config.common.drain_timeout_s)
+        while self._active and time.monotonic() < deadline - margin:
+            await asyncio.sleep(0.05)
+        if self._active:
+            log.warning("drain: aborting requests", extra={"requests": len(self._active)})
+            await asyncio.gather(*(self.scheduler.Abort(scheduler_pb2.AbortRequest(rid=rid), timeout=2)
+                                   for rid in list(self._active)), return_exceptions=True)
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    # --- RPCs ------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateTextRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.GenerateResponse]:
+        rid = request.rid or uuid.uuid4().hex
+        if rid in self._active:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
+        try:
+            ids = await self._prompt_ids(request)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        pipeline = Pipeline(rid, ids, request, self.scheduler, self.detokenizer)
+        self._active[rid] = pipeline
+        try:
+            async for event in pipeline.run():
+                yield event
+        except StageError as e:  # refused before the first event: fail the call with its code
+            await context.abort(e.code, e.message)
+        finally:  # done, failed or cancelled by the client: nothing stays open downstream
+            pipeline.cancel()
+            self._active.pop(rid, None)
+
+    async def _prompt_ids(self, request: pb.GenerateTextRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise InvalidRequest("give one of text, conversation or input_ids")
+        if which == "input_ids":
+            return list(request.input_ids.ids)
+        if which == "text":
+            add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            return await asyncio.to_thread(self.tokenizer.encode, request.text, add)
+        text = self._render(messages_from_proto(request.conversation), True)
+        return await asyncio.to_thread(self.tokenizer.encode, text, False)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if not messages:
+            raise InvalidRequest("the conversation has no messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except (ValueError, jinja2.TemplateError) as e:  # no template, or the template rejects the input
+            raise InvalidRequest(f"cannot apply the chat template: {e}") from e
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        which = request.WhichOneof("input")
+        try:
+            if which == "texts":
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                texts = list(request.texts.texts)
+            elif which == "conversations":
+                gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+                texts = [self._render(messages_from_proto(c), gen) for c in request.conversations.conversations]
+                add = False  # the template wrote the special tokens
+            else:
+                raise InvalidRequest("give texts or conversations")
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        batch = await asyncio.to_thread(self.tokenizer.encode_batch, texts, add) if texts else []
+        return pb.TokenizeResponse(items=[pb.TokenIds(ids=ids) for ids in batch])
+
+    async def ApplyChatTemplate(self, request: pb.ApplyChatTemplateRequest,
+                                context: grpc.aio.ServicerContext) -> pb.ApplyChatTemplateResponse:
+        gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        try:
+            prompts = [self._render(messages_from_proto(c), gen) for c in request.conversations]
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ApplyChatTemplateResponse(prompts=prompts)
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        m, tok = self.model_info.model, self.tokenizer
+        resp = pb.InfoResponse(model_name=m.name, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids,
+                               context_length=m.max_position_embeddings, has_chat_template=tok.chat_template is not None)
+        if tok.bos_token_id is not None:
+            resp.bos_token_id = tok.bos_token_id
+        pad = tok.special_tokens.get("pad_token")
+        if pad is not None and tok.raw.token_to_id(pad) is not None:
+            resp.pad_token_id = tok.raw.token_to_id(pad)
+        return resp
+
+    async def Ready(self, request: pb.ReadyRequest, context: grpc.aio.ServicerContext) -> pb.ReadyResponse:
+        stages = await asyncio.gather(self._scheduler_stages(), self._detokenizer_stage())
+        flat = [*stages[0], stages[1]]
+        return pb.ReadyResponse(ready=all(s.serving for s in flat), stages=flat)
+
+    async def _scheduler_stages(self) -> list[pb.StageHealth]:
+        addr = self.config.scheduler_addr
+        try:
+            stats = await self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=2)
+        except grpc.aio.AioRpcError as e:
+            return [pb.StageHealth(stage="scheduler", address=addr, serving=False,
+                                   detail=f"{e.code().name}: {e.details()}")]
+        return [pb.StageHealth(stage="scheduler", address=addr, serving=True),
+                pb.StageHealth(stage="worker", serving=stats.worker_connected,
+                               detail="" if stats.worker_connected else "the scheduler has no worker stream")]
+
+    async def _detokenizer_stage(self) -> pb.StageHealth:
+        addr = self.config.detokenizer_addr
+        try:
+            await self._detokenizer_serving()
+            return pb.StageHealth(stage="detokenizer", address=addr, serving=True)
+        except (grpc.aio.AioRpcError, ConnectionError) as e:
+            detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            return pb.StageHealth(stage="detokenizer", address=addr, serving=False, detail=detail)
+
+
+async def _retry(attempt, deadline: float, what: str):
+    """await attempt() until it succeeds; past the deadline raise with the last error."""
+    while True:
+        try:
+            return await attempt()
+        except (grpc.aio.AioRpcError, ConnectionError) as e:
+            if time.monotonic() > deadline:
+                detail = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                raise RuntimeError(f"{what} is not ready: {detail}") from e
+            await asyncio.sleep(0.5)

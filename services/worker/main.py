@@ -1,0 +1,36 @@
+"""`radixmesh serve worker`: the model, KV pool and sampler behind a Step stream."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.radixmesh.v1 import worker_pb2_grpc
+from services.common.config import CommonConfig, parse_config
+from services.common.server import run_service
+from services.worker.config import WorkerConfig
+
+DEFAULT_LISTEN = "127.0.0.1:50053"
+
+
+@dataclass(frozen=True)
+class WorkerServiceConfig:
+    common: CommonConfig = field(default_factory=lambda: CommonConfig(listen=DEFAULT_LISTEN))
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixmesh serve worker", description=__doc__)
+    config = parse_config(WorkerServiceConfig, argv, parser)
+    from services.worker.service import WorkerService
+
+    service = WorkerService(config.worker)
+
+    def add_servicers(server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+
+    try:
+        return run_service("worker", config.common, add_servicers, on_start=service.start)
+    finally:
+        service.close()
