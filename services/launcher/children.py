@@ -41,6 +41,7 @@ class Child:
         self.name, self.argv = name, argv
         self.proc: asyncio.subprocess.Process | None = None
         self.port: int | None = None
+        self.listen_event: dict = {}  # the child's `listening` log line
         self.listening = asyncio.Event()
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self._log_to = log_to
@@ -78,7 +79,7 @@ class Child:
                 try:
                     event = json.loads(text)
                     if event.get("msg") == "listening":
-                        self.port = int(event["port"])
+                        self.port, self.listen_event = int(event["port"]), event
                         self.listening.set()
                 except (ValueError, KeyError, TypeError):
                     pass

@@ -240,7 +240,8 @@ async def run(config: UpConfig, routed: dict[str, list[str]]) -> int:
     try:
         await mesh.start()
         addresses = {name: c.address for name, c in mesh.children.items()}
-        url = f"http://127.0.0.1:{config.http_port}" if "gateway" in mesh.children else None
+        gateway = mesh.children.get("gateway")
+        url = (gateway.listen_event.get("url") or f"http://127.0.0.1:{config.http_port}") if gateway else None
         log.info("ready", extra={"url": url, "addresses": addresses,
                                  "pids": {name: c.pid for name, c in mesh.children.items()}})
         print(f"radixmesh is up: {url or 'no gateway'}; tokenizer gRPC at {addresses['tokenizer']} "

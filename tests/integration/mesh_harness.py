@@ -31,9 +31,10 @@ SMALL_MESH = ["--kv-cache-bytes", str(32 << 20), "--max-requests", "16", "--max-
 class Mesh:
     """The launcher with its stderr (JSON lines of every service) collected by a reader thread."""
 
-    def __init__(self, *flags: str, drain_timeout_s: float = 10.0) -> None:
+    def __init__(self, *flags: str, drain_timeout_s: float = 10.0, gateway: bool = False) -> None:
+        gateway_flags = ["--http-port", "0"] if gateway else ["--no-gateway"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--no-gateway", "--drain-timeout-s", str(drain_timeout_s),
+            [sys.executable, "-m", "services.cli", "up", *gateway_flags, "--drain-timeout-s", str(drain_timeout_s),
              *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.events: queue.Queue[dict] = queue.Queue()
         self.log: list[dict] = []
