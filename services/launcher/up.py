@@ -85,12 +85,15 @@ class Interrupted(Exception):
     """SIGTERM / SIGINT asked the launcher to stop."""
 
 
-def _import(ref: str):
+def load_ref(ref: str):
+    """`module:attr` → the object; None when that module (not one it imports) or attribute is missing."""
     module, attr = ref.split(":")
     try:
         return getattr(importlib.import_module(module), attr, None)
-    except ModuleNotFoundError:
-        return None
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            return None
+        raise
 
 
 def _option_strings(cls) -> set[str]:
@@ -113,7 +116,7 @@ def route_flags(extra: list[str], services: list[str]) -> dict[str, list[str]]:
             groups[-1].append(token)
         else:
             raise ValueError(f"unexpected argument {token!r}")
-    accepted = {name: _option_strings(cls) if (cls := _import(CONFIG_CLASSES[name])) else set()
+    accepted = {name: _option_strings(cls) if (cls := load_ref(CONFIG_CLASSES[name])) else set()
                 for name in services}
     for group in groups:
         flag = group[0].split("=", 1)[0]
@@ -168,7 +171,7 @@ class Mesh:
             argv += [flag, self.children[peer].address]
         if name == "gateway":
             argv += ["--http-port", str(cfg.http_port)]
-            if _import(CONFIG_CLASSES["gateway"]) is not None:
+            if load_ref(CONFIG_CLASSES["gateway"]) is not None:
                 argv += ["--drain-timeout-s", str(cfg.drain_timeout_s)]
         else:
             argv += ["--drain-timeout-s", str(cfg.drain_timeout_s)]
@@ -276,7 +279,7 @@ def main(argv: list[str]) -> int:
         routed = route_flags(extra, services)
     except ValueError as e:
         parser.error(str(e))
-    if config.gateway and _import("services.gateway.main:main") is None:
+    if config.gateway and load_ref("services.gateway.main:main") is None:
         parser.error("the gateway (services/gateway/main.py) is not available here: use --no-gateway")
     setup_logging("launcher", "info")
     return asyncio.run(run(config, routed))
