@@ -32,6 +32,8 @@ def _http_error(e: web.HTTPException) -> APIError:
 async def errors(request: web.Request, handler) -> web.StreamResponse:
     """Every failure leaves as OpenAI's error envelope."""
     state: GatewayState = request.app[STATE]
+    task = asyncio.current_task()
+    state.inflight.add(task)
     try:
         return await handler(request)
     except APIError as e:
@@ -53,6 +55,8 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})
         return error_response(APIError(500, "internal error in the gateway", "server_error"))
+    finally:
+        state.inflight.discard(task)
 
 
 def build_app(config: GatewayConfig, backend: Backend, *, monitor_backend: bool = True) -> web.Application:

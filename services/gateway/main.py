@@ -47,12 +47,38 @@ async def _health_server(config: GatewayConfig) -> tuple[grpc.aio.Server, health
     return server, servicer, port
 
 
+async def _drain(runner: web.AppRunner, state, health_servicer, timeout_s: float, forced: asyncio.Event) -> None:
+    """Stop accepting, let in-flight requests finish until the deadline (or a
+    second signal), then cancel them: cancelling a handler cancels its gRPC
+    calls, which aborts the requests in the mesh."""
+    state.draining, state.ready = True, False
+    await health_servicer.enter_graceful_shutdown()
+    log.info("draining", extra={"in_flight": len(state.inflight), "timeout_s": timeout_s})
+    for site in list(runner.sites):
+        await site.stop()  # no new connections
+    waiting = asyncio.ensure_future(forced.wait())
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while state.inflight and not forced.is_set():
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            break
+        await asyncio.wait({*state.inflight, waiting}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    if state.inflight:
+        log.warning("cancelling requests still running", extra={
+            "in_flight": len(state.inflight), "reason": "second signal" if forced.is_set() else "drain deadline"})
+        for task in list(state.inflight):
+            task.cancel()
+        await asyncio.wait(set(state.inflight), timeout=5)
+    await runner.cleanup()
+
+
 async def serve(config: GatewayConfig, backend: Backend | None = None) -> int:
     """Run until SIGTERM/SIGINT (main thread only); returns the exit status."""
     app = build_app(config, backend or GrpcBackend(config.tokenizer_addr))
     state = app[STATE]
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.common.drain_timeout_s,
-                           access_log=None)
+    # The drain is ours (_drain); aiohttp's own shutdown only closes what is left.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.http_port).start()
@@ -79,18 +105,8 @@ async def serve(config: GatewayConfig, backend: Backend | None = None) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        state.draining, state.ready = True, False
-        await health_servicer.enter_graceful_shutdown()
-        log.info("draining", extra={"timeout_s": config.common.drain_timeout_s})
-        cleanup = asyncio.ensure_future(runner.cleanup())
-        stop.clear()
-        forced = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({cleanup, forced}, return_when=asyncio.FIRST_COMPLETED)
-        if not cleanup.done():
-            log.warning("second signal: stopping now")
-            cleanup.cancel()
-        forced.cancel()
-        await asyncio.gather(cleanup, forced, return_exceptions=True)
+        stop.clear()  # a second signal cancels at once
+        await _drain(runner, state, health_servicer, config.common.drain_timeout_s, stop)
         await grpc_server.stop(0)
     finally:
         for sig in signals:

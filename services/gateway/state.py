@@ -30,6 +30,7 @@ class GatewayState:
     draining: bool = False
     not_ready_reason: str = "the backend has not been checked yet"
     started: int = field(default_factory=lambda: int(time.time()))
+    inflight: set[asyncio.Task] = field(default_factory=set)  # request handlers running now (drain)
     # Called with the new value whenever `ready` changes (e.g. the gRPC health status).
     watchers: list[Callable[[bool], Awaitable[None]]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)

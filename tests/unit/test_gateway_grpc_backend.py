@@ -26,6 +26,7 @@ class StubTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.cancelled = asyncio.Event()
         self.ready = True
         self.mode = "ok"  # ok | invalid | full | error_event | slow
+        self.slow_tokens = 1000  # chunks in "slow" mode, 50 ms apart
 
     async def Info(self, request, context):
         return tokenizer_pb2.InfoResponse(model_name="stub", vocab_size=100, context_length=64,
@@ -43,7 +44,7 @@ class StubTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         if self.mode == "full":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
         try:
-            for i in range(3 if self.mode != "slow" else 1000):
+            for i in range(3 if self.mode != "slow" else self.slow_tokens):
                 lp = common_pb2.TokenLogprob(token_id=5 + i, logprob=-0.5, top=[
                     common_pb2.TokenLogprob.Top(token_id=5 + i, logprob=-0.5)])
                 yield common_pb2.GenerateResponse(chunk=common_pb2.GenerateChunk(
