@@ -113,13 +113,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await self._drive(self.core, self._call)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the stream broke: fail what it served, reconnect
-                reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            except (grpc.aio.AioRpcError, ConnectionError) as exc:
+                reason = "worker stream broke: " + (exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc))
                 log.error("worker stream broke", extra={"error": reason})
-                self.connected = False
-                self._call.cancel()
-                self._fail_all(grpc.StatusCode.UNAVAILABLE, f"worker stream broke: {reason}")
-                await self._connect(float("inf"))
+            except Exception as exc:  # a bug: the core's state cannot be trusted, start over the same way
+                reason = f"scheduler error: {exc!r}"
+                log.exception("scheduler loop failed")
+            # Fail what was open, then a fresh core on a new stream (the worker resets too).
+            self.connected = False
+            self._call.cancel()
+            self._fail_all(grpc.StatusCode.UNAVAILABLE, reason)
+            await self._connect(float("inf"))
 
     async def _drive(self, core: Scheduler, call) -> None:
         pending: list[RequestOutput] = []

@@ -164,3 +164,54 @@ def finish_reason(finish: common_pb2.Finish) -> str:
 
 def stats(mesh: Mesh) -> scheduler_pb2.SchedulerStats:
     return mesh.scheduler().GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+
+
+class Service:
+    """One `radixmesh serve <name>` process (no launcher), its port read from its `listening` line."""
+
+    def __init__(self, name: str, *flags: str, listen: str = "127.0.0.1:0") -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", name, "--listen", listen, *flags],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._port: queue.Queue[int] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self.port = self._port.get(timeout=120)
+        except queue.Empty:
+            self.stop()
+            raise AssertionError(f"{name} never listened:\n{''.join(self.lines[-20:])}") from None
+        self.address = f"127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if '"listening"' in line:
+                self._port.put(int(json.loads(line)["port"]))
+
+    def wait_serving(self, timeout: float = 300) -> "Service":
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        end = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                assert self.proc.poll() is None, f"{self.name} exited:\n{''.join(self.lines[-20:])}"
+                assert time.monotonic() < end, f"{self.name} not SERVING after {timeout}s"
+                time.sleep(0.2)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()

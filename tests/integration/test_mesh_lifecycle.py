@@ -11,9 +11,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.radixmesh.v1 import tokenizer_pb2
+from protos.radixmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.launcher.up import route_flags
-from tests.integration.mesh_harness import SMALL_MESH, Mesh, finish_reason, greedy
+from tests.integration.mesh_harness import SMALL_MESH, Mesh, Service, collect, finish_reason, greedy
 
 SERVICES = ["worker", "detokenizer", "scheduler", "tokenizer"]
 
@@ -108,3 +108,45 @@ def test_a_killed_child_stops_the_mesh_and_is_named():
         assert mesh.leftover_children() == []
     finally:
         mesh.kill_all()
+
+
+def test_worker_loss_fails_open_requests_and_the_scheduler_reconnects():
+    """Services started one by one (no launcher, which would stop everything): the worker dies
+    mid-stream and a new one comes up on the same port."""
+    worker_flags = ("--kv-cache-bytes", str(32 << 20), "--max-requests", "16")
+    services = [Service("worker", *worker_flags), Service("detokenizer")]
+    worker, detok = services
+    try:
+        services.append(sched := Service("scheduler", "--worker-addr", worker.address, "--check-invariants"))
+        services.append(tok := Service("tokenizer", "--scheduler-addr", sched.address,
+                                       "--detokenizer-addr", detok.address))
+        tok.wait_serving()
+        with grpc.insecure_channel(tok.address) as tch, grpc.insecure_channel(sched.address) as sch:
+            stub, sstub = tokenizer_pb2_grpc.TokenizerStub(tch), scheduler_pb2_grpc.SchedulerStub(sch)
+            request = tokenizer_pb2.GenerateTextRequest(text="The quick brown fox", sampling=greedy(8))
+            before = collect(stub.Generate(request, timeout=60))[0]
+            call = stub.Generate(tokenizer_pb2.GenerateTextRequest(
+                text="A long story:", sampling=greedy(500, ignore_eos=True)), timeout=120)
+            next(call)
+            worker.stop(signal.SIGKILL)
+            events = list(call)
+            assert events[-1].WhichOneof("event") == "error", events[-1]
+            assert events[-1].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+            assert "worker stream broke" in events[-1].error.message
+            assert not sstub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10).worker_connected
+            assert not stub.Ready(tokenizer_pb2.ReadyRequest(), timeout=10).ready
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(request, timeout=10))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+            services.append(Service("worker", *worker_flags, listen=worker.address))
+            end = time.monotonic() + 300
+            while not sstub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10).worker_connected:
+                assert time.monotonic() < end
+                time.sleep(0.5)
+            after = collect(stub.Generate(request, timeout=60))[0]
+            assert after["text"] == before["text"] and after["token_ids"] == before["token_ids"]
+            assert stub.Ready(tokenizer_pb2.ReadyRequest(), timeout=10).ready
+    finally:
+        for service in reversed(services):
+            service.stop()
