@@ -27,10 +27,14 @@ _PR_SET_PDEATHSIG = 1
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(services.__file__)))
 
 
+# Resolved in the parent: between fork and exec the child must not dlopen (another
+# thread of the launcher may have held the loader's lock at fork time).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
 def _die_with_parent(parent_pid: int):
     def preexec() -> None:  # runs in the child between fork and exec
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent_pid:  # the launcher died before prctl took effect
             os._exit(1)
     return preexec

@@ -152,19 +152,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _apply_early(self, core: Scheduler) -> None:
         early, self._early = self._early, []
         for crid, matched in early:
-            if crid in core.running:
+            req = core.running.get(crid)
+            if req is not None:  # it yields no output: count its usage here
+                self._count(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
                 core.finish_early(crid, "stop", matched)
             else:  # waiting (e.g. retracted): nothing to keep, drop it
                 core.abort(crid)
+
+    def _count(self, prompt: int, completion: int, cached: int) -> None:
+        u = self._usage
+        u.prompt_tokens, u.completion_tokens, u.cached_tokens = (
+            u.prompt_tokens + prompt, u.completion_tokens + completion, u.cached_tokens + cached)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             owner = self._owner.get(out.rid)
             if out.finished:
-                u = self._usage
-                u.prompt_tokens += out.prompt_tokens
-                u.completion_tokens += out.completion_tokens
-                u.cached_tokens += out.cached_tokens
+                self._count(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
             if owner is not None:
                 stream, index = owner
                 stream.queue.put_nowait(("out", index, out))
