@@ -119,6 +119,8 @@ class Engine:
                        ) -> list[GenerateOutput]:
         """Submit all at once (they batch together), wait for all."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequest(f"{len(prompts)} prompts but {len(params)} sampling params")
         queues = [queue.SimpleQueue() for _ in prompts]
         for ids, sp, q in zip(prompts, params, queues):
             self.submit(ids, sp, q.put)

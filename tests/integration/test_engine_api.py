@@ -1,0 +1,100 @@
+"""The Engine's API on the real model: bad input, seeds, streaming, abort, stop strings, logprobs."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from services.common.sampling_params import InvalidRequest, SamplingParams
+from services.engine.engine import Engine
+from services.scheduler.config import SchedulerConfig
+from services.worker.config import WorkerConfig
+
+HELLO = [{"role": "user", "content": "Write a short story about a robot."}]
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, tokenizer):
+    eng = Engine(worker=WorkerConfig(kv_cache_bytes=128 << 20, max_requests=16),
+                 scheduler=SchedulerConfig(max_running_requests=16), checkpoint=checkpoint, tokenizer=tokenizer)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(prompt=""), "empty"),
+    (dict(input_ids=[1, 2, 10**6]), "outside the vocabulary"),
+    (dict(input_ids=[-3]), "outside the vocabulary"),
+    (dict(prompt="hi", sampling=SamplingParams(temperature=-1.0)), "temperature"),
+    (dict(prompt="hi", sampling=SamplingParams(top_p=float("nan"))), "top_p"),
+    (dict(prompt="hi", sampling=SamplingParams(top_k=-5)), "top_k"),
+    (dict(prompt="hi", sampling=SamplingParams(repetition_penalty=0.0)), "repetition_penalty"),
+    (dict(input_ids=[1] * 8200, sampling=SamplingParams(max_new_tokens=16)), "context length"),
+    (dict(prompt="hi", messages=HELLO), "exactly one"),
+])
+def test_bad_input_gets_a_clear_error_and_the_engine_keeps_serving(engine, kwargs, message):
+    with pytest.raises(InvalidRequest, match=message):
+        engine.generate(**kwargs)
+    out = engine.generate(messages=[{"role": "user", "content": "Say hi."}],
+                          sampling=SamplingParams(temperature=0, max_new_tokens=4))
+    assert out.error is None and out.completion_tokens >= 1
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
+    ids = engine.prompt_ids(messages=HELLO)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=24, ignore_eos=True)
+    alone = engine.generate(input_ids=ids, sampling=seeded).token_ids
+    mates = [engine.prompt_ids(messages=[{"role": "user", "content": f"Count to {i}."}]) for i in range(4)]
+    other = SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True)
+    batch = engine.generate_batch(mates[:2] + [ids] + mates[2:], [other, other, seeded, other, other])
+    assert batch[2].token_ids == alone
+    different = engine.generate(input_ids=ids, sampling=SamplingParams(
+        temperature=0.9, top_p=0.95, seed=99, max_new_tokens=24, ignore_eos=True)).token_ids
+    assert different != alone
+
+
+def test_top_k_1_equals_greedy(engine):
+    ids = engine.prompt_ids(messages=HELLO)
+    greedy = engine.generate(input_ids=ids, sampling=SamplingParams(temperature=0, max_new_tokens=16))
+    topk1 = engine.generate(input_ids=ids, sampling=SamplingParams(temperature=1.3, top_k=1, max_new_tokens=16))
+    assert greedy.token_ids == topk1.token_ids
+
+
+def test_stop_strings_and_logprobs(engine):
+    ids = engine.prompt_ids(messages=[{"role": "user", "content": "What is the capital of France?"}])
+    full = engine.generate(input_ids=ids, sampling=SamplingParams(temperature=0, max_new_tokens=16))
+    assert "Paris" in full.text
+    cut = engine.generate(input_ids=ids, sampling=SamplingParams(temperature=0, max_new_tokens=16, stop=["Paris"]))
+    assert cut.finish_reason == "stop" and cut.matched_stop == "Paris"
+    assert cut.text == full.text[: full.text.index("Paris")]
+    lp = engine.generate(input_ids=ids, sampling=SamplingParams(
+        temperature=0, max_new_tokens=4, logprobs=True, top_logprobs=3))
+    assert len(lp.logprobs) == 4
+    for tok, entry in zip(lp.token_ids, lp.logprobs):
+        assert entry.logprob <= 0 and len(entry.top) == 3
+        assert entry.top[0][0] == tok  # greedy picks the most likely token
+        assert math.isclose(entry.top[0][1], entry.logprob, abs_tol=1e-5)
+
+
+def test_cancelled_stream_aborts_and_frees_kv(engine):
+    sched = engine.scheduler
+    baseline = sched.kv.allocator.num_free + sched.kv.cache.evictable_pages
+
+    async def consume_some():
+        n = 0
+        async for chunk in engine.stream(messages=HELLO, sampling=SamplingParams(
+                temperature=0, max_new_tokens=500, ignore_eos=True)):
+            n += len(chunk.token_ids)
+            if n >= 5:
+                break  # leaving the generator cancels: the request must be aborted
+        return n
+
+    aborted_before = sched.stats.aborted
+    assert asyncio.run(consume_some()) >= 5
+    for _ in range(200):
+        if sched.stats.aborted > aborted_before and not sched.running:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert sched.stats.aborted == aborted_before + 1
+    assert sched.kv.allocator.num_free + sched.kv.cache.evictable_pages == baseline
