@@ -134,6 +134,9 @@ class _Registrar:
         return getattr(self._server, name)
 
 
+MAX_MESSAGE_BYTES = 64 << 20
+
+
 async def serve(
     service_name: str,
     config: ServiceOptions,
@@ -151,7 +154,10 @@ async def serve(
     """
     loop = asyncio.get_running_loop()
     gate = _Gate()
-    server = grpc.aio.server(interceptors=[gate], options=server_options or [])
+    # Step plans and long prompts can exceed gRPC's 4 MB default message size.
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *(server_options or [])]
+    server = grpc.aio.server(interceptors=[gate], options=options)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     registrar = _Registrar(server)

@@ -350,6 +350,15 @@ class Scheduler:
         s.kv_pages_used = self.kv.num_pages - self.kv.allocator.num_free
         s.kv_pages_cached = self.kv.cache.cached_pages
 
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix (after a weight update, say). False, and
+        nothing changed, while requests are running or waiting."""
+        if self.running or self.waiting:
+            return False
+        self.kv.cache.reset()
+        self._refresh_gauges()
+        return True
+
     def check_invariants(self) -> None:
         self.kv.check_invariants(list(self.running.values()))
         for req in self.waiting:

@@ -292,10 +292,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         core = self.core
         if core is None:
             return spb.FlushCacheResponse(flushed=False, message="no worker connected")
-        if core.running or core.waiting:
+        running, waiting = len(core.running), len(core.waiting)
+        if not core.flush_cache():
             return spb.FlushCacheResponse(flushed=False, message=(
-                f"{len(core.running)} running and {len(core.waiting)} waiting requests hold or need the cache"))
-        core.kv.cache.reset()
+                f"{running} running and {waiting} waiting requests hold or need the cache"))
         return spb.FlushCacheResponse(flushed=True)
 
     async def GetInfo(self, request: worker_pb2.GetInfoRequest,

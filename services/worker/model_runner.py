@@ -91,6 +91,11 @@ class ModelRunner:
             self.page_table[req.row, start:start + len(pages)] = torch.tensor(pages, dtype=torch.int64)
         req.num_pages = start + len(pages)
 
+    def reset(self) -> None:
+        """Forget every request (a new scheduler connection starts from nothing)."""
+        for rid in list(self.requests):
+            self._release(rid)
+
     # --- the step ------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

@@ -23,7 +23,6 @@ import grpc
 from protos.radixmesh.v1 import worker_pb2 as pb
 from protos.radixmesh.v1 import worker_pb2_grpc
 from services.common.model_path import resolve_model_path
-from services.scheduler.step_plan import StepPlan
 from services.worker.config import WorkerConfig
 from services.worker.convert import plan_from_proto, result_to_proto
 
@@ -86,10 +85,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def _reset(self) -> None:
         """Drop every request's state: a new stream's scheduler knows none of them."""
-        rids = list(self.runner.requests)
-        if rids:
-            self.runner.execute(StepPlan(step_id=0, released_rids=rids))
-            log.info("dropped state of %d requests of a previous stream", len(rids))
+        n = len(self.runner.requests)
+        if n:
+            self.runner.reset()
+            log.info("dropped state of %d requests of a previous stream", n)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
