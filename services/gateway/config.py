@@ -5,12 +5,14 @@ from dataclasses import dataclass, field
 
 from services.common.config import CommonConfig
 
+DEFAULT_LISTEN = "127.0.0.1:50050"  # gRPC health; docs/mesh.md lists every service's default port
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
     """`common.listen` serves gRPC health (and reflection) only, like every
     service: SERVING while the gateway is ready (its /ready is 200)."""
-    common: CommonConfig = field(default_factory=CommonConfig)
+    common: CommonConfig = field(default_factory=lambda: CommonConfig(listen=DEFAULT_LISTEN))
     host: str = field(default="127.0.0.1", metadata={"help": "address to serve HTTP on (0.0.0.0 in a container)"})
     http_port: int = field(default=8000, metadata={"help": "HTTP port; 0 picks a free one (logged as `listening`)"})
     tokenizer_addr: str = field(default="127.0.0.1:50051", metadata={

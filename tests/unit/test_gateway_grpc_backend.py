@@ -89,7 +89,9 @@ def test_request_conversion_and_events():
             calls = [GenerateCall("r1", sp, n=2, text="hello"),
                      GenerateCall("r2", sp, messages=[{"role": "user", "content": "hi", "name": "bob"}]),
                      GenerateCall("r3", sp, input_ids=[1, 2, 3], include_stop_str_in_output=True)]
-            events = [[e async for e in backend.generate(c)] for c in calls]
+            events = []
+            for c in calls:
+                events.append([e async for e in backend.generate(c)])
             return stub.requests, events, await backend.info()
     requests, events, info = asyncio.run(go())
     text, chat, ids = requests
