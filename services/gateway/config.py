@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import CommonConfig
+from services.common.server import MAX_MESSAGE_BYTES
 
 DEFAULT_LISTEN = "127.0.0.1:50050"  # gRPC health; docs/mesh.md lists every service's default port
 
@@ -34,8 +35,9 @@ class GatewayConfig:
         host, sep, port = self.tokenizer_addr.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"--tokenizer-addr must be HOST:PORT, got {self.tokenizer_addr!r}")
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
+        if not 1024 <= self.max_request_bytes <= MAX_MESSAGE_BYTES // 2:
+            raise ValueError(f"--max-request-bytes must be in [1024, {MAX_MESSAGE_BYTES // 2}] (half the mesh's "
+                             f"gRPC message limit), got {self.max_request_bytes}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
         if self.ready_interval_s <= 0:

@@ -56,6 +56,11 @@ def decode_json(raw: bytes) -> dict:
         raise invalid(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    try:  # JSON may escape a lone UTF-16 surrogate ("\udc00"), which no UTF-8 string can carry
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(f"the request body contains {e.object[e.start:e.end]!r}, a lone UTF-16 surrogate, "
+                      "which is not valid Unicode", code="invalid_json") from None
     return body
 
 

@@ -143,6 +143,7 @@ def test_bad_input_is_a_400_with_an_actionable_message(path, body, message, para
     (b"[1, 2]", "must be a JSON object"),
     (b"\xff\xfe", "not valid JSON"),
     (b"", "not valid JSON"),
+    (b'{"model": "fake-model", "prompt": "a\\udc00"}', "a lone UTF-16 surrogate"),
     (b"[" * 100000 + b"]" * 100000, "not valid JSON"),
 ])
 def test_malformed_json_is_a_400(raw, message):
