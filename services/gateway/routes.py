@@ -175,7 +175,7 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [_model_card(state)]})
 
 
-@routes.get("/v1/models/{model}")
+@routes.get("/v1/models/{model:.+}")  # model names may contain "/"
 async def get_model(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
     await state.require_info()

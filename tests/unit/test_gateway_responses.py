@@ -258,14 +258,14 @@ def test_ready_is_503_before_the_first_check():
 
 def test_models_route_and_model_name_override():
     async def go():
-        async with client_for(FakeBackend(), GatewayConfig(model_name="alias")) as c:
+        async with client_for(FakeBackend(), GatewayConfig(model_name="org/alias")) as c:
             models = await (await c.get("/v1/models")).json()
-            one = await c.get("/v1/models/alias")
+            one = await c.get("/v1/models/org/alias")
             missing = await c.get("/v1/models/other")
             status, _ = await post(c, "/v1/completions", {"model": "fake-model", "prompt": "x"})
             return models, one.status, missing.status, status
     models, one, missing, status = run(go())
-    assert models["data"][0]["id"] == "alias" and models["data"][0]["max_model_len"] == 256
+    assert models["data"][0]["id"] == "org/alias" and models["data"][0]["max_model_len"] == 256
     assert (one, missing, status) == (200, 404, 400)
 
 
