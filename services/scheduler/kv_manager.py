@@ -82,6 +82,7 @@ class KVManager:
         self.allocator.free(private)
         req.pages, req.node, req.tree_tokens = [], None, 0
         req.computed = 0
+        req.pages_changed, req.sent_pages = True, 0  # a restart sends its page table afresh
 
     def _insert(self, req: Request, n_tokens: int) -> None:
         n_pages = n_tokens // self.page_size

@@ -100,13 +100,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        # Release before admitting: a finished request's row is free for a new one in
+        # the same step (the scheduler never lists a re-admitted request as released).
+        for rid in plan.released_rids:
+            self._release(rid)
         for spec in plan.new_requests:
             self._admit(spec)
         result = StepResult(step_id=plan.step_id)
         if plan.items:
             self._run_items(plan, result)
-        for rid in plan.released_rids:
-            self._release(rid)
         result.forward_seconds = time.perf_counter() - t0
         return result
 

@@ -28,8 +28,9 @@ def reference_output(prompt: list[int], max_new: int, stop_ids=()) -> list[int]:
 
 
 class FakeWorker:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, max_requests: int = 1 << 30):
         self.page_size = page_size
+        self.max_requests = max_requests  # the real worker's page-table rows
         self.slots = [-1] * (num_pages * page_size)
         self.tables: dict[str, list[int]] = {}
         self.seqs: dict[str, list[int]] = {}
@@ -37,9 +38,14 @@ class FakeWorker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.steps += 1
+        for rid in plan.released_rids:  # released first, as the model runner does
+            assert rid in self.tables, f"released unknown request {rid}"
+            self.tables.pop(rid)
+            self.seqs.pop(rid)
         for spec in plan.new_requests:
             self.tables[spec.rid] = []
             self.seqs[spec.rid] = list(spec.prompt_ids) + list(spec.output_ids)
+        assert len(self.tables) <= self.max_requests, f"worker holds {len(self.tables)} requests"
         result = StepResult(plan.step_id)
         for item in plan.items:
             table = self.tables[item.rid]
@@ -60,9 +66,6 @@ class FakeWorker:
                 result.rids.append(item.rid)
                 result.next_token_ids.append(tok)
                 result.logprobs.append(TokenLogprobs(-0.5))
-        for rid in plan.released_rids:
-            self.tables.pop(rid, None)
-            self.seqs.pop(rid, None)
         return result
 
     def _slot(self, table: list[int], pos: int) -> int:

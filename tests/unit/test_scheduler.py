@@ -18,7 +18,8 @@ EOS = 0
 
 def make(num_pages=64, page_size=1, context=256, **cfg):
     limits = ModelLimits(num_pages, page_size, context, VOCAB, (EOS,))
-    return Scheduler(SchedulerConfig(**cfg), limits), FakeWorker(num_pages, page_size)
+    config = SchedulerConfig(**cfg)
+    return Scheduler(config, limits), FakeWorker(num_pages, page_size, config.max_running_requests)
 
 
 def run(sched: Scheduler, worker: FakeWorker, max_steps=5000, on_step=None) -> dict:
