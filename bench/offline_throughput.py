@@ -59,8 +59,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], sp: SamplingParams) -> 
     return time.perf_counter() - t0, ttft
 
 
-def engine_throughput(args, ckpt, tok, prompts) -> dict:
-    worker = WorkerConfig(dtype=args.dtype, max_requests=args.max_running)
+def engine_throughput(args, ckpt, tok, prompts, dtype: str) -> dict:
+    worker = WorkerConfig(dtype=dtype, max_requests=args.max_running)
     engine = Engine(worker=worker, scheduler=SchedulerConfig(max_running_requests=args.max_running),
                     checkpoint=ckpt, tokenizer=tok)
     sp = SamplingParams(temperature=0, max_new_tokens=args.output_len, ignore_eos=True)
@@ -116,7 +116,8 @@ def main() -> int:
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1000)
     p.add_argument("--question-len", type=int, default=32)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="engine weight/KV dtypes to measure")
+    p.add_argument("--dtype", default="float32", help="dtype of the prefix-cache TTFT runs")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
@@ -125,15 +126,17 @@ def main() -> int:
     prompts = random_prompts(args.num_requests, args.input_len, rng)
     results = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
                f"{os.cpu_count()} cores", "torch_threads": torch.get_num_threads(), "args": vars(args)}
-    results["engine"] = engine_throughput(args, ckpt, tok, prompts)
-    print(f"engine        {results['engine']['output_tok_s']:8.1f} output tok/s "
-          f"(scheduler {100 * results['engine']['scheduler_share']:.1f}% of wall time)", flush=True)
+    for dtype in args.dtypes.split(","):
+        r = results[f"engine_{dtype}"] = engine_throughput(args, ckpt, tok, prompts, dtype)
+        print(f"engine {dtype:9s} {r['output_tok_s']:8.1f} output tok/s "
+              f"(scheduler {100 * r['scheduler_share']:.2f}% of wall time)", flush=True)
     if not args.skip_hf:
-        results["hf_static"] = hf_throughput(args, prompts)
-        ratio = results["engine"]["output_tok_s"] / results["hf_static"]["output_tok_s"]
-        results["throughput_ratio"] = ratio
-        print(f"hf static b{args.hf_batch} {results['hf_static']['output_tok_s']:8.1f} output tok/s")
-        print(f"ratio engine / hf static: {ratio:.2f}x  (target >= 3x)", flush=True)
+        hf = results["hf_static"] = hf_throughput(args, prompts)
+        print(f"hf float32 static batch {args.hf_batch}: {hf['output_tok_s']:8.1f} output tok/s")
+        for dtype in args.dtypes.split(","):
+            ratio = results[f"engine_{dtype}"]["output_tok_s"] / hf["output_tok_s"]
+            results[f"throughput_ratio_{dtype}"] = ratio
+            print(f"ratio engine {dtype} / hf float32 static: {ratio:.2f}x  (target >= 3x)", flush=True)
     on = prefix_ttft(args, ckpt, tok, True, random.Random(1))
     off = prefix_ttft(args, ckpt, tok, False, random.Random(1))
     results["prefix_cache_on"], results["prefix_cache_off"] = on, off

@@ -5,6 +5,7 @@ import asyncio
 import math
 
 import pytest
+import torch
 
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.engine.engine import Engine
@@ -98,3 +99,17 @@ def test_cancelled_stream_aborts_and_frees_kv(engine):
         asyncio.run(asyncio.sleep(0.05))
     assert sched.stats.aborted == aborted_before + 1
     assert sched.kv.allocator.num_free + sched.kv.cache.evictable_pages == baseline
+
+
+def test_bfloat16_engine_answers_correctly(checkpoint, tokenizer):
+    """The faster bfloat16 path (AMX on this CPU) is not token-exact with the float32
+    reference, but must still be the same model."""
+    eng = Engine(worker=WorkerConfig(dtype="bfloat16", kv_cache_bytes=64 << 20, max_requests=4),
+                 scheduler=SchedulerConfig(max_running_requests=4), checkpoint=checkpoint, tokenizer=tokenizer)
+    try:
+        out = eng.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                           sampling=SamplingParams(temperature=0, max_new_tokens=12))
+        assert "Paris" in out.text, out.text
+        assert eng.runner.pool.k.dtype == torch.bfloat16
+    finally:
+        eng.shutdown()
