@@ -22,7 +22,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Normalize in float32 (as the reference does), scale in the model dtype.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return self.weight * normed
 
 
 class Attention(nn.Module):
