@@ -19,10 +19,14 @@ _REPEATED = ("stop_token_ids", "stop")
 _SCALARS = tuple(f.name for f in fields(SamplingParams) if f.name not in _REPEATED)
 
 
-def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+def sampling_to_proto(params: SamplingParams, *, unset_max_new_tokens: bool = False) -> pb.SamplingParams:
     """Every scalar that is not None is set explicitly, so the receiver needs no
-    knowledge of the sender's defaults."""
+    knowledge of the sender's defaults. `unset_max_new_tokens` leaves
+    max_new_tokens out (whatever `params` holds): the tokenizer's Generate then
+    gives the request what the context leaves after the prompt."""
     scalars = {name: getattr(params, name) for name in _SCALARS}
+    if unset_max_new_tokens:
+        del scalars["max_new_tokens"]
     return pb.SamplingParams(
         stop_token_ids=params.stop_token_ids,
         stop=params.stop,

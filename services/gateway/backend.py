@@ -56,6 +56,11 @@ class GenerateCall:
     input_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The client gave no max_tokens: the backend gives what the context leaves after the
+    # prompt (OpenAI's default), at most fill_cap; sampling.max_new_tokens is then only
+    # the largest value that can come out of it and is not sent.
+    fill_context: bool = False
+    fill_cap: int | None = None
 
 
 @dataclass
@@ -63,6 +68,7 @@ class TopToken:
     token_id: int
     logprob: float
     token: str | None = None  # the token's text, when the backend knows it
+    bytes: bytes | None = None  # its UTF-8 bytes (None: those of `token`)
 
 
 @dataclass
@@ -71,6 +77,7 @@ class TokenLogprob:
     logprob: float
     top: list[TopToken] = field(default_factory=list)  # most likely first
     token: str | None = None
+    bytes: bytes | None = None
 
 
 @dataclass
@@ -124,8 +131,10 @@ def generate_request(call: GenerateCall) -> tokenizer_pb2.GenerateTextRequest:
     """GenerateCall → the tokenizer's request. Raises ValueError for integers
     protobuf cannot hold (the gateway bounds them before)."""
     req = tokenizer_pb2.GenerateTextRequest(
-        rid=call.rid, sampling=sampling_to_proto(call.sampling), n=call.n,
+        rid=call.rid, sampling=sampling_to_proto(call.sampling, unset_max_new_tokens=call.fill_context), n=call.n,
         skip_special_tokens=call.skip_special_tokens, include_stop_str_in_output=call.include_stop_str_in_output)
+    if call.fill_context and call.fill_cap is not None:
+        req.default_max_new_tokens = call.fill_cap
     if call.input_ids is not None:
         req.input_ids.ids.extend(call.input_ids)
     elif call.messages is not None:
@@ -135,13 +144,18 @@ def generate_request(call: GenerateCall) -> tokenizer_pb2.GenerateTextRequest:
     return req
 
 
+def _text(lp) -> tuple[str | None, bytes | None]:
+    """A logprob's token text and bytes; None when the backend sent none (shown as token_id:<id>)."""
+    return (lp.token, lp.token_bytes) if lp.HasField("token") else (None, None)
+
+
 def _event(msg: common_pb2.GenerateResponse) -> Event:
     kind = msg.WhichOneof("event")
     if kind == "chunk":
         c = msg.chunk
         return Chunk(c.index, list(c.token_ids), c.text, [
-            TokenLogprob(lp.token_id, lp.logprob, [TopToken(t.token_id, t.logprob, getattr(t, "token", None) or None)
-                                                   for t in lp.top], getattr(lp, "token", None) or None)
+            TokenLogprob(lp.token_id, lp.logprob, [TopToken(t.token_id, t.logprob, *_text(t)) for t in lp.top],
+                         *_text(lp))
             for lp in c.logprobs], c.prompt_tokens, c.completion_tokens, c.cached_tokens)
     if kind == "finish":
         f = msg.finish

@@ -23,7 +23,9 @@ class GatewayConfig:
     max_request_bytes: int = field(default=8 * 1024 * 1024, metadata={
         "help": "request bodies above this size are refused with 413"})
     default_max_tokens: int | None = field(default=None, metadata={
-        "help": "max_tokens when a request gives none; none = the core's default (SamplingParams)"})
+        "help": "the most tokens a request that gives no max_tokens gets (it gets what the context leaves after "
+                "the prompt, as with OpenAI); none = no cap. /generate: max_new_tokens when none is given "
+                "(none = the core's default, 128)"})
     ready_interval_s: float = field(default=1.0, metadata={
         "help": "seconds between backend checks (grpc health SERVING and Info) behind /ready"})
     retry_after_s: int = field(default=1, metadata={

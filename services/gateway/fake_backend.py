@@ -78,6 +78,12 @@ class FakeBackend:
         try:
             if not ids:
                 raise InvalidRequest("the prompt is empty")
+            if call.fill_context:  # as the tokenizer service does for an unset max_new_tokens
+                room = self.context_length - len(ids)
+                if room < 1:
+                    raise InvalidRequest(f"the prompt ({len(ids)} tokens) leaves no room for output within the "
+                                         f"model's context length of {self.context_length} tokens")
+                sp.max_new_tokens = min(room, call.fill_cap or room)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")

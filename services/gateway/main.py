@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 CONFIG_CLASS = GatewayConfig  # `radixmesh up` forwards the flags this accepts
 
 
+def http_url(host: str, port: int) -> str:
+    """A URL a client on this machine can use: a wildcard host becomes loopback."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 async def _health_server(config: GatewayConfig) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     server = grpc.aio.server()
     servicer = health.aio.HealthServicer()
@@ -94,10 +100,10 @@ async def serve(config: GatewayConfig, backend: Backend | None = None) -> int:
 
     state.watchers.append(set_health)
     await set_health(state.ready)  # the monitor may have run a check already
-    http_port = runner.addresses[0][1]
+    http_port = runner.addresses[0][1]  # the bound one (--http-port 0 picks it)
     log.info("listening", extra={"address": f"{config.common.listen.rpartition(':')[0]}:{grpc_port}",
                                  "port": grpc_port, "http_port": http_port,
-                                 "url": f"http://{config.host}:{http_port}", "tokenizer_addr": config.tokenizer_addr})
+                                 "url": http_url(config.host, http_port), "tokenizer_addr": config.tokenizer_addr})
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)

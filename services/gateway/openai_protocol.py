@@ -79,10 +79,19 @@ def _check_model(body: dict, served: str) -> None:
                        param="model", code="model_not_found")
 
 
+def _fills_context(values: dict, fill: bool) -> bool:
+    """OpenAI's default for a missing max_tokens: what the context leaves after the prompt."""
+    return fill and values.get("max_tokens") is None
+
+
 def _sampling(values: dict, info: ModelInfo, default_max_tokens: int | None,
-              names: dict[str, str] | None = None) -> SamplingParams:
+              names: dict[str, str] | None = None, fill: bool = False) -> SamplingParams:
     """Sampling fields under their OpenAI names → SamplingParams. `names` maps
-    a field to the parameter name the client used, for error messages."""
+    a field to the parameter name the client used, for error messages. With
+    `fill` (the OpenAI routes) a missing max_tokens is left to the backend, which
+    gives what the context leaves (at most default_max_tokens); max_new_tokens
+    then holds the most that can be, for the checks here. Without `fill`
+    (/generate, as SGLang) it is default_max_tokens or the core's default."""
     names = names or {}
 
     def get(key: str, default: Any) -> Any:
@@ -91,7 +100,10 @@ def _sampling(values: dict, info: ModelInfo, default_max_tokens: int | None,
 
     sp = SamplingParams()
     max_tokens = get("max_tokens", None)
-    if max_tokens is None:
+    fills = _fills_context(values, fill)
+    if fills:
+        max_tokens = min(default_max_tokens or info.context_length, info.context_length - 1)
+    elif max_tokens is None:
         max_tokens = default_max_tokens or sp.max_new_tokens
     stop = get("stop", [])
     sp = SamplingParams(
@@ -110,7 +122,10 @@ def _sampling(values: dict, info: ModelInfo, default_max_tokens: int | None,
         ignore_eos=get("ignore_eos", False),
     )
     max_name, min_name = names.get("max_tokens", "max_tokens"), names.get("min_tokens", "min_tokens")
-    if sp.max_new_tokens >= info.context_length:
+    if fills and sp.min_new_tokens > sp.max_new_tokens:
+        raise invalid(f"{min_name} ({sp.min_new_tokens}) must be <= {max_name}, which defaults to what the "
+                      f"context leaves after the prompt (at most {sp.max_new_tokens})", param=min_name)
+    if sp.max_new_tokens >= info.context_length and not fills:
         raise invalid(f"{max_name} ({sp.max_new_tokens}) leaves no room for the prompt: the model's context "
                       f"length is {info.context_length} tokens", param=max_name)
     if sp.min_new_tokens > sp.max_new_tokens:
@@ -146,8 +161,10 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool((options or {}).get("include_usage"))
 
 
-def _calls(rid: str, sp: SamplingParams, n: int, prompts: list[dict], values: dict) -> list[GenerateCall]:
-    """One call per prompt; `values` holds the detokenizer options."""
+def _calls(rid: str, sp: SamplingParams, n: int, prompts: list[dict], values: dict,
+           fill_cap: int | None = None, fills: bool = False) -> list[GenerateCall]:
+    """One call per prompt; `values` holds the detokenizer options; `fills`: max_tokens
+    is left to the backend (see GenerateCall.fill_context)."""
     if len(prompts) * n > MAX_SEQUENCES:
         raise invalid(f"{len(prompts)} prompts x n={n} is more than {MAX_SEQUENCES} sequences in one request",
                       param="n")
@@ -155,7 +172,8 @@ def _calls(rid: str, sp: SamplingParams, n: int, prompts: list[dict], values: di
     skip = values.get("skip_special_tokens")
     options = {"skip_special_tokens": True if skip is None else skip,
                "include_stop_str_in_output": bool(values.get("include_stop_str_in_output"))}
-    return [GenerateCall(f"{rid}-{i}" if many else rid, _copy(sp), n, **p, **options)
+    return [GenerateCall(f"{rid}-{i}" if many else rid, _copy(sp), n, **p, **options, fill_context=fills,
+                         fill_cap=fill_cap if fills else None)
             for i, p in enumerate(prompts)]
 
 
@@ -170,7 +188,8 @@ def parse_completion(body: dict, info: ModelInfo, served: str, default_max_token
     stream, include_usage = _stream_flags(body)
     n = body.get("n") or 1
     logprobs = body.get("logprobs")
-    sp = _finish_sampling(_sampling(body, info, default_max_tokens), info,
+    fills = _fills_context(body, True)
+    sp = _finish_sampling(_sampling(body, info, default_max_tokens, fill=True), info,
                           logprobs is not None, logprobs or 0)
     prompt = body["prompt"]
     if isinstance(prompt, str):
@@ -184,12 +203,15 @@ def parse_completion(body: dict, info: ModelInfo, served: str, default_max_token
     for i, p in enumerate(prompts):
         if "input_ids" in p:
             _check_ids(p["input_ids"], info, "prompt")
-            if len(p["input_ids"]) + sp.max_new_tokens > info.context_length:
+            if fills and len(p["input_ids"]) >= info.context_length:
+                raise invalid(f"the prompt ({len(p['input_ids'])} tokens) leaves no room for output within the "
+                              f"model's context length of {info.context_length} tokens", param="prompt")
+            if not fills and len(p["input_ids"]) + sp.max_new_tokens > info.context_length:
                 raise invalid(f"prompt ({len(p['input_ids'])} tokens) + max_tokens ({sp.max_new_tokens}) exceeds "
                               f"the model's context length of {info.context_length} tokens", param="prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    return ParsedRequest("completion", rid, served, _calls(rid, sp, n, prompts, body), n, stream, include_usage,
-                         logprobs is not None, logprobs or 0)
+    return ParsedRequest("completion", rid, served, _calls(rid, sp, n, prompts, body, default_max_tokens, fills), n,
+                         stream, include_usage, logprobs is not None, logprobs or 0)
 
 
 def parse_chat(body: dict, info: ModelInfo, served: str, default_max_tokens: int | None = None) -> ParsedRequest:
@@ -205,7 +227,8 @@ def parse_chat(body: dict, info: ModelInfo, served: str, default_max_tokens: int
     newer = body.get("max_completion_tokens") is not None
     values = {**body, "max_tokens": body["max_completion_tokens"]} if newer else body
     names = {"max_tokens": "max_completion_tokens"} if newer else {}
-    sp = _finish_sampling(_sampling(values, info, default_max_tokens, names), info, logprobs, top)
+    fills = _fills_context(values, True)
+    sp = _finish_sampling(_sampling(values, info, default_max_tokens, names, fill=True), info, logprobs, top)
     messages = []
     for m in body["messages"]:
         content = m["content"] if isinstance(m["content"], str) else "\n".join(p["text"] for p in m["content"])
@@ -214,8 +237,8 @@ def parse_chat(body: dict, info: ModelInfo, served: str, default_max_tokens: int
             msg["name"] = m["name"]
         messages.append(msg)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    return ParsedRequest("chat", rid, served, _calls(rid, sp, n, [{"messages": messages}], body), n, stream,
-                         include_usage, logprobs, top)
+    return ParsedRequest("chat", rid, served, _calls(rid, sp, n, [{"messages": messages}], body, default_max_tokens,
+                                                     fills), n, stream, include_usage, logprobs, top)
 
 
 def parse_generate(body: dict, info: ModelInfo, served: str, default_max_tokens: int | None = None

@@ -59,7 +59,8 @@ STOP_TOKEN_IDS = nullable({**TOKEN_IDS, "minItems": 0, "maxItems": 64})
 # Sampling controls shared by /v1/completions and /v1/chat/completions.
 OPENAI_SAMPLING = {
     "model": {"type": "string", "description": "the served model's name (GET /v1/models)"},
-    "max_tokens": _int(1, INT32_MAX, description="tokens to generate at most; prompt + max_tokens must fit the context"),
+    "max_tokens": _int(1, INT32_MAX, description="tokens to generate at most; prompt + max_tokens must fit the "
+                                                 "context; default: what the context leaves after the prompt"),
     "max_completion_tokens": _int(1, INT32_MAX, description="the newer name of max_tokens; wins when both are given"),
     "temperature": _num(0, 2, description="0 = greedy"),
     "top_p": _num(0, 1, exclusive_lo=True),

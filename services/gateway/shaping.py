@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from services.gateway.backend import Chunk, Finish, TokenLogprob
+from services.gateway.backend import Chunk, Finish, TokenLogprob, TopToken
 from services.gateway.openai_protocol import ParsedRequest
 
 
@@ -84,15 +84,19 @@ def _token(text: str | None, token_id: int) -> str:
     return text if text is not None else f"token_id:{token_id}"
 
 
-def _bytes(text: str | None) -> list[int] | None:
-    return list(text.encode("utf-8")) if text is not None else None
+def _bytes(lp: TokenLogprob | TopToken) -> list[int] | None:
+    """The token's UTF-8 bytes: as the backend sent them (a piece of a character has no text
+    of its own), else those of its text; None when it has neither."""
+    if lp.bytes is not None:
+        return list(lp.bytes)
+    return list(lp.token.encode("utf-8")) if lp.token is not None else None
 
 
 def chat_logprobs(lps: list[TokenLogprob]) -> dict:
     return {"content": [{
-        "token": _token(lp.token, lp.token_id), "logprob": _finite(lp.logprob), "bytes": _bytes(lp.token),
+        "token": _token(lp.token, lp.token_id), "logprob": _finite(lp.logprob), "bytes": _bytes(lp),
         "top_logprobs": [{"token": _token(t.token, t.token_id), "logprob": _finite(t.logprob),
-                          "bytes": _bytes(t.token)} for t in lp.top],
+                          "bytes": _bytes(t)} for t in lp.top],
     } for lp in lps], "refusal": None}
 
 

@@ -22,10 +22,15 @@ class TokenizerServiceConfig:
     detokenizer_addr: str = field(default="127.0.0.1:50054", metadata={"help": "the detokenizer's gRPC HOST:PORT"})
     peer_wait_s: float = field(default=600.0, metadata={
         "help": "at start: seconds to wait for the scheduler (and its worker) and the detokenizer"})
+    default_max_tokens: int | None = field(default=None, metadata={
+        "help": "when a request leaves max_new_tokens unset it gets what the context leaves after the prompt "
+                "(as OpenAI does), at most this many; none = no cap"})
 
     def __post_init__(self) -> None:
         if self.peer_wait_s <= 0:
             raise ValueError(f"--peer-wait-s must be > 0, got {self.peer_wait_s}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ whatever it still sends for that sequence is dropped.
 """
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -37,8 +37,10 @@ class Pipeline:
     """Yields the client's events; raises StageError when the scheduler refuses the request
     before any event (validation, queue full) so the caller can fail the call with its code."""
 
-    def __init__(self, rid: str, prompt_ids: list[int], request, scheduler, detokenizer) -> None:
+    def __init__(self, rid: str, prompt_ids: list[int], request, scheduler, detokenizer,
+                 token_text: Callable[[int], tuple[str, bytes]] | None = None) -> None:
         self.rid, self.request = rid, request  # a tokenizer_pb2.GenerateTextRequest
+        self._token_text = token_text  # id → (text, bytes), for logprobs (TextTokenizer.token_text)
         self.prompt_ids = prompt_ids
         self.n = request.n if request.HasField("n") else 1
         self._scheduler, self._detokenizer = scheduler, detokenizer  # stubs
@@ -100,6 +102,11 @@ class Pipeline:
         out = cpb.GenerateChunk(index=c.index, token_ids=ids, text=resp.text, logprobs=c.logprobs,
                                 prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
                                 cached_tokens=c.cached_tokens)
+        if self._token_text is not None:
+            for lp in out.logprobs:
+                lp.token, lp.token_bytes = self._token_text(lp.token_id)
+                for top in lp.top:
+                    top.token, top.token_bytes = self._token_text(top.token_id)
         if resp.HasField("matched_stop"):
             fin = cpb.Finish(index=c.index, finish_reason=cpb.FINISH_REASON_STOP, stop_str=resp.matched_stop)
             if not c.HasField("finish"):  # still running at the scheduler: end it as finished

@@ -87,9 +87,14 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
         try:
             ids = await self._prompt_ids(request)
+            if not request.sampling.HasField("max_new_tokens"):
+                cap = (request.default_max_new_tokens if request.HasField("default_max_new_tokens")
+                       else self.config.default_max_tokens)
+                request.sampling.max_new_tokens = fill_max_new_tokens(len(ids), self._token_room(), cap)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        pipeline = Pipeline(rid, ids, request, self.scheduler, self.detokenizer)
+        pipeline = Pipeline(rid, ids, request, self.scheduler, self.detokenizer,
+                            token_text=self.tokenizer.token_text)
         self._active[rid] = pipeline
         try:
             async for event in pipeline.run():
@@ -99,6 +104,15 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         finally:  # done, failed or cancelled by the client: nothing stays open downstream
             pipeline.cancel()
             self._active.pop(rid, None)
+
+    def _token_room(self) -> tuple[int, str]:
+        """(tokens a request may span, what bounds it): the model's context length, or the KV
+        pool when it holds less (a longer request could never be admitted)."""
+        info, context = self.model_info, self.model_info.model.max_position_embeddings
+        pool = info.num_kv_pages * info.page_size
+        if 0 < pool < context:
+            return pool, f"the KV cache's {pool} tokens"
+        return context, f"the model's context length of {context} tokens"
 
     async def _prompt_ids(self, request: pb.GenerateTextRequest) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -181,6 +195,17 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         except (grpc.aio.AioRpcError, ConnectionError) as e:
             detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
             return pb.StageHealth(stage="detokenizer", address=addr, serving=False, detail=detail)
+
+
+def fill_max_new_tokens(prompt_len: int, room: tuple[int, str], cap: int | None) -> int:
+    """max_new_tokens for a request that gave none: what `room` (tokens, its description)
+    leaves after the prompt, at most `cap` (None or 0 = no cap). Raises InvalidRequest when
+    the prompt leaves no room at all."""
+    tokens, what = room
+    left = tokens - prompt_len
+    if left < 1:
+        raise InvalidRequest(f"the prompt ({prompt_len} tokens) leaves no room for output within {what}")
+    return min(left, cap) if cap else left
 
 
 async def _retry(attempt, deadline: float, what: str):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Iterable, Sequence
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from services.common.model_path import resolve_model_path
 from services.tokenizer.chat_template import ChatTemplate
@@ -28,6 +29,9 @@ class TextTokenizer:
         self._eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self._special_tokens = dict(special_tokens or {})
         self._template = ChatTemplate(chat_template) if chat_template else None
+        self._token_texts: dict[int, tuple[str, bytes]] = {}  # token_text's cache (bounded by the vocabulary)
+        self._added_ids: frozenset[int] | None = None
+        self._byte_of: dict[str, int] | None = None
 
     # -- encoding -------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -75,6 +79,45 @@ class TextTokenizer:
     def special_tokens(self) -> dict[str, str]:
         """{"bos_token": ..., "eos_token": ..., "unk_token": ..., "pad_token": ...} where known."""
         return dict(self._special_tokens)
+
+    def token_text(self, i: int) -> tuple[str, bytes]:
+        """Id `i` on its own as OpenAI reports a token in logprobs: (its text, its bytes).
+
+        The bytes are the token's share of the UTF-8 output (byte-level vocabularies map their
+        spelling back to bytes; `<0xNN>` pieces are that byte; added and special tokens are their
+        content). The text is those bytes decoded, or, for a piece of a multi-byte character,
+        OpenAI's `bytes:\\xNN...` spelling. Cached: logprobs ask for many ids per token."""
+        hit = self._token_texts.get(i)
+        if hit is None:
+            raw = self._token_bytes(i)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            hit = self._token_texts[i] = (text, raw)
+        return hit
+
+    def _token_bytes(self, i: int) -> bytes:
+        piece = self._tok.id_to_token(i)
+        if piece is None:
+            return b""
+        if self._added_ids is None:
+            self._added_ids = frozenset(self._tok.get_added_tokens_decoder())
+        if i in self._added_ids:
+            return self._tok.decode([i], skip_special_tokens=False).encode("utf-8")
+        if isinstance(self._tok.decoder, decoders.ByteLevel):
+            from services.tokenizer.gguf_tokenizer import byte_to_unicode
+            if self._byte_of is None:
+                self._byte_of = {c: b for b, c in byte_to_unicode().items()}
+            if all(c in self._byte_of for c in piece):
+                return bytes(self._byte_of[c] for c in piece)
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # sentencepiece byte fallback
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        text = self._tok.decode([i], skip_special_tokens=False)
+        if piece.startswith("\u2581") and not text.startswith(" "):  # a word start decoded alone loses its space
+            text = " " + text
+        return text.encode("utf-8")
 
     def id_to_token(self, i: int) -> str | None:
         """The vocabulary spelling of id `i` (byte-level: `Ġ` for a leading space), None if out of range."""

@@ -32,9 +32,11 @@ from tests.integration.mesh_harness import REPO, Mesh, stats  # noqa: E402
 
 # ~5.5k tokens of KV; 40 running requests so 32 clients decode together (the worker's rows
 # above that: with rows == max running, a full batch has failed a step); a short waiting
-# queue so that a flood meets RESOURCE_EXHAUSTED.
+# queue so that a flood meets RESOURCE_EXHAUSTED; the context capped at 1024 tokens so that
+# a prompt that nearly fills it stays cheap on a CPU.
+CONTEXT = 1024
 MESH_FLAGS = ["--kv-cache-bytes", str(256 << 20), "--max-requests", "48", "--max-running-requests", "40",
-              "--max-queued-requests", "40", "--check-invariants"]
+              "--max-queued-requests", "40", "--context-length", str(CONTEXT), "--check-invariants"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "To make a cup of tea, first", "Water boils at",
            "The largest planet in the solar system is", "My favourite programming language is"]
@@ -70,6 +72,11 @@ def mesh(expected):
         m.wait_ready()
         listening = next(e for e in m.log if e.get("service") == "gateway" and e.get("msg") == "listening")
         m.url = f"http://127.0.0.1:{listening['http_port']}"
+        assert listening["http_port"] > 0 and listening["url"] == m.url
+        deadline = time.monotonic() + 10  # --http-port 0: the launcher prints the port the gateway bound
+        while not any(line.startswith(f"radixmesh is up: {m.url};") for line in m.stdout):
+            assert time.monotonic() < deadline, m.stdout
+            time.sleep(0.05)
         yield m
         assert m.stop() == 0
         assert m.leftover_children() == []
@@ -172,6 +179,18 @@ def test_n_logprobs_and_stop_through_the_mesh(client, model):
     assert [c.index for c in out.choices] == [0, 1]
     assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
     assert all(len(t.top_logprobs) == 2 for c in out.choices for t in c.logprobs.content)
+    # Token strings, as OpenAI reports them: each token's own text and its share of the UTF-8
+    # bytes (a piece of a character, such as half of "ê", reads bytes:\xNN).
+    for c in out.choices:
+        tokens = c.logprobs.content
+        for t in [*tokens, *(top for tok in tokens for top in tok.top_logprobs)]:
+            assert t.token == bytes(t.bytes).decode(errors="ignore") or t.token.startswith("bytes:\\x"), t
+        if c.finish_reason == "length":  # no EOS among them: the tokens spell the text
+            assert bytes(b for t in tokens for b in t.bytes).decode() == c.message.content
+    greedy = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=1,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    assert len(greedy.logprobs.tokens) == 4 and "".join(greedy.logprobs.tokens) == greedy.text
+    assert [list(top) for top in greedy.logprobs.top_logprobs] == [[t] for t in greedy.logprobs.tokens]
     free = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0).choices[0]
     stop = free.text.strip().split()[1]
     cut = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
@@ -205,10 +224,25 @@ def test_32_concurrent_streams_all_complete(mesh, model, expected):
     assert s.num_running == 0 and in_use(s) == 0
 
 
+def test_no_max_tokens_fills_what_the_context_leaves(mesh, client, model):
+    """OpenAI's default max_tokens: a prompt 100 tokens short of the context, no max_tokens,
+    runs until the context is full (not a 400 for prompt + a fixed default)."""
+    status, _, models = http(mesh, "GET", "/v1/models")
+    assert status == 200 and models["data"][0]["max_model_len"] == CONTEXT
+    ids = list(range(1000, 1000 + CONTEXT - 100))  # ordinary vocabulary ids
+    out = client.completions.create(model=model, prompt=ids, temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (CONTEXT - 100, 100)
+    plain = client.completions.create(model=model, prompt=ids, temperature=0)  # EOS may end it sooner
+    assert plain.choices[0].finish_reason in ("length", "stop") and plain.usage.completion_tokens <= 100
+    chat = client.chat.completions.create(model=model, messages=CHATS[0], temperature=0)
+    assert chat.choices[0].finish_reason == "stop" and "Paris" in chat.choices[0].message.content
+
+
 KILLED_CLIENT = """
 import sys, openai
 c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
-for chunk in c.completions.create(model=sys.argv[2], prompt="Count slowly:", max_tokens=2000, stream=True,
+for chunk in c.completions.create(model=sys.argv[2], prompt="Count slowly:", max_tokens=900, stream=True,
                                   extra_body={"ignore_eos": True}):
     print(repr(chunk.choices[0].text), flush=True)
 """

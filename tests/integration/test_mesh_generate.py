@@ -130,8 +130,30 @@ def test_logprobs_when_asked(mesh, engine):
     for got, tok, want in zip(seq["logprobs"], ref.token_ids, ref.logprobs):
         assert got.token_id == tok and got.logprob == pytest.approx(want.logprob, abs=1e-5)
         assert [t.token_id for t in got.top] == [t for t, _ in want.top]
+        # the tokenizer names each token (text, bytes), alternatives included
+        assert (got.token, got.token_bytes) == engine.tokenizer.token_text(tok)
+        assert [(t.token, t.token_bytes) for t in got.top] == [engine.tokenizer.token_text(t) for t, _ in want.top]
+    assert "".join(lp.token for lp in seq["logprobs"]) == seq["text"] == ref.text
+    assert all(lp.token for lp in seq["logprobs"])
     plain = run(mesh, text="The quick brown fox", sampling=greedy(3))[0]
     assert plain["logprobs"] == []
+
+
+def test_unset_max_new_tokens_gets_the_room_left(mesh):
+    """max_new_tokens unset: what the context leaves after the prompt (here the KV pool, smaller
+    than the model's context, is the bound), at most default_max_new_tokens."""
+    s = stats(mesh)
+    room = s.kv_pages_total * s.page_size
+    capped = run(mesh, text="Once upon a time", default_max_new_tokens=5,
+                 sampling=common_pb2.SamplingParams(temperature=0.0, ignore_eos=True))[0]
+    assert finish_reason(capped["finish"]) == "length" and len(capped["token_ids"]) == 5
+    answer = run(mesh, conversation=chat("What is the capital of France?"),
+                 sampling=common_pb2.SamplingParams(temperature=0.0))[0]  # ends on EOS, not at 128
+    assert finish_reason(answer["finish"]) == "stop" and "Paris" in answer["text"]
+    with pytest.raises(grpc.RpcError) as err:
+        run(mesh, input_ids=tokenizer_pb2.TokenIds(ids=[28] * room), sampling=common_pb2.SamplingParams())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"leaves no room for output within the KV cache's {room} tokens" in err.value.details()
 
 
 BAD = [

@@ -45,8 +45,13 @@ class StubTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
         try:
             for i in range(3 if self.mode != "slow" else self.slow_tokens):
-                lp = common_pb2.TokenLogprob(token_id=5 + i, logprob=-0.5, top=[
-                    common_pb2.TokenLogprob.Top(token_id=5 + i, logprob=-0.5)])
+                lp = common_pb2.TokenLogprob(token_id=5 + i, logprob=-0.5, token=f" t{i}",
+                                             token_bytes=f" t{i}".encode(), top=[
+                    common_pb2.TokenLogprob.Top(token_id=5 + i, logprob=-0.5, token=f" t{i}",
+                                                token_bytes=f" t{i}".encode()),
+                    common_pb2.TokenLogprob.Top(token_id=8, logprob=-1.0, token="bytes:\\xe6",
+                                                token_bytes=b"\xe6"),  # a piece of a character
+                    common_pb2.TokenLogprob.Top(token_id=9, logprob=-2.0)])  # no text: token_id:9
                 yield common_pb2.GenerateResponse(chunk=common_pb2.GenerateChunk(
                     index=0, token_ids=[5 + i], text=f" t{i}", logprobs=[lp], prompt_tokens=4,
                     completion_tokens=i + 1, cached_tokens=2))
@@ -88,13 +93,19 @@ def test_request_conversion_and_events():
             sp = SamplingParams(max_new_tokens=3, temperature=0.0, stop=["###"], seed=4, logprobs=True, top_logprobs=1)
             calls = [GenerateCall("r1", sp, n=2, text="hello"),
                      GenerateCall("r2", sp, messages=[{"role": "user", "content": "hi", "name": "bob"}]),
-                     GenerateCall("r3", sp, input_ids=[1, 2, 3], include_stop_str_in_output=True)]
+                     GenerateCall("r3", sp, input_ids=[1, 2, 3], include_stop_str_in_output=True),
+                     GenerateCall("r4", sp, text="no max_tokens", fill_context=True),
+                     GenerateCall("r5", sp, text="no max_tokens, capped", fill_context=True, fill_cap=7)]
             events = []
             for c in calls:
                 events.append([e async for e in backend.generate(c)])
             return stub.requests, events, await backend.info()
     requests, events, info = asyncio.run(go())
-    text, chat, ids = requests
+    text, chat, ids, fill, capped = requests
+    assert text.sampling.HasField("max_new_tokens") and not text.HasField("default_max_new_tokens")
+    assert not fill.sampling.HasField("max_new_tokens") and not fill.HasField("default_max_new_tokens")
+    assert fill.sampling.temperature == 0.0 and fill.sampling.seed == 4  # the rest is still sent
+    assert not capped.sampling.HasField("max_new_tokens") and capped.default_max_new_tokens == 7
     assert text.text == "hello" and text.rid == "r1" and text.n == 2 and text.skip_special_tokens
     assert chat.conversation.messages[0].name == "bob" and chat.conversation.messages[0].content == "hi"
     assert list(ids.input_ids.ids) == [1, 2, 3] and ids.include_stop_str_in_output
@@ -104,6 +115,9 @@ def test_request_conversion_and_events():
     assert [c.text for c in chunks] == [" t0", " t1", " t2"] and isinstance(chunks[0], Chunk)
     assert chunks[-1].completion_tokens == 3 and chunks[0].cached_tokens == 2
     assert chunks[0].logprobs[0].token_id == 5 and chunks[0].logprobs[0].top[0].logprob == -0.5
+    assert chunks[1].logprobs[0].token == " t1" and chunks[1].logprobs[0].bytes == b" t1"
+    assert [(t.token, t.bytes) for t in chunks[1].logprobs[0].top] == [
+        (" t1", b" t1"), ("bytes:\\xe6", b"\xe6"), (None, None)]
     assert finish == Finish(0, "stop", "###")
     assert (info.name, info.vocab_size, info.context_length) == ("stub", 100, 64)
 
@@ -169,3 +183,24 @@ def test_gateway_maps_grpc_statuses_and_cancels_on_disconnect():
     assert ok["choices"][0]["text"] == " t0 t1 t2" and ok["choices"][0]["matched_stop"] == "###"
     assert ok["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
                            "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+def test_logprob_token_strings_reach_both_openai_shapes():
+    async def go():
+        async with stub_server() as (_, backend, _):
+            app = build_app(GatewayConfig(), backend, monitor_backend=False)
+            async with TestClient(TestServer(app)) as client:
+                chat = await client.post("/v1/chat/completions", json={
+                    "model": "stub", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                    "logprobs": True, "top_logprobs": 3})
+                comp = await client.post("/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 3,
+                                                                   "logprobs": 3})
+                return await chat.json(), await comp.json()
+    chat, comp = asyncio.run(go())
+    first = chat["choices"][0]["logprobs"]["content"][0]
+    assert first["token"] == " t0" and first["bytes"] == list(b" t0")
+    assert [(t["token"], t["bytes"]) for t in first["top_logprobs"]] == [
+        (" t0", list(b" t0")), ("bytes:\\xe6", [0xe6]), ("token_id:9", None)]
+    lp = comp["choices"][0]["logprobs"]
+    assert lp["tokens"] == [" t0", " t1", " t2"] and lp["text_offset"] == [0, 3, 6]
+    assert lp["top_logprobs"][2] == {" t2": -0.5, "bytes:\\xe6": -1.0, "token_id:9": -2.0}

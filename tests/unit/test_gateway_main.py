@@ -184,3 +184,11 @@ def test_sigterm_cancels_requests_past_the_deadline(stub, streaming):
         assert stub.run(asyncio.wait_for(stub.stub.cancelled.wait(), 5)) is True  # the gRPC call was cancelled
     finally:
         gw.kill()
+
+
+def test_the_listening_url_is_one_a_local_client_can_use():
+    from services.gateway.main import http_url
+    assert http_url("127.0.0.1", 8123) == "http://127.0.0.1:8123"
+    assert http_url("0.0.0.0", 8123) == "http://127.0.0.1:8123"
+    assert http_url("::", 80) == "http://[::1]:80" and http_url("::1", 80) == "http://[::1]:80"
+    assert http_url("localhost", 1) == "http://localhost:1"

@@ -216,8 +216,16 @@ def test_parsed_values_reach_the_backend():
 
 def test_default_max_tokens_from_config():
     backend = FakeBackend()
-    request("POST", COMP, {"model": MODEL, "prompt": "x"}, backend=backend, config=GatewayConfig(default_max_tokens=7))
+    config = GatewayConfig(default_max_tokens=7)
+    request("POST", COMP, {"model": MODEL, "prompt": "x"}, backend=backend, config=config)
+    assert (backend.calls[0].fill_context, backend.calls[0].fill_cap) == (True, 7)
     assert backend.calls[0].sampling.max_new_tokens == 7
+    # a cap, not a fixed length: a prompt near the context still fits (254 + 2)
+    status, _, out = request("POST", COMP, {"model": MODEL, "prompt": [1] * 254, "temperature": 0,
+                                            "ignore_eos": True}, backend=backend, config=config)
+    assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+    request("POST", "/generate", {"text": "x"}, backend=backend, config=config)  # SGLang's: a fixed default
+    assert not backend.calls[-1].fill_context and backend.calls[-1].sampling.max_new_tokens == 7
 
 
 def test_schema_checker_follows_json_semantics():
@@ -226,3 +234,27 @@ def test_schema_checker_follows_json_semantics():
                           ({"enum": [1]}, True), ({"type": "number"}, float("inf"))]:
         with pytest.raises(SchemaError):
             check(schema, value)
+
+
+def test_no_max_tokens_fills_what_the_context_leaves():
+    """OpenAI's default: a prompt 100 tokens short of the context (256) with no max_tokens
+    runs to the context's end instead of a 400 for prompt + a fixed default; the gateway
+    leaves max_tokens to the backend (fill_context), capped by --default-max-tokens."""
+    backend = FakeBackend()
+    long_prompt = " ".join(["hello"] * 156)
+    status, _, out = request("POST", COMP, {"model": MODEL, "prompt": long_prompt, "temperature": 0,
+                                            "ignore_eos": True}, backend=backend)
+    assert status == 200, out
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 100
+    (call,) = backend.calls
+    assert call.fill_context and call.fill_cap is None
+    status, _, out = request("POST", CHAT, {"model": MODEL, "messages": MSGS, "min_tokens": 300}, backend=backend)
+    assert status == 400 and "must be <= max_tokens, which defaults to what the context leaves" in \
+        out["error"]["message"], out
+    status, _, out = request("POST", COMP, {"model": MODEL, "prompt": [1] * 256}, backend=backend)
+    assert status == 400 and "leaves no room for output" in out["error"]["message"], out
+    # An explicit max_tokens is sent as given, and the whole of prompt + max_tokens must fit.
+    status, _, out = request("POST", COMP, {"model": MODEL, "prompt": long_prompt, "max_tokens": 128},
+                             backend=backend)
+    assert status == 400 and "exceeds the model's context length" in out["error"]["message"], out
+    assert not backend.calls[-1].fill_context

@@ -100,6 +100,32 @@ def test_vocabulary_facts(tokenizer: TextTokenizer) -> None:
     assert tokenizer.raw.get_vocab_size() == 49152
 
 
+def test_token_text_names_a_token_as_openai_does(tokenizer: TextTokenizer) -> None:
+    ids = tokenizer.encode(" Paris café <|im_end|>", add_special_tokens=False)
+    assert [tokenizer.token_text(i) for i in ids] == [
+        (" Paris", b" Paris"), (" caf\u00e9", " café".encode()), (" ", b" "), ("<|im_end|>", b"<|im_end|>")]
+    # pieces of a character: their own bytes, and OpenAI's bytes:\xNN spelling for the text
+    text = "東京 😀"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.token_text(i) for i in ids]
+    assert b"".join(raw for _, raw in pieces) == text.encode()
+    partial = [t for t, raw in pieces if len(raw) == 1 and raw[0] >= 0x80]
+    assert partial and all(t == f"bytes:\\x{t[-2:]}" for t in partial), pieces
+    assert tokenizer.token_text(10 ** 6) == ("", b"")
+
+
+def test_an_unset_max_new_tokens_fills_the_room_left() -> None:
+    from services.common.sampling_params import InvalidRequest
+    from services.tokenizer.service import fill_max_new_tokens
+
+    room = (1024, "the model's context length of 1024 tokens")
+    assert fill_max_new_tokens(924, room, None) == 100
+    assert fill_max_new_tokens(924, room, 16) == 16 and fill_max_new_tokens(1000, room, 64) == 24
+    with pytest.raises(InvalidRequest, match=r"the prompt \(1024 tokens\) leaves no room for output within "
+                                             r"the model's context length of 1024 tokens"):
+        fill_max_new_tokens(1024, room, None)
+
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],

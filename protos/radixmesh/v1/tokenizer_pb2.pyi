@@ -96,7 +96,7 @@ class InfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class GenerateTextRequest(_message.Message):
-    __slots__ = ("rid", "text", "conversation", "input_ids", "sampling", "n", "namespace", "add_special_tokens", "skip_special_tokens", "include_stop_str_in_output")
+    __slots__ = ("rid", "text", "conversation", "input_ids", "sampling", "n", "namespace", "add_special_tokens", "skip_special_tokens", "include_stop_str_in_output", "default_max_new_tokens")
     RID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class GenerateTextRequest(_message.Message):
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     text: str
     conversation: Conversation
@@ -117,7 +118,8 @@ class GenerateTextRequest(_message.Message):
     add_special_tokens: bool
     skip_special_tokens: bool
     include_stop_str_in_output: bool
-    def __init__(self, rid: _Optional[str] = ..., text: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., namespace: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
+    default_max_new_tokens: int
+    def __init__(self, rid: _Optional[str] = ..., text: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., namespace: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., default_max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class ReadyRequest(_message.Message):
     __slots__ = ()
