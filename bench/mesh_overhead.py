@@ -1,0 +1,326 @@
+"""What the gRPC mesh costs: inter-token latency (ITL) and output throughput of the same
+requests through `radixmesh up` (OpenAI HTTP streaming → gateway → tokenizer → scheduler ⇄
+worker → detokenizer) and through the in-process Engine, at concurrency 1 and 16 (issue 3;
+target: mesh ITL <= 1.15x in-process at both).
+
+Requests: random ordinary-vocabulary prompts of --input-len token ids (sent as token ids, so
+both sides see the same ids and the prefix cache never hits), --output-len tokens, greedy,
+ignore_eos. Concurrency c keeps c requests in flight (the next starts when one ends);
+--requests-c1 run at concurrency 1, --requests-c16 at 16.
+
+The two are never measured at once: both are loaded first (the Engine in this process, the
+mesh as a child `radixmesh up --http-port 0`), then each run happens with the other idle,
+interleaved per concurrency level (Engine, mesh, Engine, mesh, ...) so that a slow drift of the
+machine hits both alike.
+
+Metrics, computed the same way on both sides: an *event* is a streamed text delta (an SSE
+event with text from the gateway; a StreamChunk with text from the Engine: the gateway sends
+exactly those). TTFT = first event − send; ITL = gaps between consecutive events of a request
+(the samples of all requests pooled; mean, median, p90); TPOT = (last − first event) /
+(tokens − 1) per request, averaged; output throughput = output tokens / wall time of the run.
+
+    .venv/bin/python bench/mesh_overhead.py [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+TARGET_ITL_RATIO = 1.15
+
+
+# --- metrics (pure: tested on recorded streams by tests/integration/test_bench_mesh_overhead.py) ----
+
+@dataclass
+class RequestRecord:
+    """One streamed request: when it was sent, when each text event arrived, how many tokens."""
+    sent: float
+    events: list[float] = field(default_factory=list)
+    tokens: int = 0
+    text: str = ""
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def itl_samples(events: list[float]) -> list[float]:
+    """Gaps between consecutive events of one request."""
+    return [b - a for a, b in zip(events, events[1:])]
+
+
+def summarize(records: list[RequestRecord], wall_s: float) -> dict:
+    """Pooled ITL (mean, median, p90), mean TTFT and TPOT, output throughput."""
+    itl = [gap for r in records for gap in itl_samples(r.events)]
+    ttft = [r.events[0] - r.sent for r in records if r.events]
+    tpot = [(r.events[-1] - r.events[0]) / (r.tokens - 1) for r in records if r.events and r.tokens > 1]
+    tokens = sum(r.tokens for r in records)
+    return {"requests": len(records), "output_tokens": tokens, "wall_s": wall_s,
+            "itl_mean_ms": 1e3 * mean(itl), "itl_median_ms": 1e3 * percentile(itl, 50),
+            "itl_p90_ms": 1e3 * percentile(itl, 90), "itl_samples": len(itl),
+            "ttft_mean_ms": 1e3 * mean(ttft), "tpot_mean_ms": 1e3 * mean(tpot),
+            "output_tok_s": tokens / wall_s if wall_s > 0 else math.nan}
+
+
+RATIO_KEYS = ("itl_mean_ms", "itl_median_ms", "itl_p90_ms", "ttft_mean_ms", "tpot_mean_ms", "output_tok_s")
+
+
+def ratios(in_process: dict, mesh: dict) -> dict:
+    """mesh / in-process for each metric (throughput: > 1 means the mesh is faster)."""
+    return {k: mesh[k] / in_process[k] if in_process[k] else math.nan for k in RATIO_KEYS}
+
+
+def sse_record(sent: float, lines: list[tuple[float, bytes]]) -> RequestRecord:
+    """A RequestRecord from the timestamped lines of an OpenAI completions SSE stream
+    (stream_options.include_usage: the last chunk's usage gives the token count). Raises
+    RuntimeError on an error event or a stream without [DONE]."""
+    rec, done = RequestRecord(sent), False
+    for t, raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            done = True
+            break
+        obj = json.loads(data)
+        if "error" in obj:
+            raise RuntimeError(f"error event: {obj['error']}")
+        if obj.get("usage"):
+            rec.tokens = obj["usage"]["completion_tokens"]
+        for choice in obj.get("choices", []):
+            if choice.get("text"):
+                rec.events.append(t)
+                rec.text += choice["text"]
+    if not done:
+        raise RuntimeError("the stream ended without [DONE]")
+    return rec
+
+
+def format_table(results: dict) -> str:
+    """The printed table: per concurrency, in-process, mesh and their ratio."""
+    head = (f"{'conc':>4}  {'':<16}{'ITL mean':>10}{'ITL p50':>10}{'ITL p90':>10}{'TTFT mean':>11}"
+            f"{'TPOT':>9}{'out tok/s':>11}")
+    rows = [head, "-" * len(head)]
+    for conc, r in results.items():
+        if len(rows) > 2:
+            rows.append("")
+        for name, key in (("in-process", "in_process"), ("mesh", "mesh")):
+            m = r[key]
+            rows.append(f"{conc:>4}  {name:<16}{m['itl_mean_ms']:>8.1f}ms{m['itl_median_ms']:>8.1f}ms"
+                        f"{m['itl_p90_ms']:>8.1f}ms{m['ttft_mean_ms']:>9.1f}ms{m['tpot_mean_ms']:>7.1f}ms"
+                        f"{m['output_tok_s']:>11.1f}")
+        q = r["ratio"]
+        rows.append(f"{conc:>4}  {'mesh/in-process':<16}{q['itl_mean_ms']:>9.3f}x{q['itl_median_ms']:>9.3f}x"
+                    f"{q['itl_p90_ms']:>9.3f}x{q['ttft_mean_ms']:>10.3f}x{q['tpot_mean_ms']:>8.3f}x"
+                    f"{q['output_tok_s']:>10.3f}x")
+    verdicts = [f"c={c}: mesh ITL mean {r['ratio']['itl_mean_ms']:.3f}x in-process "
+                f"({'meets' if r['ratio']['itl_mean_ms'] <= TARGET_ITL_RATIO else 'MISSES'} <= {TARGET_ITL_RATIO}x)"
+                for c, r in results.items()]
+    return "\n".join(rows + [""] + verdicts)
+
+
+# --- the two systems -------------------------------------------------------------------
+
+def random_prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
+    # Ordinary vocabulary ids: skip the special tokens at the start of SmolLM2's vocabulary.
+    return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(n)]
+
+
+async def run_concurrent(prompts: list[list[int]], concurrency: int, one) -> tuple[list[RequestRecord], float]:
+    """At most `concurrency` of `one(ids)` in flight; returns (records in prompt order, wall seconds)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(ids):
+        async with gate:
+            return await one(ids)
+
+    t0 = time.perf_counter()
+    records = await asyncio.gather(*(gated(ids) for ids in prompts))
+    return list(records), time.perf_counter() - t0
+
+
+class InProcess:
+    def __init__(self, args) -> None:
+        from services.engine.engine import Engine
+        from services.scheduler.config import SchedulerConfig
+        from services.worker.config import WorkerConfig
+
+        self.engine = Engine(model=args.model, worker=WorkerConfig(
+            model=args.model, kv_cache_bytes=args.kv_cache_bytes, max_requests=args.max_requests),
+            scheduler=SchedulerConfig(max_running_requests=args.max_running))
+
+    async def one(self, ids: list[int], max_tokens: int) -> RequestRecord:
+        from services.common.sampling_params import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True)
+        rec = RequestRecord(time.perf_counter())
+        async for chunk in self.engine.stream(input_ids=ids, sampling=sp):
+            if chunk.text:
+                rec.events.append(time.perf_counter())
+                rec.text += chunk.text
+            if chunk.error:
+                raise RuntimeError(chunk.error)
+            rec.tokens = chunk.completion_tokens
+        return rec
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class Mesh:
+    """`radixmesh up --http-port 0` as a child; its URL from the line it prints when ready."""
+
+    def __init__(self, args) -> None:
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="mesh_overhead-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0",
+               "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-requests", str(args.max_requests),
+               "--max-running-requests", str(args.max_running)] + (["--model", args.model] if args.model else [])
+        self.command = " ".join(cmd[2:])
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.url = None
+        for line in self.proc.stdout:  # blocks until ready (or the launcher exits)
+            if line.startswith("radixmesh is up: "):
+                self.url = line.removeprefix("radixmesh is up: ").split(";")[0]
+                break
+        if self.url is None:
+            self.log.seek(0)
+            raise RuntimeError(f"radixmesh up failed (exit {self.proc.wait()}):\n{self.log.read()[-3000:]}")
+        self.session = None
+        self.model = None
+
+    async def start_session(self) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=600))
+        async with self.session.get(self.url + "/v1/models") as r:
+            self.model = (await r.json())["data"][0]["id"]
+
+    async def one(self, ids: list[int], max_tokens: int) -> RequestRecord:
+        body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        sent = time.perf_counter()
+        async with self.session.post(self.url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+            lines = [(time.perf_counter(), line) async for line in r.content]
+        return sse_record(sent, lines)
+
+    async def close_session(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+async def measure(args, engine: InProcess, mesh: Mesh, rng: random.Random) -> dict:
+    await mesh.start_session()
+    try:
+        warm = random_prompts(4, args.input_len, rng)
+        for system in (engine, mesh):  # torch's first steps, connections, caches of the code paths
+            await run_concurrent(warm, 4, lambda ids, s=system: s.one(ids, 8))
+        results = {}
+        for conc, n in ((1, args.requests_c1), (16, args.requests_c16)):
+            runs: dict[str, list] = {"in_process": [], "mesh": []}
+            same = 0
+            for _ in range(args.rounds):  # fresh prompts per round (no prefix-cache hits), the same for both
+                prompts = random_prompts(n, args.input_len, rng)
+                for key, system in (("in_process", engine), ("mesh", mesh)):
+                    recs, wall = await run_concurrent(prompts, conc, lambda ids, s=system: s.one(ids, args.output_len))
+                    bad = [r.tokens for r in recs if r.tokens != args.output_len]
+                    if bad:
+                        raise RuntimeError(f"{key}: requests produced {bad[:5]} tokens, not {args.output_len}")
+                    runs[key].append((recs, wall))
+                    print(f"  c={conc} {key:<10} {wall:6.1f}s", flush=True)
+                same += sum(a.text == b.text for a, b in zip(runs["in_process"][-1][0], runs["mesh"][-1][0]))
+            r = {key: summarize([x for recs, _ in rs for x in recs], sum(w for _, w in rs))
+                 for key, rs in runs.items()}
+            r["same_text"] = f"{same}/{n * args.rounds}"  # greedy text equal on both sides
+            r["ratio"] = ratios(r["in_process"], r["mesh"])
+            results[conc] = r
+        return results
+    finally:
+        await mesh.close_session()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests-c1", type=int, default=16, help="requests at concurrency 1")
+    p.add_argument("--requests-c16", type=int, default=64, help="requests at concurrency 16")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="runs of each system per concurrency, interleaved")
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    p.add_argument("--max-running", type=int, default=16)
+    p.add_argument("--max-requests", type=int, default=24, help="the worker's page-table rows")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+
+    import torch
+
+    rng = random.Random(args.seed)
+    info = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores", "torch_threads": torch.get_num_threads(), "args": vars(args)}
+    print("loading the in-process Engine ...", flush=True)
+    engine = InProcess(args)
+    print("starting radixmesh up ...", flush=True)
+    try:
+        mesh = Mesh(args)
+    except BaseException:
+        engine.close()
+        raise
+    print(f"mesh at {mesh.url} ({mesh.command}); measuring", flush=True)
+    try:
+        results = asyncio.run(measure(args, engine, mesh, rng))
+    finally:
+        engine.close()
+        code = mesh.close()
+    info["mesh_exit"] = code
+    if code == 0:
+        os.unlink(mesh.log.name)
+    else:
+        print(f"radixmesh up exited {code}; its log: {mesh.log.name}", file=sys.stderr)
+    print()
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**info, "results": {str(c): r for c, r in results.items()}}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
