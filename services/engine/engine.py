@@ -190,14 +190,15 @@ class Engine:
                 self.scheduler.submit(handle.rid, handle.prompt_ids, handle.sampling, seed, namespace)
                 self._handles[handle.rid] = handle
             except (InvalidRequest, QueueFull) as exc:
-                handle.sink(StreamChunk(handle.rid, finished=True, finish_reason="error", error=str(exc)))
+                self._send(handle, StreamChunk(handle.rid, finished=True, finish_reason="error", error=str(exc)))
 
     def _fail_step(self, plan, exc: Exception) -> None:
         for item in plan.items:
             self.scheduler.abort(item.rid)
             handle = self._handles.pop(item.rid, None)
             if handle:
-                handle.sink(StreamChunk(item.rid, finished=True, finish_reason="error", error=f"worker error: {exc}"))
+                self._send(handle, StreamChunk(item.rid, finished=True, finish_reason="error",
+                                               error=f"worker error: {exc}"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -207,7 +208,16 @@ class Engine:
             chunk = self._to_chunk(handle, out)
             if chunk.finished:
                 del self._handles[out.rid]
+            self._send(handle, chunk)
+
+    def _send(self, handle: _Handle, chunk: StreamChunk) -> None:
+        try:
             handle.sink(chunk)
+        except Exception:  # a consumer that is gone (its event loop closed) loses its request
+            log.warning("request %s: its consumer failed; aborting it", handle.rid, exc_info=True)
+            self._handles.pop(handle.rid, None)
+            if not chunk.finished:
+                self.scheduler.abort(handle.rid)
 
     def _to_chunk(self, handle: _Handle, out: RequestOutput) -> StreamChunk:
         text, finished, reason, matched = "", out.finished, out.finish_reason, out.matched_stop

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 
 import pytest
@@ -84,11 +85,13 @@ def test_cancelled_stream_aborts_and_frees_kv(engine):
 
     async def consume_some():
         n = 0
-        async for chunk in engine.stream(messages=HELLO, sampling=SamplingParams(
-                temperature=0, max_new_tokens=500, ignore_eos=True)):
-            n += len(chunk.token_ids)
-            if n >= 5:
-                break  # leaving the generator cancels: the request must be aborted
+        stream = engine.stream(messages=HELLO, sampling=SamplingParams(
+            temperature=0, max_new_tokens=500, ignore_eos=True))
+        async with contextlib.aclosing(stream):  # closing the stream early must abort the request
+            async for chunk in stream:
+                n += len(chunk.token_ids)
+                if n >= 5:
+                    break
         return n
 
     aborted_before = sched.stats.aborted

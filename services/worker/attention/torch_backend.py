@@ -30,6 +30,8 @@ class TorchAttentionBackend:
         self.pool: KVPool | None = None
         self.layout: BatchLayout | None = None
         self.groups: list[_Group] = []
+        self._kbuf: torch.Tensor | None = None  # gather buffers, grown on demand
+        self._vbuf: torch.Tensor | None = None
 
     def prepare(self, layout: BatchLayout, pool: KVPool) -> None:
         self.pool, self.layout = pool, layout
@@ -44,23 +46,42 @@ class TorchAttentionBackend:
         pool = self.pool
         pool.write(layer, self.layout.out_slots, k, v)
         if len(self.groups) == 1 and self.groups[0].q_index.shape[1] == 1:
-            return self._attend(layer, q, self.groups[0]).squeeze(1)  # pure decode: rows already in order
+            return self._decode(layer, q, self.groups[0])  # pure decode: rows already in order
         out = torch.empty_like(q)
         for group in self.groups:  # at most two: decode, extend
             o = self._attend(layer, q, group)  # [b, Lq, H, D]
             out[group.q_index[group.q_valid]] = o[group.q_valid]
         return out
 
+    def _gather(self, layer: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+        """This group's K and V, [b, Hkv, Lk, D], copied into reused buffers: a fresh
+        multi-MB tensor per layer costs page faults on every step."""
+        b, lk = g.kv_slots.shape
+        n = b * lk
+        if self._kbuf is None or self._kbuf.shape[0] < n or self._kbuf.dtype != self.pool.k.dtype:
+            self._kbuf = self.pool.k.new_empty((n, *self.pool.k.shape[2:]))
+            self._vbuf = self.pool.v.new_empty((n, *self.pool.v.shape[2:]))
+        flat = g.kv_slots.flatten()
+        # index_select copies whole [Hkv, D] rows; advanced indexing is ~10x slower here.
+        kg = torch.index_select(self.pool.k[layer], 0, flat, out=self._kbuf[:n])
+        vg = torch.index_select(self.pool.v[layer], 0, flat, out=self._vbuf[:n])
+        return kg.view(b, lk, *kg.shape[1:]).transpose(1, 2), vg.view(b, lk, *vg.shape[1:]).transpose(1, 2)
+
+    def _decode(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
+        """One query token per item: the G query heads sharing a KV head act as a
+        query length of G, so SDPA needs no GQA expansion. q [B, H, D] → [B, H, D]."""
+        kg, vg = self._gather(layer, g)  # [B, Hkv, Lk, D]
+        B, hkv = kg.shape[:2]
+        qg = q.view(B, hkv, -1, q.shape[-1]).to(kg.dtype)  # [B, Hkv, G, D]
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
+        return o.reshape(q.shape).to(q.dtype)
+
     def _attend(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
         b, lq = g.q_index.shape
         qg = q.index_select(0, g.q_index.flatten()).view(b, lq, *q.shape[1:]).transpose(1, 2)  # [b, H, Lq, D]
-        kv_dtype = self.pool.k.dtype
-        flat = g.kv_slots.flatten()
-        # index_select copies whole [Hkv, D] rows; advanced indexing is ~10x slower here.
-        kg = self.pool.k[layer].index_select(0, flat).view(b, -1, *self.pool.k.shape[2:]).transpose(1, 2)
-        vg = self.pool.v[layer].index_select(0, flat).view(b, -1, *self.pool.v.shape[2:]).transpose(1, 2)
+        kg, vg = self._gather(layer, g)
         o = F.scaled_dot_product_attention(
-            qg.to(kv_dtype), kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+            qg.to(kg.dtype), kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
         return o.transpose(1, 2).to(q.dtype)  # [b, Lq, H, D]
 
 
