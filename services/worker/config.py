@@ -16,7 +16,8 @@ class WorkerConfig:
     page_size: int = field(default=1, metadata={"help": "tokens per KV page"})
     kv_cache_bytes: int | None = field(default=3 << 30, metadata={"help": "KV pool byte budget (default 3 GiB: ~70k tokens of SmolLM2 in float32)"})
     kv_mem_fraction: float | None = field(default=None, metadata={"help": "size the KV pool as this fraction of free memory instead of a byte budget"})
-    attention_backend: str = field(default="torch", metadata={"help": "attention implementation"})
+    attention_backend: str = field(default="cpu", metadata={
+        "help": "cpu: torch + a C++ paged decode kernel (built on first use); torch: the plain reference"})
     max_requests: int = field(default=64, metadata={"help": "page-table rows: requests the worker holds at once (>= the scheduler's max_running_requests)"})
     context_length: int | None = field(default=None, metadata={"help": "cap the model's context length"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})

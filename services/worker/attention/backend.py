@@ -18,14 +18,18 @@ class AttentionBackend(Protocol):
         causally over each request's KV, and return [T, H, D]."""
 
 
-_BACKENDS: dict[str, str] = {
-    "torch": "services.worker.attention.torch_backend:TorchAttentionBackend",
+# name -> (factory "module:attr", keyword arguments)
+_BACKENDS: dict[str, tuple[str, dict]] = {
+    "torch": ("services.worker.attention.torch_backend:TorchAttentionBackend", {}),
+    # torch, plus the C++ paged decode kernel (built on first use; falls back if it cannot be)
+    "cpu": ("services.worker.attention.torch_backend:TorchAttentionBackend", {"native_decode": True}),
 }
 
 
 def create_backend(name: str, scale: float) -> AttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
-    module, cls = _BACKENDS[name].split(":")
+    target, kwargs = _BACKENDS[name]
+    module, cls = target.split(":")
     import importlib
-    return getattr(importlib.import_module(module), cls)(scale=scale)
+    return getattr(importlib.import_module(module), cls)(scale=scale, **kwargs)

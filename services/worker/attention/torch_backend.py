@@ -25,8 +25,15 @@ class _Group:
 
 
 class TorchAttentionBackend:
-    def __init__(self, scale: float):
+    """native_decode: run pure-decode steps through the C++ paged kernel
+    (kernels/paged_decode_cpu.py), which reads KV in place instead of gathering it."""
+
+    def __init__(self, scale: float, native_decode: bool = False):
         self.scale = scale
+        self.native = None
+        if native_decode:
+            from kernels import paged_decode_cpu
+            self.native = paged_decode_cpu.load()  # None when it cannot be built: gather + SDPA
         self.pool: KVPool | None = None
         self.layout: BatchLayout | None = None
         self.groups: list[_Group] = []
@@ -70,6 +77,11 @@ class TorchAttentionBackend:
     def _decode(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
         """One query token per item: the G query heads sharing a KV head act as a
         query length of G, so SDPA needs no GQA expansion. q [B, H, D] → [B, H, D]."""
+        if self.native is not None:
+            out = self.native.paged_decode_attention(
+                q.float().contiguous(), self.pool.k[layer], self.pool.v[layer], g.kv_slots, self.layout.kv_lens,
+                self.scale)
+            return out.to(q.dtype)
         kg, vg = self._gather(layer, g)  # [B, Hkv, Lk, D]
         B, hkv = kg.shape[:2]
         qg = q.view(B, hkv, -1, q.shape[-1]).to(kg.dtype)  # [B, Hkv, G, D]
