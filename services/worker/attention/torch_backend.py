@@ -21,6 +21,7 @@ class _Group:
     q_index: torch.Tensor  # [b, Lq] token indices into the step's T tokens (padding repeats a valid one)
     q_valid: torch.Tensor  # [b, Lq] bool
     kv_slots: torch.Tensor  # [b, Lk] KV slots (padding clamped to a valid slot)
+    kv_lens: torch.Tensor  # [b]
     mask: torch.Tensor  # [b, 1, Lq, Lk] bool, True = attend
 
 
@@ -56,8 +57,12 @@ class TorchAttentionBackend:
             return self._decode(layer, q, self.groups[0])  # pure decode: rows already in order
         out = torch.empty_like(q)
         for group in self.groups:  # at most two: decode, extend
-            o = self._attend(layer, q, group)  # [b, Lq, H, D]
-            out[group.q_index[group.q_valid]] = o[group.q_valid]
+            if group.q_index.shape[1] == 1:
+                rows = group.q_index[:, 0]
+                out[rows] = self._decode(layer, q.index_select(0, rows), group)
+            else:
+                o = self._attend(layer, q, group)  # [b, Lq, H, D]
+                out[group.q_index[group.q_valid]] = o[group.q_valid]
         return out
 
     def _gather(self, layer: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +84,7 @@ class TorchAttentionBackend:
         query length of G, so SDPA needs no GQA expansion. q [B, H, D] → [B, H, D]."""
         if self.native is not None:
             out = self.native.paged_decode_attention(
-                q.float().contiguous(), self.pool.k[layer], self.pool.v[layer], g.kv_slots, self.layout.kv_lens,
+                q.float().contiguous(), self.pool.k[layer], self.pool.v[layer], g.kv_slots, g.kv_lens,
                 self.scale)
             return out.to(q.dtype)
         kg, vg = self._gather(layer, g)  # [B, Hkv, Lk, D]
@@ -109,4 +114,4 @@ def _build_group(layout: BatchLayout, items: torch.Tensor) -> _Group:
     kv_slots = slots_of(layout.page_rows, items[:, None], k_pos, layout.page_size)
     q_abs = start[:, None] + qi[None, :]  # [b, Lq] absolute position of each query
     mask = (kj[None, None, :] <= q_abs[:, :, None]) & (kj[None, None, :] < kv_lens[:, None, None])
-    return _Group(q_index, q_valid, kv_slots, mask.unsqueeze(1))
+    return _Group(q_index, q_valid, kv_slots, kv_lens, mask.unsqueeze(1))
