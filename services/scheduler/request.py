@@ -48,6 +48,13 @@ class Request:
         """Every token whose KV the request will need: prompt then outputs."""
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
+    def tokens(self, start: int, n: int) -> list[int]:
+        """seq[start:start + n] without building seq (the decode path asks every step)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:start - p + n]
+        return self.seq[start:start + n]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -129,7 +129,7 @@ class Scheduler:
         new_pages = req.pages if reset else req.pages[req.sent_pages:]
         req.sent_pages = len(req.pages)
         req.pages_changed = False
-        return StepItem(req.rid, req.seq[start:start + n], start, list(new_pages), reset,
+        return StepItem(req.rid, req.tokens(start, n), start, list(new_pages), reset,
                         sample=start + n == req.seq_len)
 
     def _schedule_decodes(self, items: list[StepItem], scheduled: list[Request]) -> None:
