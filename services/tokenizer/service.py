@@ -171,6 +171,18 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             resp.pad_token_id = tok.raw.token_to_id(pad)
         return resp
 
+    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
+        """For routers: the scheduler's queue, KV use and prefix-cache counters, plus our open calls."""
+        try:
+            s = await self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=2)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler: {e.code().name} {e.details()}")
+        return pb.LoadReport(
+            num_running=s.num_running, num_waiting=s.num_waiting, in_flight=len(self._active),
+            kv_usage=s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0,
+            cache_hit_tokens=s.cache_hit_tokens, cache_query_tokens=s.cache_query_tokens,
+            cache_hit_rate=s.cache_hit_tokens / s.cache_query_tokens if s.cache_query_tokens else 0.0)
+
     async def Ready(self, request: pb.ReadyRequest, context: grpc.aio.ServicerContext) -> pb.ReadyResponse:
         stages = await asyncio.gather(self._scheduler_stages(), self._detokenizer_stage())
         flat = [*stages[0], stages[1]]

@@ -144,3 +144,25 @@ class ReadyResponse(_message.Message):
     ready: bool
     stages: _containers.RepeatedCompositeFieldContainer[StageHealth]
     def __init__(self, ready: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[StageHealth, _Mapping]]] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "in_flight", "kv_usage", "cache_hit_tokens", "cache_query_tokens", "cache_hit_rate")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    in_flight: int
+    kv_usage: float
+    cache_hit_tokens: int
+    cache_query_tokens: int
+    cache_hit_rate: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., kv_usage: _Optional[float] = ..., cache_hit_tokens: _Optional[int] = ..., cache_query_tokens: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ...) -> None: ...

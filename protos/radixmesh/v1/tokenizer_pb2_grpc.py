@@ -60,6 +60,11 @@ class TokenizerStub:
                 request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.InfoRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/radixmesh.v1.Tokenizer/GetLoad',
+                request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class TokenizerServicer:
@@ -107,6 +112,14 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """How busy the replica behind this tokenizer is (its scheduler's queue, KV
+        and prefix-cache counters), for a router's load balancing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +147,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.InfoRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.InfoResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.GetLoadRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +289,33 @@ class Tokenizer:
             '/radixmesh.v1.Tokenizer/Info',
             radixmesh_dot_v1_dot_tokenizer__pb2.InfoRequest.SerializeToString,
             radixmesh_dot_v1_dot_tokenizer__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Tokenizer/GetLoad',
+            radixmesh_dot_v1_dot_tokenizer__pb2.GetLoadRequest.SerializeToString,
+            radixmesh_dot_v1_dot_tokenizer__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
