@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NewRequestSpec(_message.Message):
-    __slots__ = ("rid", "prompt_ids", "output_ids", "sampling", "seed")
+    __slots__ = ("rid", "prompt_ids", "output_ids", "sampling", "seed", "traceparent")
     RID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     rid: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     seed: int
-    def __init__(self, rid: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, rid: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class StepItem(_message.Message):
     __slots__ = ("rid", "input_ids", "start_pos", "new_pages", "reset_pages", "sample")
