@@ -1,0 +1,65 @@
+"""KV page tensors ↔ the store's opaque payload bytes.
+
+A page is one tensor [num_layers, 2 (k, v), page_size, num_kv_heads, head_dim]
+of the pool's dtype, stored as its raw contiguous bytes (native byte order; the
+dtype and shape are not in the payload: they are part of the key's namespace,
+see services/common/page_hash.kv_layout, so a payload is only ever decoded
+with the spec that encoded it). Decoding checks the length, so a payload of
+another layout reads as a miss rather than garbage.
+
+From the worker's pool (k, v: [L, S, Hkv, D], see services/worker/kv_pool.py),
+a page whose slots are `slots` [P] is `torch.stack([k[:, slots], v[:, slots]], 1)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.common.page_hash import kv_layout
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_pool(cls, spec) -> "PageSpec":
+        """From a services.worker.kv_pool.KVPoolSpec (duck-typed: no worker import here)."""
+        return cls(spec.num_layers, spec.page_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def layout(self) -> str:
+        """The kv_layout string for this page's KeyNamespace."""
+        return kv_layout(str(self.dtype).removeprefix("torch."), self.num_layers, self.num_kv_heads,
+                         self.head_dim)
+
+
+def encode(page: torch.Tensor, spec: PageSpec) -> bytes:
+    """One page tensor → bytes. Raises ValueError when its shape or dtype is not the spec's."""
+    if tuple(page.shape) != spec.shape or page.dtype != spec.dtype:
+        raise ValueError(f"page must be {spec.shape} {spec.dtype}, got {tuple(page.shape)} {page.dtype}")
+    flat = page.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return flat.numpy().tobytes()
+
+
+def decode(payload: bytes, spec: PageSpec) -> torch.Tensor | None:
+    """bytes → a fresh (writable, CPU) page tensor; None when the length is not the spec's."""
+    if len(payload) != spec.nbytes:
+        return None
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(spec.dtype).view(spec.shape)
