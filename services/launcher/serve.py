@@ -11,6 +11,8 @@ SERVICES = {
     "scheduler": "services.scheduler.main:main",
     "worker": "services.worker.main:main",
     "gateway": "services.gateway.main:main",
+    "kvstore": "services.kvstore.main:main",
+    "router": "services.router.main:main",
 }
 
 

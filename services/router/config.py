@@ -1,0 +1,70 @@
+"""The router's flags, generated from this dataclass (services/common/config.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.config import CommonConfig
+from services.router.policies import POLICIES
+
+DEFAULT_LISTEN = "127.0.0.1:50055"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Routing, health and retry knobs. Thresholds follow the cache_aware policy's docstring."""
+    common: CommonConfig = field(default_factory=lambda: CommonConfig(listen=DEFAULT_LISTEN))
+    replica_addrs: list[str] = field(default_factory=list, metadata={
+        "help": "the replicas' front doors (their tokenizers' HOST:PORT); more can be added at run time "
+                "through the Router admin RPC"})
+    policy: str = field(default="cache_aware", metadata={"help": "routing policy", "choices": tuple(POLICIES)})
+    cache_threshold: float = field(default=0.5, metadata={
+        "help": "cache_aware: follow the longest prefix match when it covers more than this share of the request"})
+    balance_abs_threshold: int = field(default=16, metadata={
+        "help": "cache_aware: the fleet is imbalanced when max load - min load exceeds this ..."})
+    balance_rel_threshold: float = field(default=1.5, metadata={
+        "help": "... and max load exceeds this times min load; then requests go to the least loaded replica"})
+    max_tree_chars: int = field(default=1 << 22, metadata={
+        "help": "cache_aware: characters of routing history kept per replica (LRU leaves evicted beyond)"})
+    eviction_interval_s: float = field(default=10.0, metadata={"help": "seconds between tree evictions"})
+    health_interval_s: float = field(default=1.0, metadata={"help": "seconds between grpc.health checks"})
+    health_timeout_s: float = field(default=1.0, metadata={"help": "a health check slower than this failed"})
+    unhealthy_threshold: int = field(default=2, metadata={
+        "help": "consecutive failed health checks that eject a replica"})
+    healthy_threshold: int = field(default=1, metadata={"help": "consecutive passed checks that re-admit it"})
+    load_interval_s: float = field(default=0.5, metadata={"help": "seconds between GetLoad polls"})
+    max_retries: int = field(default=2, metadata={
+        "help": "retries of a request that failed before its first token (each on another replica if any)"})
+    retry_backoff_s: float = field(default=0.05, metadata={
+        "help": "first retry's backoff; doubles per retry, with +-50%% jitter"})
+    retry_backoff_max_s: float = field(default=1.0, metadata={"help": "cap on one backoff"})
+    breaker_failures: int = field(default=3, metadata={
+        "help": "consecutive failed attempts that open a replica's circuit breaker"})
+    breaker_cooldown_s: float = field(default=5.0, metadata={
+        "help": "an open breaker lets one trial request through after this long"})
+    drain_wait_s: float = field(default=60.0, metadata={
+        "help": "RemoveReplica without force: the most it waits for the replica's in-flight requests"})
+    peer_wait_s: float = field(default=600.0, metadata={
+        "help": "at start: seconds to wait for every --replica-addrs entry to be SERVING; then the router serves "
+                "if at least one is"})
+    seed: int | None = field(default=None, metadata={"help": "seed of the random policies and jitter"})
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"--cache-threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
+        for name in ("eviction_interval_s", "health_interval_s", "health_timeout_s", "load_interval_s",
+                     "peer_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.max_tree_chars < 1 or self.unhealthy_threshold < 1 or self.healthy_threshold < 1 \
+                or self.breaker_failures < 1:
+            raise ValueError("--max-tree-chars, --unhealthy-threshold, --healthy-threshold and "
+                             "--breaker-failures must be >= 1")
+        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.retry_backoff_max_s < 0 \
+                or self.breaker_cooldown_s < 0 or self.drain_wait_s < 0:
+            raise ValueError("--max-retries and the backoff, cooldown and drain times must be >= 0")
+        for addr in self.replica_addrs:
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"--replica-addrs takes HOST:PORT entries, got {addr!r}")

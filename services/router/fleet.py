@@ -1,0 +1,240 @@
+"""The router's view of its replicas: health, drain, load, breakers, and the policy's choice.
+
+A replica (its tokenizer's address) is routable when it is healthy (its last
+`healthy_threshold` grpc.health checks said SERVING), not draining, and its breaker lets
+an attempt through. `unhealthy_threshold` failed checks in a row eject it; it is
+re-admitted as soon as checks pass again. Its load, as policies see it, is the number of
+requests this router has open on it, or what the replica itself reports queued and
+running (GetLoad, polled every load_interval_s) when that is more (other routers, clients
+that bypass this one). Everything here runs on the router's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.radixmesh.v1 import router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.server import MAX_MESSAGE_BYTES
+from services.router import metrics
+from services.router.breaker import STATE_VALUE, Breaker
+from services.router.policies import Candidate, Choice, make_policy
+
+log = logging.getLogger(__name__)
+
+PENDING, HEALTHY, EJECTED, DRAINING = "pending", "healthy", "ejected", "draining"
+
+# A dead replica must be noticed and a restarted one found quickly: gRPC's default
+# reconnect backoff grows to two minutes.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+class Replica:
+    def __init__(self, address: str, config, model_name: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.breaker = Breaker(config.breaker_failures, config.breaker_cooldown_s)
+        self.healthy = False
+        self.ever_healthy = False
+        self.draining = False
+        self.passes = self.fails = 0  # consecutive health-check results
+        self.in_flight = 0
+        self.report = tokenizer_pb2.LoadReport()
+        self.counts = {"routed": 0, "match": 0, "load": 0, "failures": 0, "ejections": 0}
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._labels = (model_name, address)
+
+    @property
+    def state(self) -> str:
+        if self.draining:
+            return DRAINING
+        if self.healthy:
+            return HEALTHY
+        return EJECTED if self.ever_healthy else PENDING
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining and self.breaker.available()
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.report.num_running + self.report.num_waiting)
+
+    def begin(self, reason: str) -> None:
+        self.breaker.attempt()
+        self.in_flight += 1
+        self.idle.clear()
+        self.counts["routed"] += 1
+        self.counts[reason] += 1
+        metrics.ROUTED.labels(*self._labels, reason).inc()
+        metrics.IN_FLIGHT.labels(*self._labels).set(self.in_flight)
+
+    def end(self, ok: bool | None, code: str = "") -> None:
+        """ok=None: the attempt ended in a way that says nothing about the replica (client gone, bad input)."""
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+        metrics.IN_FLIGHT.labels(*self._labels).set(self.in_flight)
+        if ok:
+            self.breaker.success()
+        elif ok is False:
+            self.breaker.failure()
+            self.counts["failures"] += 1
+            metrics.FAILURES.labels(*self._labels, code).inc()
+        metrics.CIRCUIT.labels(*self._labels).set(STATE_VALUE[self.breaker.state])
+
+    def status(self, tree_chars: int = 0) -> router_pb2.ReplicaStatus:
+        c = self.counts
+        return router_pb2.ReplicaStatus(
+            address=self.address, state=self.state, circuit=self.breaker.state, in_flight=self.in_flight,
+            routed=c["routed"], routed_by_match=c["match"], routed_by_load=c["load"], failures=c["failures"],
+            ejections=c["ejections"], load=self.report, tree_chars=tree_chars)
+
+
+class Fleet:
+    def __init__(self, config) -> None:
+        self.config = config
+        self.policy = make_policy(config.policy, config, seed=config.seed)
+        self.replicas: dict[str, Replica] = {}
+        self.model_name = ""  # learned from a replica's Info; labels the metrics
+        self._tasks: list[asyncio.Task] = []
+        self.changed = asyncio.Event()  # set whenever a replica's health changes (tests, start-up)
+
+    def add(self, address: str) -> Replica:
+        if address in self.replicas:
+            raise KeyError(address)
+        replica = self.replicas[address] = Replica(address, self.config, self.model_name)
+        log.info("replica added", extra={"replica": address})
+        asyncio.ensure_future(self._check(replica))  # don't wait a whole interval to admit it
+        return replica
+
+    async def remove(self, address: str) -> Replica:
+        replica = self.replicas.pop(address)
+        self.policy.forget(address)
+        metrics.forget(self.model_name, address)
+        log.info("replica removed", extra={"replica": address, "in_flight": replica.in_flight})
+        # Streams still open keep the channel until they end.
+        asyncio.ensure_future(_close_when_idle(replica))
+        return replica
+
+    def choose(self, key: str, exclude: set[str]) -> tuple[Replica, Choice] | None:
+        """The replica for the next attempt, preferring ones not in `exclude` (already failed
+        for this request); None when no replica may take work."""
+        routable = [r for r in self.replicas.values() if r.routable]
+        fresh = [r for r in routable if r.address not in exclude] or routable
+        if not fresh:
+            return None
+        fresh.sort(key=lambda r: r.address)
+        choice = self.policy.choose(key, [Candidate(r.address, r.load) for r in fresh])
+        replica = self.replicas[choice.address]
+        self.policy.routed(key, choice.address)
+        replica.begin(choice.reason)
+        return replica, choice
+
+    # --- background loops -------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._every(self.config.health_interval_s, self._check_all)),
+                       asyncio.create_task(self._every(self.config.load_interval_s, self._poll_loads)),
+                       asyncio.create_task(self._every(self.config.eviction_interval_s, self._evict))]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(r.channel.close() for r in self.replicas.values()), return_exceptions=True)
+
+    @staticmethod
+    async def _every(interval: float, tick) -> None:
+        while True:
+            try:
+                await tick()
+            except Exception:  # a loop that dies silently would stop health checking for good
+                log.exception("router background task failed; continuing")
+            await asyncio.sleep(interval)
+
+    async def _check_all(self) -> None:
+        await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            resp = await replica.health.Check(health_pb2.HealthCheckRequest(), timeout=self.config.health_timeout_s)
+            ok, why = resp.status == health_pb2.HealthCheckResponse.SERVING, "not SERVING"
+        except grpc.aio.AioRpcError as e:
+            ok, why = False, f"{e.code().name}: {e.details()}"
+        if replica.address not in self.replicas:
+            return
+        if ok:
+            replica.passes, replica.fails = replica.passes + 1, 0
+            if not replica.healthy and replica.passes >= self.config.healthy_threshold:
+                replica.healthy = replica.ever_healthy = True
+                if not self.model_name:
+                    await self._learn_model(replica)
+                log.info("replica admitted", extra={"replica": replica.address})
+                self.changed.set()
+        else:
+            replica.fails, replica.passes = replica.fails + 1, 0
+            if replica.healthy and replica.fails >= self.config.unhealthy_threshold:
+                replica.healthy = False
+                replica.counts["ejections"] += 1
+                metrics.EJECTIONS.labels(self.model_name, replica.address).inc()
+                log.warning("replica ejected", extra={"replica": replica.address, "reason": why})
+                self.changed.set()
+        metrics.HEALTHY.labels(self.model_name, replica.address).set(1 if replica.healthy else 0)
+
+    async def _learn_model(self, replica: Replica) -> None:
+        try:
+            info = await replica.stub.Info(tokenizer_pb2.InfoRequest(), timeout=self.config.health_timeout_s)
+            self.model_name = info.model_name
+            for r in self.replicas.values():
+                r._labels = (self.model_name, r.address)
+        except grpc.aio.AioRpcError:
+            pass
+
+    async def _poll_loads(self) -> None:
+        async def poll(replica: Replica) -> None:
+            try:
+                replica.report = await replica.stub.GetLoad(tokenizer_pb2.GetLoadRequest(),
+                                                            timeout=self.config.health_timeout_s)
+            except grpc.aio.AioRpcError:
+                return  # health checks decide about ejection; keep the last report
+            labels = (self.model_name, replica.address)
+            metrics.CACHE_HIT_RATE.labels(*labels).set(replica.report.cache_hit_rate)
+            metrics.QUEUE.labels(*labels).set(replica.report.num_running + replica.report.num_waiting)
+            metrics.CIRCUIT.labels(*labels).set(STATE_VALUE[replica.breaker.state])
+
+        await asyncio.gather(*(poll(r) for r in self.replicas.values() if r.healthy))
+
+    async def _evict(self) -> None:
+        self.policy.maintain()
+
+    def tree_chars(self, address: str) -> int:
+        tree = getattr(self.policy, "tree", None)
+        return tree.sizes.get(address, 0) if tree is not None else 0
+
+    async def wait_healthy(self, addresses: list[str], timeout_s: float) -> list[str]:
+        """Wait until each of `addresses` has been admitted (or the timeout); returns those that were."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            admitted = [a for a in addresses if a in self.replicas and self.replicas[a].healthy]
+            left = deadline - time.monotonic()
+            if len(admitted) == len(addresses) or left <= 0:
+                return admitted
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout=min(left, 1.0))
+            except asyncio.TimeoutError:
+                pass
+
+
+async def _close_when_idle(replica: Replica) -> None:
+    await replica.idle.wait()
+    await replica.channel.close()

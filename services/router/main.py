@@ -1,0 +1,60 @@
+"""`radixmesh serve router`: many replicas behind one front door.
+
+    radixmesh serve router --replica-addrs 127.0.0.1:50051 127.0.0.1:50061 [--policy cache_aware]
+
+Serves radixmesh.v1.Tokenizer (point the gateway's --tokenizer-addr here) and the
+radixmesh.v1.Router admin service; docs/router.md explains policies, flags and faults.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import grpc
+
+from protos.radixmesh.v1 import router_pb2_grpc, tokenizer_pb2_grpc
+from services.common.config import parse_config
+from services.common.server import run_service
+from services.router.config import RouterConfig
+
+log = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixmesh serve router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    config = parse_config(RouterConfig, argv, parser)
+    from services.router.fleet import Fleet
+    from services.router.service import RouterAdmin, RouterFront
+
+    fleet = Fleet(config)  # channels are opened in start(), on the server's event loop
+    front, admin = RouterFront(config, fleet), RouterAdmin(config, fleet)
+
+    def add_servicers(server: grpc.aio.Server) -> None:
+        tokenizer_pb2_grpc.add_TokenizerServicer_to_server(front, server)
+        router_pb2_grpc.add_RouterServicer_to_server(admin, server)
+
+    async def start() -> None:
+        for address in config.replica_addrs:
+            fleet.add(address)
+        fleet.start()
+        if config.common.metrics_port is not None:
+            _serve_metrics(config.common.metrics_port)
+        if config.replica_addrs:
+            admitted = await fleet.wait_healthy(list(config.replica_addrs), config.peer_wait_s)
+            if not admitted:
+                raise RuntimeError(f"no replica became SERVING within {config.peer_wait_s}s")
+            log.info("replicas ready", extra={"admitted": admitted, "policy": config.policy,
+                                              "missing": sorted(set(config.replica_addrs) - set(admitted))})
+
+    async def drain(deadline: float) -> None:
+        pass  # the server's gate waits for in-flight streams; replicas keep serving them
+
+    return run_service("router", config.common, add_servicers, on_start=start, on_drain=drain)
+
+
+def _serve_metrics(port: int) -> None:
+    from prometheus_client import start_http_server
+
+    start_http_server(port)
+    log.info("metrics", extra={"port": port})
