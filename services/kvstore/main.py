@@ -1,0 +1,61 @@
+"""`radixmesh serve kvstore`: KV-cache pages in a memory LRU spilling to a disk directory."""
+from __future__ import annotations
+
+import argparse
+import inspect
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.radixmesh.v1 import kvstore_pb2_grpc
+from services.common.config import CommonConfig, parse_config
+from services.common.server import run_service
+from services.kvstore.store import StoreConfig
+
+DEFAULT_LISTEN = "127.0.0.1:50056"
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    # Flags carry a kvstore- prefix: `radixmesh up` forwards flags by name to every service.
+    common: CommonConfig = field(default_factory=lambda: CommonConfig(listen=DEFAULT_LISTEN))
+    kvstore_memory_bytes: int = field(default=1 << 30, metadata={
+        "help": "payload bytes the memory tier holds; least recently used pages spill to disk"})
+    kvstore_disk_dir: str | None = field(default=None, metadata={
+        "help": "directory of the disk tier (kept across restarts); none = memory only, evictions dropped"})
+    kvstore_disk_bytes: int = field(default=8 << 30, metadata={
+        "help": "file bytes the disk tier holds; least recently used pages are deleted"})
+
+    def __post_init__(self) -> None:
+        if self.kvstore_memory_bytes < 0:
+            raise ValueError(f"--kvstore-memory-bytes must be >= 0, got {self.kvstore_memory_bytes}")
+        if self.kvstore_disk_bytes < 0:
+            raise ValueError(f"--kvstore-disk-bytes must be >= 0, got {self.kvstore_disk_bytes}")
+
+    @property
+    def store(self) -> StoreConfig:
+        return StoreConfig(memory_bytes=self.kvstore_memory_bytes, disk_dir=self.kvstore_disk_dir,
+                           disk_bytes=self.kvstore_disk_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixmesh serve kvstore", description=__doc__)
+    config = parse_config(KVStoreConfig, argv, parser)
+    from services.kvstore.service import KVStoreService
+    from services.kvstore.store import KVStore
+
+    service = KVStoreService(None)  # type: ignore[arg-type]  # the store is opened in on_start
+
+    async def on_start() -> None:
+        import asyncio
+        service.store = await asyncio.to_thread(KVStore, config.store)  # scans the disk directory
+
+    def add_servicers(server: grpc.aio.Server) -> None:
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
+
+    extra = {}
+    if "registry" in inspect.signature(run_service).parameters:  # /metrics, where the server serves it
+        from services.kvstore.metrics import make_registry
+
+        extra["registry"] = make_registry(lambda: service.store)
+    return run_service("kvstore", config.common, add_servicers, on_start=on_start, **extra)
