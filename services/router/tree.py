@@ -104,8 +104,8 @@ class ApproxTree:
         dropped = 0
         while heap and dropped < excess:
             _, _, node = heapq.heappop(heap)
+            parent = node.parent  # before _drop, which may unlink node
             dropped += self._drop(node, replica)
-            parent = node.parent
             if parent is not None and parent is not self._root and self._is_leaf(parent, replica):
                 heapq.heappush(heap, (parent.replicas[replica], id(parent), parent))
         return dropped
