@@ -7,6 +7,7 @@ import logging
 
 from aiohttp import web
 
+from services.gateway.admin import admin_routes
 from services.gateway.backend import Backend, BackendError
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError, error_response, from_backend
@@ -65,6 +66,7 @@ def build_app(config: GatewayConfig, backend: Backend, *, monitor_backend: bool 
     app = web.Application(middlewares=[errors], client_max_size=config.max_request_bytes)
     app[STATE] = GatewayState(config, backend)
     app.add_routes(routes)
+    app.add_routes(admin_routes)  # /admin: the router's replicas (services/gateway/admin.py)
 
     async def lifecycle(app: web.Application):
         task = asyncio.ensure_future(monitor(app[STATE])) if monitor_backend else None
