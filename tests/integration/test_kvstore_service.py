@@ -165,3 +165,34 @@ def test_serve_kvstore_survives_sigkill_with_its_disk_tier(tmp_path: Path) -> No
             await client.close()
 
     asyncio.run(across_restart())
+
+
+class _SlowService(KVStoreService):
+    async def Get(self, request, context):  # noqa: N802
+        await asyncio.sleep(2)
+        return await super().Get(request, context)
+
+
+def test_a_slow_store_times_out_into_misses() -> None:
+    async def run() -> None:
+        store = KVStore(StoreConfig(memory_bytes=1 << 20))
+        server = grpc.aio.server()
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(_SlowService(store), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = KVStoreClient(f"127.0.0.1:{port}", SPEC, timeout_s=0.3, retry_interval_s=5)
+        try:
+            ids, keys, pages = chain(2)
+            assert await client.put(keys, pages) == 2
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            assert await client.get(keys) == [None, None]
+            assert loop.time() - t0 < 1.5
+            assert client.counters.failures == 1
+            t0 = loop.time()
+            assert await client.exists(keys) == 0  # backing off: answered at once
+            assert loop.time() - t0 < 0.1 and client.counters.skipped == 1
+        finally:
+            await client.close()
+            await server.stop(None)
+    asyncio.run(run())
