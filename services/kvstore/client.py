@@ -58,7 +58,7 @@ class ClientCounters:
 
 class KVStoreClient:
     def __init__(self, address: str, spec: PageSpec, *, timeout_s: float = 2.0,
-                 retry_interval_s: float = 1.0, max_batch_bytes: int = 32 << 20,
+                 retry_interval_s: float = 1.0, max_batch_bytes: int = 4 << 20,
                  min_bytes_per_s: float = 200e6) -> None:
         if timeout_s <= 0 or retry_interval_s < 0 or max_batch_bytes <= 0 or min_bytes_per_s <= 0:
             raise ValueError("timeout_s, max_batch_bytes and min_bytes_per_s must be > 0, retry_interval_s >= 0")
@@ -177,10 +177,25 @@ class KVStoreClient:
     async def get(self, keys: Sequence[bytes], *, stop_at_miss: bool = True) -> list[torch.Tensor | None]:
         """Pages aligned with keys, None for a miss (all None when the store is
         unreachable). With stop_at_miss (the default: a chain is only usable up to
-        its first gap) every page after the first miss is None as well."""
+        its first gap) every page after the first miss is None as well. The pages
+        are views into one fresh tensor."""
         out: list[torch.Tensor | None] = [None] * len(keys)
+        indices, pages = await self._fetch(keys, stop_at_miss)
+        for row, i in enumerate(indices):
+            out[i] = pages[row]
+        return out
+
+    async def get_prefix(self, keys: Sequence[bytes]) -> torch.Tensor:
+        """The longest stored prefix of a chain as one fresh tensor [m, L, 2, P, Hkv, D]
+        (m = 0 on a miss or when the store is unreachable)."""
+        indices, pages = await self._fetch(keys, stop_at_miss=True)
+        return pages  # with stop_at_miss the rows are keys 0..m-1, in order
+
+    async def _fetch(self, keys: Sequence[bytes], stop_at_miss: bool) -> tuple[list[int], torch.Tensor]:
+        """(the indices of the keys found, their pages [len(indices), ...] in that order)."""
+        empty = torch.empty((0, *self.spec.shape), dtype=self.spec.dtype)
         if not keys or not self._begin():
-            return out
+            return [], empty
         nbytes = len(keys) * self.spec.nbytes
         request = pb.GetPagesRequest(keys=keys, stop_at_miss=stop_at_miss, max_batch_bytes=self.max_batch_bytes)
         found: dict[int, bytes] = {}
@@ -196,43 +211,26 @@ class KVStoreClient:
                         found[p.index] = p.data
         except Exception as e:  # noqa: BLE001
             self._failed("Get", e)
-            return out
+            return [], empty
         self._ok()
+        indices = sorted(found)
+        if stop_at_miss:  # only the run of hits from the first key on is usable
+            indices = [i for n, i in enumerate(indices) if i == n]
+        payloads = [found[i] for i in indices]
         if nbytes > _OFFLOAD_BYTES:
-            decoded = await asyncio.to_thread(self._decode_all, found)
+            pages, ok = await asyncio.to_thread(page_codec.decode_batch, payloads, self.spec)
         else:
-            decoded = self._decode_all(found)
-        for i in range(len(keys)):
-            page = decoded.get(i)
-            if page is None and stop_at_miss:
-                break
-            out[i] = page
-        return out
-
-    def _decode_all(self, found: dict[int, bytes]) -> dict[int, torch.Tensor | None]:
-        decoded: dict[int, torch.Tensor | None] = {}
-        for i, data in found.items():
-            page = page_codec.decode(data, self.spec)
-            if page is None:
-                self.counters.bad_pages += 1
-            else:
-                self.counters.pages_got += 1
-                self.counters.bytes_got += len(data)
-            decoded[i] = page
-        return decoded
-
-    async def get_prefix(self, keys: Sequence[bytes]) -> torch.Tensor:
-        """The longest stored prefix of a chain as one tensor [m, L, 2, P, Hkv, D]
-        (m = 0 on a miss or when the store is unreachable)."""
-        pages = await self.get(keys, stop_at_miss=True)
-        hits = []
-        for p in pages:
-            if p is None:
-                break
-            hits.append(p)
-        if not hits:
-            return torch.empty((0, *self.spec.shape), dtype=self.spec.dtype)
-        return torch.stack(hits)
+            pages, ok = page_codec.decode_batch(payloads, self.spec)
+        self.counters.bad_pages += ok.count(False)
+        if stop_at_miss and not all(ok):
+            m = ok.index(False)
+            indices, pages = indices[:m], pages[:m]
+        elif not all(ok):
+            rows = [r for r, good in enumerate(ok) if good]
+            indices, pages = [indices[r] for r in rows], pages[rows]
+        self.counters.pages_got += len(indices)
+        self.counters.bytes_got += len(indices) * self.spec.nbytes
+        return indices, pages
 
     # -- admin ----------------------------------------------------------------------------------
 

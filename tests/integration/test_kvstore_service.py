@@ -77,10 +77,13 @@ def test_batched_and_streamed_put_get_exists_clear(tmp_path: Path) -> None:
             stub = kvstore_pb2_grpc.KVStoreStub(unary._channel)
             msgs = [m async for m in stub.GetStream(pb.GetPagesRequest(keys=keys[:5], max_batch_bytes=SPEC.nbytes))]
             assert [len(m.pages) for m in msgs] == [1] * 5 and [m.pages[0].index for m in msgs] == list(range(5))
+            # A payload of another layout under a key reads as a miss, not as garbage.
+            await stub.Put(pb.PutPagesRequest(pages=[pb.Page(key=other_keys[0], data=b"x" * 10)]))
+            assert await unary.get(other_keys[:1]) == [None] and unary.counters.bad_pages == 1
             st = await unary.stats()
             assert st.disk_enabled and st.memory_pages == 8 and st.disk_pages >= 12
-            assert st.pages_stored == 20 and st.pages_skipped == 10 and st.hits_disk > 0
-            assert await unary.clear() == 20
+            assert st.pages_stored == 21 and st.pages_skipped == 10 and st.hits_disk > 0
+            assert await unary.clear() == 21
             assert await unary.exists(keys) == 0
             assert unary.counters.failures == streamed.counters.failures == 0
         finally:
