@@ -117,7 +117,7 @@ def read_page(path: Path, key: bytes) -> tuple[bytes, int] | None:
 
     Raises FileNotFoundError when there is no file (the caller's miss, not corruption).
     """
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:  # unbuffered: the payload is read straight into its bytes
         raw = f.read(HEADER_BYTES + len(key))
         parsed = decode_header(raw)
         if parsed is None:
@@ -125,7 +125,9 @@ def read_page(path: Path, key: bytes) -> tuple[bytes, int] | None:
         key_len, payload_len, crc = parsed
         if key_len != len(key) or raw[HEADER_BYTES:] != key:
             return None
-        payload = f.read(payload_len + 1)  # one byte more: a longer file is corrupt too
+        if os.fstat(f.fileno()).st_size != HEADER_BYTES + key_len + payload_len:  # truncated or extended
+            return None
+        payload = f.read(payload_len)
     if len(payload) != payload_len or checksum(payload) != crc:
         return None
     return payload, crc
