@@ -53,7 +53,9 @@ class CommonConfig:
         "help": "on SIGTERM/SIGINT: seconds in-flight RPCs get to finish before they are cancelled"})
     log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
     metrics_port: int | None = field(default=None, metadata={
-        "help": "Prometheus metrics port (placeholder: not served yet)"})
+        "help": "serve Prometheus metrics at http://HOST:PORT/metrics (HOST from --listen; 0 picks a free port, "
+                "logged as `metrics_port`); none = no metrics endpoint. The gateway serves /metrics on its HTTP "
+                "port and ignores this"})
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -61,6 +63,8 @@ class CommonConfig:
             raise ValueError(f"--listen must be HOST:PORT with PORT in [0, 65535], got {self.listen!r}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
 

@@ -9,7 +9,10 @@
 
 The request id lives in a contextvar, so every log line written while serving
 a request carries it, across awaits and in tasks spawned from that context,
-without passing it around. Keys given through `extra=` become top-level fields.
+without passing it around. Likewise, a line written while a span is current
+(tracing on: services/common/tracing.py) carries `trace_id` and `span_id` as
+hex, the ids trace viewers search by. Keys given through `extra=` become
+top-level fields.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import json
 import logging
 import sys
 from typing import IO, Any, Iterator
+
+from opentelemetry import trace
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "radixmesh_request_id", default=None)
@@ -57,6 +62,9 @@ class JsonFormatter(logging.Formatter):
         rid = request_id_var.get()
         if rid is not None:
             out["request_id"] = rid
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:
+            out["trace_id"], out["span_id"] = f"{span.trace_id:032x}", f"{span.span_id:016x}"
         for key, value in vars(record).items():
             if key not in _RESERVED and key not in out:
                 out[key] = value

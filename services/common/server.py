@@ -13,6 +13,12 @@ Lifecycle of `serve`:
      config.drain_timeout_s; server.stop(grace=what is left) cancels stragglers
   5. return 0 (1 when on_start failed). A second signal skips the waiting.
 
+Observability: `run_service` sets up tracing from the OTEL_* environment
+(services/common/tracing.py), whose server interceptor then spans every
+application RPC; with `config.metrics_port` set (0 = a free port) the
+service's Prometheus registry is served at /metrics on the listen host, and
+the `listening` line carries `metrics_port`.
+
 Service names for reflection and per-service health are discovered from what
 `add_servicers` registers (generated `add_*Servicer_to_server` helpers and
 generic handlers with a `service_name()`), so the caller lists them nowhere.
@@ -29,6 +35,9 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common import metrics as metrics_http
+from services.common import tracing
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +154,12 @@ async def serve(
     on_drain: Callable[[float], Awaitable[None]] | None = None,
     *,
     server_options: list[tuple[str, Any]] | None = None,
+    registry: Any = None,
 ) -> int:
     """Run a service until SIGTERM/SIGINT; returns the process exit status.
 
-    on_drain receives the deadline as a `time.monotonic()` value. Raises
+    on_drain receives the deadline as a `time.monotonic()` value. `registry` (a
+    prometheus_client CollectorRegistry) is served when config.metrics_port is set. Raises
     OSError when `config.listen` cannot be bound. Must run on the main thread
     (signal handlers); `run_service` wraps it with uvloop.
     """
@@ -157,7 +168,8 @@ async def serve(
     # Step plans and long prompts can exceed gRPC's 4 MB default message size.
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *(server_options or [])]
-    server = grpc.aio.server(interceptors=[gate], options=options)
+    # The gate first: a refused call makes no span.
+    server = grpc.aio.server(interceptors=[gate, *tracing.server_interceptors()], options=options)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     registrar = _Registrar(server)
@@ -176,6 +188,7 @@ async def serve(
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     status = 0
+    metrics_runner = None
     try:
         await set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
@@ -186,7 +199,14 @@ async def serve(
             raise OSError(f"{service_name}: cannot listen on {config.listen}")
         await server.start()
         host = config.listen.rpartition(":")[0]
-        log.info("listening", extra={"address": f"{host}:{port}", "port": port, "services": names})
+        extra: dict[str, Any] = {"address": f"{host}:{port}", "port": port, "services": names}
+        metrics_port = getattr(config, "metrics_port", None)
+        if metrics_port is not None:
+            from prometheus_client import CollectorRegistry
+
+            metrics_runner, extra["metrics_port"] = await metrics_http.serve(
+                registry or CollectorRegistry(), host.strip("[]"), metrics_port)
+        log.info("listening", extra=extra)
 
         starting = asyncio.ensure_future(on_start() if on_start else asyncio.sleep(0))
         stopping = asyncio.ensure_future(stop.wait())
@@ -207,6 +227,8 @@ async def serve(
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
     log.info("stopped", extra={"exit_status": status})
     return status
 
@@ -249,16 +271,21 @@ async def _drain(server: grpc.aio.Server, gate: _Gate, health_servicer: Any,
 
 def run_service(service_name: str, config: Any, add_servicers: Callable[[grpc.aio.Server], None],
                 on_start: Callable[[], Awaitable[None]] | None = None,
-                on_drain: Callable[[float], Awaitable[None]] | None = None) -> int:
-    """Synchronous entry point: JSON logging from `config.log_level`, then `serve`
-    on a uvloop event loop. Returns the exit status for sys.exit."""
+                on_drain: Callable[[float], Awaitable[None]] | None = None, *, registry: Any = None) -> int:
+    """Synchronous entry point: JSON logging from `config.log_level`, tracing from the
+    environment, then `serve` on a uvloop event loop. Returns the exit status for sys.exit."""
     import uvloop
 
     from services.common.logging import setup_logging
 
     setup_logging(service_name, getattr(config, "log_level", "info"))
     try:
-        return uvloop.run(serve(service_name, config, add_servicers, on_start, on_drain))
+        tracing.setup(service_name)
+    except ValueError as e:  # e.g. an unknown OTEL_TRACES_EXPORTER
+        logging.getLogger(__name__).error("cannot start", extra={"error": str(e)})
+        return 1
+    try:
+        return uvloop.run(serve(service_name, config, add_servicers, on_start, on_drain, registry=registry))
     except OSError as e:  # e.g. the port is taken: say so in one line, not a traceback
         logging.getLogger(__name__).error("cannot start", extra={"error": str(e)})
         return 1

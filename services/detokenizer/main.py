@@ -30,9 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     service = DetokenizerService(None)
 
     async def on_start() -> None:
-        service.tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+        from services.common.metrics import model_name_of
+
+        service.tokenizer, service.model_name = await asyncio.gather(
+            asyncio.to_thread(load_tokenizer, config.model), asyncio.to_thread(model_name_of, config.model))
 
     def add_servicers(server: grpc.aio.Server) -> None:
         detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(service, server)
 
-    return run_service("detokenizer", config.common, add_servicers, on_start=on_start)
+    return run_service("detokenizer", config.common, add_servicers, on_start=on_start, registry=service.registry)

@@ -1,4 +1,4 @@
-"""The aiohttp application: routes, the error middleware, the readiness monitor."""
+"""The aiohttp application: routes, the error and observability middlewares, the readiness monitor."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,9 @@ from aiohttp import web
 from services.gateway.admin import admin_routes
 from services.gateway.backend import Backend, BackendError
 from services.gateway.config import GatewayConfig
+from services.common import metrics
 from services.gateway.errors import APIError, error_response, from_backend
+from services.gateway.observe import METRICS, GatewayMetrics, middleware
 from services.gateway.routes import routes
 from services.gateway.state import STATE, GatewayState, monitor
 
@@ -63,10 +65,16 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
 def build_app(config: GatewayConfig, backend: Backend, *, monitor_backend: bool = True) -> web.Application:
     """The gateway app. The backend is closed on cleanup; with monitor_backend the
     readiness check runs in the background (tests may drive state.refresh())."""
-    app = web.Application(middlewares=[errors], client_max_size=config.max_request_bytes)
+    app = web.Application(middlewares=[middleware, errors], client_max_size=config.max_request_bytes)
     app[STATE] = GatewayState(config, backend)
+    app[METRICS] = GatewayMetrics()
     app.add_routes(routes)
     app.add_routes(admin_routes)  # /admin: the router's replicas (services/gateway/admin.py)
+
+    async def scrape(request: web.Request) -> web.Response:
+        return await metrics.handle(app[METRICS].registry)
+
+    app.router.add_get("/metrics", scrape)
 
     async def lifecycle(app: web.Application):
         task = asyncio.ensure_future(monitor(app[STATE])) if monitor_backend else None

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.radixmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common import tracing
 from services.common.convert import sampling_to_proto
 from services.common.sampling_params import SamplingParams
 
@@ -173,7 +174,7 @@ class GrpcBackend:
     def __init__(self, address: str, probe_timeout_s: float = 5.0) -> None:
         self.address = address
         self.probe_timeout_s = probe_timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = tracing.channel(address)  # carries the HTTP request's trace on
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

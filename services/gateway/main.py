@@ -22,6 +22,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import tracing
 from services.common.config import parse_config
 from services.common.logging import setup_logging
 from services.gateway.app import build_app
@@ -126,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     config = parse_config(GatewayConfig, argv, parser)
     setup_logging("gateway", config.common.log_level)
+    try:
+        tracing.setup("gateway")
+    except ValueError as e:
+        log.error("cannot start", extra={"error": str(e)})
+        return 1
     import uvloop
 
     return uvloop.run(serve(config))

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from services.common.logging import request_context
-from services.gateway import shaping
+from services.gateway import observe, shaping
 from services.gateway.backend import Backend, BackendError, Event, GenerateCall
 from services.gateway.errors import APIError, from_backend
 from services.gateway.openai_protocol import (ParsedRequest, decode_json, parse_chat, parse_completion,
@@ -83,11 +83,15 @@ async def _serve(request: web.Request, parse: Callable[..., ParsedRequest]) -> w
             except BackendError as e:
                 log.info("refused", extra={"code": e.code, "error": e.message})
                 raise
+            metrics = request.app[observe.METRICS]
+            observe.generation_started(req, state.served_name, t0, metrics)
             col = shaping.Collector(req)
             if req.stream:
                 response = await _stream(request, req, col, first, events, state)
             else:
                 response = await _whole(req, col, first, events)
+            if col.done:
+                observe.generation_done(col, state.served_name, metrics)
         log.info("done", extra={"route": req.kind, "stream": req.stream, "seconds": round(time.monotonic() - t0, 4),
                                 **col.usage()})
         return response

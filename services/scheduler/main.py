@@ -39,4 +39,5 @@ def main(argv: list[str] | None = None) -> int:
     def add_servicers(server: grpc.aio.Server) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
 
-    return run_service("scheduler", config.common, add_servicers, on_start=service.start, on_drain=service.drain)
+    return run_service("scheduler", config.common, add_servicers, on_start=service.start, on_drain=service.drain,
+                       registry=service.telemetry.registry)

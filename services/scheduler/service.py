@@ -13,6 +13,10 @@ Worker loss: when the Step stream breaks, every open request fails with an
 Error (UNAVAILABLE), the core is rebuilt empty (the worker's KV may be gone,
 so no cached prefix can be trusted) and the service reconnects; Generate is
 refused with UNAVAILABLE meanwhile.
+
+Observability: services/scheduler/telemetry.py gets the loop's plans, outputs and
+timings (spans per request, Prometheus metrics served on --metrics-port); each new
+request's spec carries its span's traceparent so the worker's step spans link to it.
 """
 from __future__ import annotations
 
@@ -30,11 +34,13 @@ from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import scheduler_pb2 as spb
 from protos.radixmesh.v1 import scheduler_pb2_grpc
 from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common import tracing
 from services.common.convert import sampling_from_proto
 from services.common.sampling_params import InvalidRequest
 from services.scheduler.convert import Usage, carry_counters, finish_proto, output_events, stats_proto
 from services.scheduler.outputs import QueueFull, RequestOutput
 from services.scheduler.scheduler import ModelLimits, Scheduler
+from services.scheduler.telemetry import SchedulerTelemetry
 from services.worker.convert import plan_to_proto, result_from_proto
 
 log = logging.getLogger(__name__)
@@ -69,6 +75,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._usage = cpb.Usage()
+        self.telemetry = SchedulerTelemetry(self)
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -102,6 +109,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self.core is not None:
             carry_counters(self.core.stats, core.stats)
         self.core, self.info = core, info
+        self.telemetry.connected(m.name)
         self._call = self._worker.Step()
         self.connected = True
         log.info("worker connected", extra={"worker": self.config.worker_addr, "model": m.name,
@@ -123,6 +131,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.connected = False
             self._call.cancel()
             self._fail_all(grpc.StatusCode.UNAVAILABLE, reason)
+            self.telemetry.fail_all(reason)
             await self._connect(float("inf"))
 
     async def _drive(self, core: Scheduler, call) -> None:
@@ -130,7 +139,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         while True:
             self._apply_early(core)
             plan = core.schedule()
-            pending += core.take_outputs()
+            taken = core.take_outputs()
+            self.telemetry.outputs(taken, time.monotonic())
+            pending += taken
             if plan is None:
                 self._deliver(pending)
                 pending = []
@@ -140,12 +151,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     await self._wake.wait()
                     self._wake.clear()
                 continue
-            await call.write(plan_to_proto(plan))
+            msg = plan_to_proto(plan)
+            if tracing.enabled():
+                for spec in msg.new_requests:
+                    spec.traceparent = self.telemetry.traceparent(spec.rid)
+            t0 = time.monotonic()
+            await call.write(msg)
             self._deliver(pending)  # while the worker computes
             msg = await call.read()
             if msg is grpc.aio.EOF:
                 raise ConnectionError("the worker closed the step stream")
+            t1 = time.monotonic()
             pending = core.process(result_from_proto(msg))
+            self.telemetry.step(plan, t0, t1, pending)
             if self.config.check_invariants:
                 core.check_invariants()
 
@@ -155,6 +173,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             req = core.running.get(crid)
             if req is not None:  # it yields no output: count its usage here
                 self._count(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
+                self.telemetry.finished_early(crid, len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
                 core.finish_early(crid, "stop", matched)
             else:  # waiting (e.g. retracted): nothing to keep, drop it
                 core.abort(crid)
@@ -220,6 +239,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             for i, crid in enumerate(stream.core_rids):
                 core.submit(crid, ids, sampling, (seed + i) % _SEED_MOD, request.namespace)
                 submitted.append(crid)
+                self.telemetry.submitted(crid, len(ids), sampling, i)
         except (QueueFull, InvalidRequest) as e:
             for crid in submitted:
                 core.abort(crid)

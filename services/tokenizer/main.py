@@ -43,4 +43,5 @@ def main(argv: list[str] | None = None) -> int:
     def add_servicers(server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(service, server)
 
-    return run_service("tokenizer", config.common, add_servicers, on_start=service.start, on_drain=service.drain)
+    return run_service("tokenizer", config.common, add_servicers, on_start=service.start, on_drain=service.drain,
+                       registry=service.registry)

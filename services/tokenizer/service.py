@@ -6,6 +6,9 @@ tokenizes the prompt and runs it through the scheduler and the detokenizer
 take milliseconds); the template and the vocabulary come from --model, the
 model facts (name, context length, eos ids) from the scheduler's GetInfo,
 which start() waits for, so SERVING means the path behind is up.
+
+Observability: a `tokenize` span and the tokenize time per Generate; calls to
+the scheduler and detokenizer carry the trace (services/common/tracing.py).
 """
 from __future__ import annotations
 
@@ -18,11 +21,15 @@ from typing import AsyncIterator
 import grpc
 import jinja2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from protos.radixmesh.v1 import tokenizer_pb2 as pb
 from protos.radixmesh.v1 import tokenizer_pb2_grpc, worker_pb2
+from services.common import metrics as prom
+from services.common import tracing
+from services.common.logging import request_context
 from services.common.sampling_params import InvalidRequest
 from services.tokenizer.pipeline import Pipeline, StageError
 from services.tokenizer.text_tokenizer import load_tokenizer
@@ -46,12 +53,18 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         self.tokenizer = None
         self.model_info: worker_pb2.WorkerInfo | None = None
         self._active: dict[str, Pipeline] = {}
+        r = self.registry = CollectorRegistry()
+        self._requests = prom.counter(r, "tokenizer_requests", "Generate calls accepted")
+        self._tokenize_time = prom.histogram(r, "tokenize_seconds", "prompt → ids (chat template included)",
+                                          prom.LATENCY_BUCKETS)
+        r.register(prom.LiveCollector(lambda: self.model_info.model.name if self.model_info else None, lambda: {
+            "tokenizer_active_requests": ("gauge", "Generate calls streaming now", len(self._active))}))
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
-        self._sched_channel = grpc.aio.insecure_channel(self.config.scheduler_addr)
-        self._detok_channel = grpc.aio.insecure_channel(self.config.detokenizer_addr)
+        self._sched_channel = tracing.channel(self.config.scheduler_addr)
+        self._detok_channel = tracing.channel(self.config.detokenizer_addr)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._sched_channel)
         self.detokenizer = detokenizer_pb2_grpc.DetokenizerStub(self._detok_channel)
         self._detok_health = health_pb2_grpc.HealthStub(self._detok_channel)
@@ -86,7 +99,11 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         if rid in self._active:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
         try:
-            ids = await self._prompt_ids(request)
+            t0 = time.monotonic()
+            with request_context(rid), tracing.tracer().start_as_current_span("tokenize") as span:
+                ids = await self._prompt_ids(request)
+                span.set_attribute("gen_ai.usage.input_tokens", len(ids))
+            self._tokenize_time.labels(self.model_info.model.name).observe(time.monotonic() - t0)
             if not request.sampling.HasField("max_new_tokens"):
                 cap = (request.default_max_new_tokens if request.HasField("default_max_new_tokens")
                        else self.config.default_max_tokens)
@@ -96,6 +113,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         pipeline = Pipeline(rid, ids, request, self.scheduler, self.detokenizer,
                             token_text=self.tokenizer.token_text)
         self._active[rid] = pipeline
+        self._requests.labels(self.model_info.model.name).inc()
         try:
             async for event in pipeline.run():
                 yield event

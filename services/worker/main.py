@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
 
     try:
-        return run_service("worker", config.common, add_servicers, on_start=service.start)
+        return run_service("worker", config.common, add_servicers, on_start=service.start,
+                           registry=service.registry)
     finally:
         service.close()

@@ -9,19 +9,31 @@ One scheduler at a time: a new Step stream starts from an empty request table
 (the scheduler that opens it has no requests on this worker), so a scheduler
 that reconnects after a broken stream finds no stale state. A stream waits a
 few seconds for the previous one to be torn down, then is refused.
+
+Observability: each step is a `worker.step` span (a root: a step serves many
+requests) with a span link to every request it ran (the traceparent each new
+request's spec carries); each request also gets one `worker.request` span in its
+own trace, from its spec to its release, counting its steps and tokens. Metrics
+count steps, their time and tokens.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
+from prometheus_client import CollectorRegistry
 
 from protos.radixmesh.v1 import worker_pb2 as pb
 from protos.radixmesh.v1 import worker_pb2_grpc
+from services.common import metrics as m
+from services.common import tracing
 from services.common.model_path import resolve_model_path
 from services.worker.config import WorkerConfig
 from services.worker.convert import plan_from_proto, result_to_proto
@@ -38,12 +50,24 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.info: pb.WorkerInfo | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="worker-step")
         self._stream_lock = asyncio.Lock()
+        self._traced: dict[str, _Traced] = {}  # rid -> its link and worker.request span (tracing on)
+        r = self.registry = CollectorRegistry()
+        self._steps = m.counter(r, "worker_steps", "steps executed")
+        self._step_time = m.histogram(r, "worker_step_seconds", "a step's time on the worker (forward + sampling)",
+                                      m.LATENCY_BUCKETS)
+        self._step_tokens = m.counter(r, "worker_tokens", "tokens run through the model (prefill + decode)")
+        self._batch = m.histogram(r, "worker_batch_size", "requests per step", m.TOKEN_BUCKETS)
+        self._model = "unknown"
+        r.register(m.LiveCollector(lambda: self._model if self.info is not None else None, lambda: {
+            "kv_pages_total": ("gauge", "KV pages in the pool", self.info.num_kv_pages),
+            "kv_page_size": ("gauge", "tokens per KV page", self.info.page_size)}))
 
     async def start(self) -> None:
         """Load the model on the step thread (health stays NOT_SERVING meanwhile)."""
         loop = asyncio.get_running_loop()
         self.runner, eos = await loop.run_in_executor(self._executor, self._load)
         self.info = worker_info(self.runner, eos)
+        self._model = self.info.model.name
 
     def _load(self):
         # torch is imported here, not at module level: `radixmesh serve` of the
@@ -70,21 +94,63 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await loop.run_in_executor(self._executor, self._reset)
             log.info("step stream opened", extra={"peer": context.peer()})
             async for msg in request_iterator:
+                t0, span = time.monotonic(), self._step_span(msg) if tracing.enabled() else None
                 try:
                     result = await loop.run_in_executor(self._executor, self._step, msg)
                 except Exception as exc:  # the scheduler fails the step's requests and reconnects
                     log.exception("step %d failed", msg.step_id)
+                    if span is not None:
+                        span.record_exception(exc)
+                        span.end()
                     await context.abort(grpc.StatusCode.INTERNAL, f"worker step {msg.step_id} failed: {exc}")
+                self._observe(msg, time.monotonic() - t0)
+                if span is not None:
+                    span.set_attribute("radixmesh.forward_seconds", result.forward_seconds)
+                    span.end()
                 yield result
             log.info("step stream closed by the scheduler")
         finally:
             self._stream_lock.release()
+
+    def _step_span(self, msg: pb.StepPlan):
+        traced, tracer = self._traced, tracing.tracer()
+        for rid in msg.released_rids:
+            _end(traced.pop(rid, None))
+        for spec in msg.new_requests:
+            link = tracing.link_to(spec.traceparent)
+            if link is not None and spec.rid not in traced:
+                traced[spec.rid] = _Traced(link, tracer.start_span(
+                    "worker.request", context=tracing.extract({"traceparent": spec.traceparent}),
+                    attributes={"radixmesh.request_id": spec.rid, "radixmesh.recompute": bool(spec.output_ids)}))
+        links, prefill = [], 0
+        for it in msg.items:
+            t = traced.get(it.rid)
+            n = len(it.input_ids)
+            prefill += n if n > 1 or not it.sample else 0
+            if t is not None:
+                links.append(t.link)
+                t.steps, t.tokens = t.steps + 1, t.tokens + n
+        return tracer.start_span(
+            "worker.step", kind=SpanKind.INTERNAL, context=Context(), links=links,  # a root
+            attributes={"radixmesh.step_id": msg.step_id, "radixmesh.batch_size": len(msg.items),
+                        "radixmesh.new_requests": len(msg.new_requests), "radixmesh.prefill_tokens": prefill,
+                        "radixmesh.tokens": sum(len(it.input_ids) for it in msg.items)})
+
+    def _observe(self, msg: pb.StepPlan, seconds: float) -> None:
+        model = self._model
+        self._steps.labels(model).inc()
+        self._step_time.labels(model).observe(seconds)
+        self._step_tokens.labels(model).inc(sum(len(it.input_ids) for it in msg.items))
+        self._batch.labels(model).observe(len(msg.items))
 
     def _step(self, msg: pb.StepPlan) -> pb.StepResult:
         return result_to_proto(self.runner.execute(plan_from_proto(msg)))
 
     def _reset(self) -> None:
         """Drop every request's state: a new stream's scheduler knows none of them."""
+        for t in self._traced.values():
+            _end(t)
+        self._traced.clear()
         n = len(self.runner.requests)
         if n:
             self.runner.reset()
@@ -92,6 +158,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _Traced:
+    __slots__ = ("link", "span", "steps", "tokens")
+
+    def __init__(self, link, span) -> None:
+        self.link, self.span, self.steps, self.tokens = link, span, 0, 0
+
+
+def _end(t: _Traced | None) -> None:
+    if t is not None:
+        t.span.set_attributes({"radixmesh.steps": t.steps, "radixmesh.tokens": t.tokens})
+        t.span.end()
 
 
 def stop_ids(path: str, model_eos: tuple[int, ...]) -> tuple[int, ...]:
@@ -117,5 +196,5 @@ def worker_info(runner, eos_token_ids: tuple[int, ...]) -> pb.WorkerInfo:
             max_position_embeddings=mc.max_position_embeddings, tie_word_embeddings=mc.tie_word_embeddings,
             attention_bias=mc.attention_bias, bos_token_id=mc.bos_token_id,
             eos_token_ids=list(eos_token_ids), name=mc.name),
-        num_kv_pages=spec.num_pages, page_size=spec.page_size, dtype=cfg.dtype, kv_dtype=cfg.dtype,
+        num_kv_pages=spec.num_pages, page_size=spec.page_size, dtype=cfg.resolved_dtype, kv_dtype=cfg.resolved_dtype,
         tp_size=1, weights_version="0", max_requests=cfg.max_requests)

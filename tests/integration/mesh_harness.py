@@ -31,11 +31,14 @@ SMALL_MESH = ["--kv-cache-bytes", str(32 << 20), "--max-requests", "16", "--max-
 class Mesh:
     """The launcher with its stderr (JSON lines of every service) collected by a reader thread."""
 
-    def __init__(self, *flags: str, drain_timeout_s: float = 10.0, gateway: bool = False) -> None:
+    def __init__(self, *flags: str, drain_timeout_s: float = 10.0, gateway: bool = False,
+                 env: dict[str, str] | None = None) -> None:
+        """env: variables added to this process's environment (e.g. OTEL_*) for every service."""
         gateway_flags = ["--http-port", "0"] if gateway else ["--no-gateway"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", *gateway_flags, "--drain-timeout-s", str(drain_timeout_s),
-             *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **env} if env else None)
         self.events: queue.Queue[dict] = queue.Queue()
         self.log: list[dict] = []
         self.stdout: list[str] = []
