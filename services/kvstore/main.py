@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import inspect
+import asyncio
 from dataclasses import dataclass, field
 
 import grpc
@@ -41,21 +41,17 @@ class KVStoreConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixmesh serve kvstore", description=__doc__)
     config = parse_config(KVStoreConfig, argv, parser)
+    from services.kvstore.metrics import make_registry
     from services.kvstore.service import KVStoreService
     from services.kvstore.store import KVStore
 
     service = KVStoreService(None)  # type: ignore[arg-type]  # the store is opened in on_start
 
     async def on_start() -> None:
-        import asyncio
         service.store = await asyncio.to_thread(KVStore, config.store)  # scans the disk directory
 
     def add_servicers(server: grpc.aio.Server) -> None:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
 
-    extra = {}
-    if "registry" in inspect.signature(run_service).parameters:  # /metrics, where the server serves it
-        from services.kvstore.metrics import make_registry
-
-        extra["registry"] = make_registry(lambda: service.store)
-    return run_service("kvstore", config.common, add_servicers, on_start=on_start, **extra)
+    return run_service("kvstore", config.common, add_servicers, on_start=on_start,
+                       registry=make_registry(lambda: service.store))

@@ -4,8 +4,10 @@ against `radixmesh serve kvstore` killed with SIGKILL and restarted over its dir
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -138,9 +140,14 @@ def test_serve_kvstore_survives_sigkill_with_its_disk_tier(tmp_path: Path) -> No
         assert (await client.stats()).disk_pages == 4  # 2 fit in memory
         await client.close()
 
-    svc = Service("kvstore", *flags, listen=f"127.0.0.1:{port}").wait_serving(60)
+    svc = Service("kvstore", *flags, "--metrics-port", "0", listen=f"127.0.0.1:{port}").wait_serving(60)
     try:
         asyncio.run(put_and_check(svc.address))
+        listening = next(json.loads(x) for x in svc.lines if '"listening"' in x)
+        with urllib.request.urlopen(f"http://127.0.0.1:{listening['metrics_port']}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'radixmesh:kvstore_disk_pages{model_name=""} 4.0' in text
+        assert 'radixmesh:kvstore_bytes_in_total{model_name=""} %.1f' % (6 * SPEC.nbytes) in text
     finally:
         assert svc.stop(signal.SIGKILL) == -signal.SIGKILL
     # While it is down and after it restarts: the client neither raises nor lies.
