@@ -17,6 +17,9 @@ call again for `retry_interval_s` (calls return at once: the request path
 never waits on a dead store twice in a row); then the next call probes it.
 gRPC reconnects underneath, its backoff capped at the same interval.
 
+One client per event loop (its gRPC channel binds to the loop of its first
+call); calls from that loop may run concurrently.
+
 Deadlines grow with the bytes moved: timeout_s + bytes / min_bytes_per_s.
 A batch above `max_batch_bytes` goes over the streamed RPC (PutStream,
 GetStream), so no message crosses the 64 MB gRPC limit. Encoding and decoding

@@ -164,3 +164,5 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+    except OSError as e:  # e.g. a directory where a page should be: leave it, say so
+        log.warning("cannot remove", extra={"path": str(path), "error": str(e)})

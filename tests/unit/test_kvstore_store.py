@@ -171,3 +171,13 @@ def test_clear_empties_both_tiers(tmp_path: Path) -> None:
     assert s.get_many(keys) == [None] * 5
     assert not list((tmp_path / "kv").glob("*/*"))
     assert store(tmp_path, memory_pages=2).stats().disk_pages == 0  # and after a restart
+
+
+def test_restart_ignores_a_directory_where_a_page_should_be(tmp_path: Path) -> None:
+    s = store(tmp_path, memory_pages=0)
+    keys, data = keys_for(2), payloads(2)
+    s.put_many(zip(keys, data))
+    odd = page_file.page_path(tmp_path / "kv", keys_for(3)[2])
+    odd.mkdir(parents=True)
+    s2 = store(tmp_path, memory_pages=0)
+    assert s2.get_many(keys) == data and s2.stats().disk_pages == 2
