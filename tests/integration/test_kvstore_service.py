@@ -11,7 +11,6 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-import pytest
 import torch
 
 from protos.radixmesh.v1 import kvstore_pb2 as pb
