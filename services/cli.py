@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "serve": "services.launcher.serve:main",
     "up": "services.launcher.up:main",
     "healthcheck": "services.launcher.healthcheck:main",
+    "bench": "services.loadgen.cli:main",
 }
 
 
