@@ -41,8 +41,10 @@ def _die_with_parent(parent_pid: int):
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], log_to: IO[str], tail_lines: int = 40) -> None:
+    def __init__(self, name: str, argv: list[str], log_to: IO[str], tail_lines: int = 40,
+                 service: str | None = None) -> None:
         self.name, self.argv = name, argv
+        self.service = service or name  # what `radixmesh serve` runs; name is unique per child (worker-1)
         self.proc: asyncio.subprocess.Process | None = None
         self.port: int | None = None
         self.listen_event: dict = {}  # the child's `listening` log line
@@ -63,7 +65,7 @@ class Child:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [PROJECT_ROOT, env.get("PYTHONPATH")]))
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.cli", "serve", self.name, *self.argv,
+            sys.executable, "-m", "services.cli", "serve", self.service, *self.argv,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, preexec_fn=_die_with_parent(os.getpid()), env=env, limit=1 << 20)
         self._reader = asyncio.create_task(self._read(), name=f"{self.name}-stderr")

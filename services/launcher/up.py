@@ -1,12 +1,15 @@
 """`radixmesh up`: the whole mesh on this machine, one process per service, on loopback.
 
     radixmesh up [--model PATH] [--http-port 8000] [--no-gateway] [service flags...]
+    radixmesh up --replicas 2 [--policy cache_aware] [router flags...]   # a fleet behind the router
 
 Starts worker and detokenizer, then the scheduler (once the worker listens),
 the tokenizer, and the gateway, each with `--listen 127.0.0.1:0` (the port a
 child bound is read from its `listening` log line) and its peers' addresses;
 waits until every one reports SERVING over gRPC health; prints the URL;
-supervises. If a child dies, the others are stopped and the launcher exits 1
+supervises. With `--replicas N` (N > 1, or `--router`) it starts N replicas (children
+`worker-0`, `tokenizer-0`, ..., `-N-1`), then `router` with every tokenizer in
+`--replica-addrs`, and points the gateway at the router. If a child dies, the others are stopped and the launcher exits 1
 naming it, with its exit status and last log lines. SIGTERM / Ctrl-C stops
 the mesh front to back (gateway, tokenizer, scheduler + detokenizer, worker),
 each stage draining its in-flight requests before the next one is told; a
@@ -39,7 +42,7 @@ from services.launcher.children import Child
 
 log = logging.getLogger("radixmesh.up")
 
-# (service, [(flag, peer whose address it takes)]), in start order.
+# (service, [(flag, peer whose address it takes)]), in start order: one replica, then the gateway.
 TOPOLOGY = [
     ("worker", []),
     ("detokenizer", []),
@@ -47,7 +50,8 @@ TOPOLOGY = [
     ("tokenizer", [("--scheduler-addr", "scheduler"), ("--detokenizer-addr", "detokenizer")]),
     ("gateway", [("--tokenizer-addr", "tokenizer")]),
 ]
-STOP_ORDER = [["gateway"], ["tokenizer"], ["scheduler", "detokenizer"], ["worker"]]
+STOP_ORDER = [["gateway"], ["tokenizer"], ["scheduler", "detokenizer"], ["worker"]]  # one replica, by service
+FLEET_STOP_ORDER = [STOP_ORDER[0], ["router"], *STOP_ORDER[1:]]  # the router goes right after the gateway
 TAKES_MODEL = ("worker", "detokenizer", "tokenizer")
 CONFIG_CLASSES = {
     "worker": "services.worker.main:WorkerServiceConfig",
@@ -55,8 +59,34 @@ CONFIG_CLASSES = {
     "scheduler": "services.scheduler.main:SchedulerServiceConfig",
     "tokenizer": "services.tokenizer.main:TokenizerServiceConfig",
     "gateway": "services.gateway.main:CONFIG_CLASS",
+    "router": "services.router.config:RouterConfig",
 }
-SET_BY_LAUNCHER = {"--listen", *(flag for _, peers in TOPOLOGY for flag, _ in peers)}
+SET_BY_LAUNCHER = {"--listen", "--replica-addrs", *(flag for _, peers in TOPOLOGY for flag, _ in peers)}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One child: its name (unique), the service it runs, and (flag, [peer child names])."""
+    name: str
+    service: str
+    peers: list[tuple[str, list[str]]]
+
+
+def plan(replicas: int, router: bool, gateway: bool) -> list[Planned]:
+    """The children in start order. One replica without a router keeps the plain names."""
+    suffixes = [""] if replicas == 1 and not router else [f"-{i}" for i in range(replicas)]
+    out = []
+    for sfx in suffixes:
+        for service, peers in TOPOLOGY:
+            if service != "gateway":
+                out.append(Planned(service + sfx, service, [(flag, [peer + sfx]) for flag, peer in peers]))
+    front = "tokenizer"
+    if router or replicas > 1:
+        out.append(Planned("router", "router", [("--replica-addrs", [f"tokenizer{s}" for s in suffixes])]))
+        front = "router"
+    if gateway:
+        out.append(Planned("gateway", "gateway", [("--tokenizer-addr", [front])]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -67,12 +97,18 @@ class UpConfig:
     drain_timeout_s: float = field(default=30.0, metadata={"help": "each service's drain deadline on stop"})
     kill_grace_s: float = field(default=5.0, metadata={"help": "SIGKILL a child this long after its drain deadline"})
     start_timeout_s: float = field(default=900.0, metadata={"help": "give up if the mesh is not SERVING by then"})
+    replicas: int = field(default=1, metadata={
+        "help": "engine replicas (tokenizer + scheduler + worker + detokenizer each); more than 1 starts the "
+                "router in front of them (its flags, e.g. --policy, are forwarded)"})
+    router: bool = field(default=False, metadata={"help": "start the router even in front of one replica"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
         if self.drain_timeout_s < 0 or self.kill_grace_s < 0 or self.start_timeout_s <= 0:
             raise ValueError("--drain-timeout-s and --kill-grace-s must be >= 0, --start-timeout-s > 0")
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
 
 
 class ChildDied(Exception):
@@ -133,6 +169,7 @@ def route_flags(extra: list[str], services: list[str]) -> dict[str, list[str]]:
 class Mesh:
     def __init__(self, config: UpConfig, routed: dict[str, list[str]]) -> None:
         self.config, self.routed = config, routed
+        self.plan = plan(config.replicas, config.router, "gateway" in routed)
         self.children: dict[str, Child] = {}
         self.exits: dict[str, asyncio.Task] = {}
         self.stop = asyncio.Event()
@@ -164,11 +201,11 @@ class Mesh:
                 raise ChildDied(self.children[name])
         raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
 
-    def _argv(self, name: str, peers: list[tuple[str, str]]) -> list[str]:
+    def _argv(self, name: str, peers: list[tuple[str, list[str]]]) -> list[str]:
         cfg = self.config
         argv = ["--listen", "127.0.0.1:0"]
-        for flag, peer in peers:
-            argv += [flag, self.children[peer].address]
+        for flag, names in peers:
+            argv += [flag, *(self.children[peer].address for peer in names)]
         if name == "gateway":
             argv += ["--http-port", str(cfg.http_port)]
             if load_ref(CONFIG_CLASSES["gateway"]) is not None:
@@ -181,17 +218,16 @@ class Mesh:
 
     async def start(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
-        for name, peers in TOPOLOGY:
-            if name not in self.routed:
-                continue
-            for _, peer in peers:
-                await self.race(self.children[peer].listening.wait(), deadline - time.monotonic(),
-                                f"{peer} listening")
-            child = Child(name, self._argv(name, peers), sys.stderr)
+        for p in self.plan:
+            for _, names in p.peers:
+                for peer in names:
+                    await self.race(self.children[peer].listening.wait(), deadline - time.monotonic(),
+                                    f"{peer} listening")
+            child = Child(p.name, self._argv(p.service, p.peers), sys.stderr, service=p.service)
             await child.spawn()
-            self.children[name] = child
-            self.exits[name] = asyncio.create_task(child.wait())
-            log.info("started", extra={"child": name, "pid": child.pid})
+            self.children[p.name] = child
+            self.exits[p.name] = asyncio.create_task(child.wait())
+            log.info("started", extra={"child": p.name, "pid": child.pid})
         for name, child in self.children.items():
             await self.race(child.listening.wait(), deadline - time.monotonic(), f"{name} listening")
         for name, child in self.children.items():
@@ -199,8 +235,8 @@ class Mesh:
 
     async def shutdown(self) -> int:
         """Stop front to back; returns 0 when every child exited 0."""
-        for group in STOP_ORDER:
-            members = [self.children[n] for n in group if n in self.children]
+        for group in FLEET_STOP_ORDER:
+            members = [c for c in self.children.values() if c.service in group]
             for child in members:
                 child.signal(signal.SIGTERM)
             waits = [self.exits[c.name] for c in members if c.running]
@@ -247,7 +283,8 @@ async def run(config: UpConfig, routed: dict[str, list[str]]) -> int:
         url = (gateway.listen_event.get("url") or f"http://127.0.0.1:{config.http_port}") if gateway else None
         log.info("ready", extra={"url": url, "addresses": addresses,
                                  "pids": {name: c.pid for name, c in mesh.children.items()}})
-        print(f"radixmesh is up: {url or 'no gateway'}; tokenizer gRPC at {addresses['tokenizer']} "
+        front = "router" if "router" in addresses else "tokenizer"
+        print(f"radixmesh is up: {url or 'no gateway'}; {front} gRPC at {addresses[front]} "
               "(Ctrl-C to stop)", flush=True)
         await mesh.race(asyncio.Event().wait(), None, "the end")
     except Interrupted:
@@ -276,6 +313,8 @@ def main(argv: list[str]) -> int:
     try:
         config = config_from_args(UpConfig, args)
         services = [name for name, _ in TOPOLOGY if name != "gateway" or config.gateway]
+        if config.replicas > 1 or config.router:
+            services.append("router")
         routed = route_flags(extra, services)
     except ValueError as e:
         parser.error(str(e))

@@ -1,0 +1,47 @@
+"""compose.yaml + compose.fleet.yaml run the launcher's two-replica plan (no Docker here):
+each planned child is a service running `serve <its service>` with flags its config accepts,
+peers point at their peers' listen ports (the router at both tokenizers), health checks probe it."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.common.config import config_from_args, flags_from_dataclass
+from services.launcher.up import CONFIG_CLASSES, FLEET_STOP_ORDER, load_ref, plan
+from tests.integration.mesh_harness import REPO
+
+yaml = pytest.importorskip("yaml")
+
+
+def _merged() -> dict:
+    base = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    fleet = yaml.safe_load((REPO / "compose.fleet.yaml").read_text())["services"]
+    out = dict(base)
+    for name, svc in fleet.items():
+        out[name] = {**base.get(name, {}), **svc}
+    return out
+
+
+def test_fleet_overlay_matches_the_launcher_plan():
+    compose = _merged()
+    planned = plan(2, False, True)
+    names = {p.name: p.name.replace("-0", "") for p in planned}  # compose's replica 0 has the plain names
+    configs, ports = {}, {}
+    for p in planned:
+        svc = compose[names[p.name]]
+        assert svc["command"][:2] == ["serve", p.service], p.name
+        cls = load_ref(CONFIG_CLASSES[p.service])
+        parser = argparse.ArgumentParser(prog=p.name, exit_on_error=False)
+        flags_from_dataclass(cls, parser)
+        configs[p.name] = config = config_from_args(cls, parser.parse_args(svc["command"][2:]))
+        host, _, ports[p.name] = config.common.listen.rpartition(":")
+        assert host == "0.0.0.0"
+        assert svc["healthcheck"]["test"][-1] == f"127.0.0.1:{ports[p.name]}"
+    for p in planned:
+        for flag, peers in p.peers:
+            value = getattr(configs[p.name], flag.removeprefix("--").replace("-", "_"))
+            want = [f"{names[peer]}:{ports[peer]}" for peer in peers]
+            assert (value if isinstance(value, list) else [value]) == want, (p.name, flag)
+            assert {names[peer] for peer in peers} <= set(compose[names[p.name]]["depends_on"]), p.name
+    assert {p.service for p in planned} == {s for group in FLEET_STOP_ORDER for s in group}
