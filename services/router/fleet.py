@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.radixmesh.v1 import router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common import tracing
 from services.common.server import MAX_MESSAGE_BYTES
 from services.router import metrics
 from services.router.breaker import STATE_VALUE, Breaker
@@ -38,7 +39,7 @@ CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconn
 class Replica:
     def __init__(self, address: str, config, model_name: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = tracing.channel(address, CHANNEL_OPTIONS)  # carries the trace when tracing is on
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.breaker = Breaker(config.breaker_failures, config.breaker_cooldown_s)

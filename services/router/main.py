@@ -15,6 +15,7 @@ import grpc
 from protos.radixmesh.v1 import router_pb2_grpc, tokenizer_pb2_grpc
 from services.common.config import parse_config
 from services.common.server import run_service
+from services.router import metrics
 from services.router.config import RouterConfig
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,6 @@ def main(argv: list[str] | None = None) -> int:
         for address in config.replica_addrs:
             fleet.add(address)
         fleet.start()
-        if config.common.metrics_port is not None:
-            _serve_metrics(config.common.metrics_port)
         if config.replica_addrs:
             admitted = await fleet.wait_healthy(list(config.replica_addrs), config.peer_wait_s)
             if not admitted:
@@ -50,11 +49,5 @@ def main(argv: list[str] | None = None) -> int:
     async def drain(deadline: float) -> None:
         pass  # the server's gate waits for in-flight streams; replicas keep serving them
 
-    return run_service("router", config.common, add_servicers, on_start=start, on_drain=drain)
-
-
-def _serve_metrics(port: int) -> None:
-    from prometheus_client import start_http_server
-
-    start_http_server(port)
-    log.info("metrics", extra={"port": port})
+    return run_service("router", config.common, add_servicers, on_start=start, on_drain=drain,
+                       registry=metrics.REGISTRY)

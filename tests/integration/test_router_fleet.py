@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter
 
@@ -15,7 +16,7 @@ from protos.radixmesh.v1 import tokenizer_pb2 as pb
 from protos.radixmesh.v1 import tokenizer_pb2_grpc
 from services.router.testing import Proc
 
-FAST = ["--health-interval-s", "0.2", "--health-timeout-s", "0.5", "--load-interval-s", "0.2"]
+FAST = ["--health-interval-s", "0.2", "--health-timeout-s", "0.5", "--load-interval-s", "0.2", "--metrics-port", "0"]
 
 
 def system(tenant) -> str:
@@ -101,6 +102,12 @@ def test_affinity_shared_prefix_lands_on_one_replica_and_its_hit_rate_rises(flee
     assert status.routed_by_match >= 7 and status.tree_chars > 0
     fleet_load = stub.GetLoad(pb.GetLoadRequest(), timeout=5)  # the router's own GetLoad: the sum
     assert fleet_load.cache_query_tokens > 0
+    port = router.events("listening")[0]["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert (f'radixmesh:router_requests_routed_total{{decision="match",model_name="fake",'
+            f'replica="{home.address}"}} {float(status.routed_by_match)}') in text, text
+    assert "radixmesh:router_circuit_state" in text and "radixmesh:router_replica_cache_hit_rate" in text
 
 
 @pytest.mark.parametrize("fleet3", [(["--token-delay-s", "0.05"],
