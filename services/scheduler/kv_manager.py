@@ -6,17 +6,29 @@ to one running request (in use). `check_invariants` proves it.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from services.scheduler.page_allocator import PageAllocator
-from services.scheduler.radix_cache import RadixCache
+from services.scheduler.radix_cache import RadixCache, TreeNode
 from services.scheduler.request import Request
+from services.scheduler.step_plan import HOST
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, disable_cache: bool):
+    def __init__(self, num_pages: int, page_size: int, disable_cache: bool, host_pages: int = 0,
+                 write_back: bool = False, keys_for: Callable[[TreeNode], list[bytes]] | None = None):
+        """host_pages > 0 adds a host tier below the pool (see radix_cache.py)."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages, page_size)
-        self.cache = RadixCache(self.allocator, page_size, disable=disable_cache)
+        self.host_allocator = PageAllocator(host_pages, page_size) if host_pages > 0 and not disable_cache else None
+        self.cache = RadixCache(self.allocator, page_size, disable=disable_cache, host_allocator=self.host_allocator,
+                                write_back=write_back, keys_for=keys_for)
         self.cache_enabled = not disable_cache
+        # HiCache hooks (the scheduler sets them): load `tokens` from a tier rather
+        # than recompute them?; pages [lo, hi) of a request were just given to the tree.
+        self.should_load: Callable[[str, int], bool] = lambda tier, tokens: True
+        self.on_cached: Callable[[Request, int, int], None] = lambda req, lo, hi: None
+        self.host_hit_tokens = 0  # tokens loaded host -> device, for the stats
 
     # --- capacity -------------------------------------------------------------
     @property
@@ -38,11 +50,31 @@ class KVManager:
         if not self.cache_enabled:
             return 0
         hit = self.cache.match_prefix(req.seq[: req.seq_len - 1], req.namespace)
+        if hit.host_nodes and self.should_load(HOST, hit.host_tokens) and self._load(hit.host_nodes):
+            self.host_hit_tokens += hit.host_tokens
+            hit = self.cache.match_prefix(req.seq[: req.seq_len - 1], req.namespace)
         self.cache.inc_lock(hit.node)
         req.node, req.pages, req.tree_tokens = hit.node, list(hit.pages), hit.num_tokens
         req.computed = hit.num_tokens
         req.pages_changed = True
         return hit.num_tokens
+
+    def _load(self, host_nodes: list[TreeNode]) -> bool:
+        """Bring a match's host-resident nodes onto the device (host -> device
+        copies in the next plan). False, nothing changed, when the device is full."""
+        need = sum(len(n.pages) for n in host_nodes)
+        self.cache.inc_lock(host_nodes[-1])  # eviction must not take what we load, nor its ancestors
+        if self.allocator.num_free < need:
+            self.cache.evict(need - self.allocator.num_free)
+        pages = self.allocator.alloc(need)
+        self.cache.dec_lock(host_nodes[-1])
+        if pages is None:
+            return False
+        at = 0
+        for node in host_nodes:
+            self.cache.promote(node, pages[at:at + len(node.pages)])
+            at += len(node.pages)
+        return True
 
     def grow(self, req: Request, upto_tokens: int) -> bool:
         """Make req's pages cover positions [0, upto_tokens); evicts cached pages
@@ -87,6 +119,7 @@ class KVManager:
     def _insert(self, req: Request, n_tokens: int) -> None:
         n_pages = n_tokens // self.page_size
         already = self.cache.insert(req.seq[:n_tokens], req.pages[:n_pages], req.namespace)
+        fresh_from = max(already // self.page_size, self.pages_for(req.tree_tokens))
         # Pages the tree already had for [tree_tokens, already) are duplicates of
         # ours: free ours and point the request at the tree's copy.
         dup_from, dup_to = self.pages_for(req.tree_tokens), already // self.page_size
@@ -100,11 +133,19 @@ class KVManager:
             req.pages_changed = True
         req.pages[:n_pages] = hit.pages
         req.node, req.tree_tokens = hit.node, n_tokens
+        self.on_cached(req, fresh_from, n_pages)
 
     # --- checks -------------------------------------------------------------------
-    def check_invariants(self, running: list[Request]) -> None:
-        """free + cached + private pages == total, with no page in two places."""
+    def check_invariants(self, running: list[Request], host_inflight: int = 0) -> None:
+        """free + cached + private pages == total, with no page in two places;
+        on the host tier free + cached + in flight (prefetching) == total."""
         self.cache.check_invariants()
+        if self.host_allocator is not None:
+            h = self.host_allocator
+            h.check_invariants()
+            assert h.num_free + self.cache.host_pages + host_inflight == h.num_pages, (
+                f"host: free {h.num_free} + cached {self.cache.host_pages} + in flight {host_inflight} "
+                f"!= total {h.num_pages}")
         private: list[int] = []
         for req in running:
             private.extend(req.pages[self.pages_for(req.tree_tokens):] if self.cache_enabled else req.pages)

@@ -40,6 +40,24 @@ class SchedulerStats:
     finished: int = 0
     steps: int = 0
     schedule_seconds: float = 0.0  # the scheduler's own CPU time, summed
+    # HiCache: the host tier (gauges) and the moves between tiers (counters).
+    host_pages_total: int = 0
+    host_pages_cached: int = 0
+    host_hit_tokens: int = 0  # prefix tokens loaded host -> device instead of recomputed
+    store_hit_tokens: int = 0  # prefix tokens prefetched store -> host
+    loads_skipped: int = 0  # lower-tier hits recomputed because prefill was estimated faster
+    pages_demoted: int = 0  # device -> host on eviction
+    pages_dropped: int = 0  # left the worker's tiers (device with no host room, host evictions)
+    pages_written_to_store: int = 0
+    bytes_device_to_host: int = 0
+    bytes_host_to_device: int = 0
+    bytes_store_to_host: int = 0
+    bytes_to_store: int = 0
+    transfer_seconds: float = 0.0  # the worker's time in KV copies, summed
+    # Running estimates behind the load-or-recompute decision.
+    est_prefill_tokens_per_s: float = 0.0
+    est_host_bytes_per_s: float = 0.0
+    est_store_bytes_per_s: float = 0.0
 
     @property
     def token_usage(self) -> float:

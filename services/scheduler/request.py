@@ -42,6 +42,11 @@ class Request:
     matched_stop: int | str | None = None
     first_token_time: float | None = None
     admit_time: float | None = None
+    # HiCache (services/scheduler/hicache.py): keys of seq's full pages computed so
+    # far, leading pages known to be in the kvstore, and the store probe's state.
+    page_keys: list[bytes] = field(default_factory=list)
+    store_pages: int = 0
+    store_state: str = ""  # "" not probed yet | "probed" | "prefetching"
 
     @property
     def seq(self) -> list[int]:

@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass
 
 from services.common.sampling_params import InvalidRequest, SamplingParams
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import HiCacheConfig, SchedulerConfig
+from services.scheduler.hicache import PREFETCHING, HiCache, StoreProbe
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.outputs import QueueFull, RequestOutput, SchedulerStats
 from services.scheduler.policy import order_waiting
@@ -27,15 +28,32 @@ class ModelLimits:
     context_length: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # HiCache: the worker's host tier and what keys its pages in the kvstore.
+    host_pages: int = 0
+    page_bytes: int = 0  # one KV page, all layers, k and v
+    model_identity: str = ""  # model name + a digest of its file (services/worker/host_pool.py)
+    weights_version: str = "0"
+    kv_layout: str = ""  # services/common/page_hash.kv_layout of the worker's pages
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, limits: ModelLimits):
+    def __init__(self, config: SchedulerConfig, limits: ModelLimits, hicache: HiCacheConfig | None = None,
+                 store: StoreProbe | None = None):
+        """hicache/store: the tiers below the worker's pool (limits.host_pages > 0 turns
+        the host tier on; `store` answers the kvstore's Exists)."""
         self.config, self.limits = config, limits
-        self.kv = KVManager(limits.num_pages, limits.page_size, config.disable_radix_cache)
+        self.stats = SchedulerStats(kv_pages_total=limits.num_pages)
+        self.hicache = HiCache(hicache or HiCacheConfig(), limits.page_size, limits.page_bytes,
+                               limits.model_identity, limits.weights_version, limits.kv_layout, store, self.stats)
+        self.kv = KVManager(limits.num_pages, limits.page_size, config.disable_radix_cache, limits.host_pages,
+                            write_back=self.hicache.write_back, keys_for=self.hicache.node_keys)
+        self.kv.should_load = self.hicache.should_load
+        self.kv.on_cached = self.hicache.written
+        self.hicache.cache = self.kv.cache
+        self.stats.host_pages_total = limits.host_pages if self.kv.host_allocator else 0
+        self._last_plan: StepPlan | None = None
         self.waiting: list[Request] = []
         self.running: dict[str, Request] = {}
-        self.stats = SchedulerStats(kv_pages_total=limits.num_pages)
         self.new_token_ratio = config.init_new_token_ratio
         self._aborts: set[str] = set()
         self._release: list[str] = []  # worker state to drop at the next step
@@ -93,6 +111,9 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to run."""
         t0 = time.perf_counter()
+        if self._last_plan is not None:  # its result never came (the step failed)
+            self.hicache.completed(None)
+            self._last_plan = None
         self._apply_aborts()
         items: list[StepItem] = []
         scheduled: list[Request] = []
@@ -104,9 +125,11 @@ class Scheduler:
             if victim is not None:
                 self._retract(victim)
         plan = None
-        if items or self._release:
+        if items or self._release or self.hicache.take_copies(None):
             self._step_id += 1
             plan = StepPlan(self._step_id)
+            self.hicache.take_copies(plan)
+            self._last_plan = plan
             for req in scheduled:
                 if not req.worker_has_state:
                     plan.new_requests.append(NewRequestSpec(
@@ -184,6 +207,9 @@ class Scheduler:
             items.append(self._item(req, n))
             scheduled.append(req)
             budget -= n
+        for req in self.waiting:  # the store's answer (and a prefetch) while it waits
+            if not req.store_state:
+                self.hicache.probe(req)
         if not self.waiting or budget <= 0:
             return
         cache = self.kv.cache if self.kv.cache_enabled else None
@@ -217,6 +243,8 @@ class Scheduler:
         """Try to start (or restart) req with up to `budget` prefill tokens.
         Returns the tokens scheduled, 0 when it must wait."""
         self._blocked_by_memory = False
+        if req.store_state == PREFETCHING:
+            return 0  # its prefix is arriving from the store: admit it with the next plan
         if self._shares_inflight_prefill(req):
             return 0  # its prefix is being computed right now: reuse it next step
         matched = self.kv.match(req)
@@ -268,6 +296,10 @@ class Scheduler:
 
     # --- applying the worker's answer -------------------------------------------------------
     def process(self, result: StepResult) -> list[RequestOutput]:
+        plan, self._last_plan = self._last_plan, None
+        if plan is not None:
+            self.hicache.completed(result.kv_transfers)
+            self.hicache.observe_step(plan, result.forward_seconds, result.kv_transfers)
         sampled = {rid: (tok, lp) for rid, tok, lp in
                    zip(result.rids, result.next_token_ids, result.logprobs or [None] * len(result.rids))}
         now = time.monotonic()
@@ -349,6 +381,13 @@ class Scheduler:
         s.running, s.waiting = len(self.running), len(self.waiting)
         s.kv_pages_used = self.kv.num_pages - self.kv.allocator.num_free
         s.kv_pages_cached = self.kv.cache.cached_pages
+        s.host_pages_cached = self.kv.cache.host_pages
+        s.host_hit_tokens = self.kv.host_hit_tokens
+        c = self.kv.cache.counters
+        s.pages_demoted = c["demoted"]
+        s.pages_dropped = c["dropped_host"] + c["dropped_device"]
+        if self.hicache.write_back:
+            s.pages_written_to_store = c["written_back"]
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (after a weight update, say). False, and
@@ -360,7 +399,7 @@ class Scheduler:
         return True
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants(list(self.running.values()))
+        self.kv.check_invariants(list(self.running.values()), self.hicache.inflight_host_pages())
         for req in self.waiting:
             assert not req.pages and req.node is None, f"waiting request {req.rid} holds KV"
 

@@ -39,6 +39,38 @@ class StepItem:
     sample: bool = True  # False for a prefill chunk that is not the prompt's last
 
 
+# KV tiers: the worker's device pool, its host pool, and the shared kvstore.
+DEVICE, HOST, STORE = "device", "host", "store"
+TIERS = (DEVICE, HOST, STORE)
+
+
+@dataclass
+class KVCopy:
+    """Move KV pages between tiers; the worker runs a plan's copies in order,
+    before its forward. Pool tiers address pages by index (`src_pages` /
+    `dst_pages`); the store by key (`keys`, one per page, when either side is
+    STORE). A copy to the store is a write (fire and forget: the worker gathers
+    the pages before anything later in the plan can overwrite them); a copy
+    from the store loads the longest stored prefix of `keys` into the first
+    pages of `dst_pages` and reports how many in its KVTransferStat."""
+
+    src_tier: str
+    dst_tier: str
+    src_pages: list[int] = field(default_factory=list)
+    dst_pages: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class KVTransferStat:
+    """What one KVCopy did: pages moved (< asked only for a store load that
+    found fewer pages), payload bytes, and the seconds it took on the worker."""
+
+    pages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 @dataclass
 class StepPlan:
     step_id: int
@@ -46,6 +78,7 @@ class StepPlan:
     items: list[StepItem] = field(default_factory=list)
     # Requests whose worker-side state (page table row, history) can be dropped.
     released_rids: list[str] = field(default_factory=list)
+    kv_copies: list[KVCopy] = field(default_factory=list)  # run in order before the forward
 
 
 @dataclass
@@ -63,3 +96,4 @@ class StepResult:
     next_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     forward_seconds: float = 0.0
+    kv_transfers: list[KVTransferStat] = field(default_factory=list)  # one per plan.kv_copies entry

@@ -1,0 +1,236 @@
+"""HiCache, the scheduler's side: which pages move between tiers, and when.
+
+The radix tree (radix_cache.py) records where each node's pages live (device or
+host) and emits the copies that eviction and loading imply. This module adds the
+kvstore below the host tier:
+
+- keys: a request's full pages are named by a hash chain (services/common/page_hash)
+  rooted in the model identity, weights version, adapter (the request's namespace),
+  page size and KV layout, so a page is never served to another model or adapter;
+- probe + prefetch: a waiting request asks the store how much of its prefix it
+  holds; when that exceeds what the worker's tiers hold by at least the threshold
+  (and loading beats recomputing), host pages are reserved and a store -> host copy
+  is sent; the request waits until the worker reports how many pages arrived, which
+  are then inserted into the tree as host nodes (a short or failed load only makes
+  the hit shorter);
+- write policy: write-through sends every newly computed full page to the store
+  (pages the probe found there are skipped); write-back lets the tree write pages
+  when they leave its lowest tier;
+- the load-or-recompute decision: running estimates of prefill tokens/s and of each
+  tier's bytes/s, from the worker's measured step and transfer times.
+
+No transport here: the store is anything with `exists(keys) -> int`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.common.page_hash import KeyNamespace, PageHasher
+from services.scheduler.config import HiCacheConfig
+from services.scheduler.outputs import SchedulerStats
+from services.scheduler.radix_cache import RadixCache, TreeNode
+from services.scheduler.request import Request
+from services.scheduler.step_plan import DEVICE, HOST, STORE, KVCopy, KVTransferStat, StepPlan
+
+PROBED, PREFETCHING = "probed", "prefetching"
+
+
+class StoreProbe(Protocol):
+    def exists(self, keys: list[bytes]) -> int:
+        """How many leading keys the store holds (0 when it is unreachable)."""
+
+
+@dataclass
+class Estimates:
+    """Exponential moving averages of the measured rates (start: rough priors for a
+    CPU box; the first measurements replace most of them)."""
+    prefill_tokens_per_s: float = 1000.0
+    bytes_per_s: dict[str, float] = field(default_factory=lambda: {HOST: 2e9, STORE: 1.5e8})
+    latency_s: dict[str, float] = field(default_factory=lambda: {HOST: 0.0, STORE: 0.002})
+    alpha: float = 0.3
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 16 and seconds > 0:
+            self.prefill_tokens_per_s += self.alpha * (tokens / seconds - self.prefill_tokens_per_s)
+
+    def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
+        if nbytes >= 1 << 16 and seconds > 0:
+            self.bytes_per_s[tier] += self.alpha * (nbytes / seconds - self.bytes_per_s[tier])
+
+    def transfer_s(self, tier: str, nbytes: int) -> float:
+        return self.latency_s[tier] + nbytes / self.bytes_per_s[tier]
+
+    def prefill_s(self, tokens: int) -> float:
+        return tokens / self.prefill_tokens_per_s
+
+
+@dataclass
+class _Prefetch:
+    req: Request
+    first_page: int  # the request's page index the load starts at
+    host_pages: list[int]
+
+
+class HiCache:
+    def __init__(self, config: HiCacheConfig, page_size: int, page_bytes: int, model_identity: str,
+                 weights_version: str, kv_layout: str, store: StoreProbe | None, stats: SchedulerStats):
+        if store is not None and not model_identity:
+            raise ValueError("a kvstore needs the worker's model identity to key pages")
+        self.config, self.page_size, self.page_bytes = config, page_size, page_bytes
+        self.store, self.stats = store, stats
+        self.write_through = store is not None and config.hicache_write_policy == "write_through"
+        self.write_back = store is not None and config.hicache_write_policy == "write_back"
+        self.estimates = Estimates()
+        self._ns = (model_identity, weights_version, kv_layout)
+        self._hashers: dict[str, PageHasher] = {}
+        self._prefetches: dict[int, _Prefetch] = {}  # id(KVCopy) -> what it loads
+        self._sent: list[KVCopy] = []  # the copies of the plan in flight
+        self.cache: RadixCache | None = None  # set by the scheduler once the KV manager exists
+        self._publish_estimates()
+
+    # --- keys ---------------------------------------------------------------------------
+    def hasher(self, adapter: str) -> PageHasher:
+        h = self._hashers.get(adapter)
+        if h is None:
+            model, version, layout = self._ns
+            h = self._hashers[adapter] = PageHasher(KeyNamespace(
+                model=model, weights_version=version, adapter=adapter, page_size=self.page_size,
+                kv_layout=layout))
+        return h
+
+    def request_keys(self, req: Request, n_pages: int) -> list[bytes]:
+        """Keys of req.seq's first n_pages pages, extending the request's chain."""
+        have = len(req.page_keys)
+        if have < n_pages:
+            ps = self.page_size
+            parent = req.page_keys[-1] if have else None
+            req.page_keys.extend(self.hasher(req.namespace).keys(req.seq[have * ps:n_pages * ps], parent=parent))
+        return req.page_keys[:n_pages]
+
+    def node_keys(self, node: TreeNode) -> list[bytes]:
+        """Keys of a tree node's pages (write-back names what it writes)."""
+        assert self.cache is not None
+        keys = self.hasher(node.namespace).keys(self.cache.path_tokens(node))
+        return keys[len(keys) - len(node.pages):]
+
+    # --- decisions ----------------------------------------------------------------------
+    def should_load(self, tier: str, tokens: int) -> bool:
+        """Load `tokens` from `tier` rather than recompute them? Counts the no's."""
+        policy = self.config.hicache_load_policy
+        if policy != "auto":
+            ok = policy == "always"
+        else:
+            nbytes = tokens // self.page_size * self.page_bytes
+            ok = self.estimates.transfer_s(tier, nbytes) < self.estimates.prefill_s(tokens)
+        if not ok:
+            self.stats.loads_skipped += 1
+        return ok
+
+    def probe(self, req: Request) -> None:
+        """A waiting request's first look at the store: maybe start a prefetch."""
+        req.store_state = PROBED
+        cache, ps = self.cache, self.page_size
+        if self.store is None or cache is None or cache.disable or cache.host is None:
+            return
+        n_full = (req.seq_len - 1) // ps  # the last token always runs (its logits are sampled)
+        if n_full == 0:
+            return
+        keys = self.request_keys(req, n_full)
+        req.store_pages = stored = self.store.exists(keys)
+        hit = cache.match_prefix(req.seq[:req.seq_len - 1], req.namespace)
+        have = (hit.num_tokens + hit.host_tokens) // ps
+        gain = stored - have
+        if gain <= 0 or gain * ps < self.config.hicache_prefetch_threshold:
+            return
+        if not self.should_load(STORE, gain * ps):
+            return
+        host = cache.host
+        if host.num_free < gain:  # keep what already matched while making room
+            deepest = hit.host_nodes[-1] if hit.host_nodes else hit.node
+            cache.inc_lock(deepest)
+            cache.evict_host(gain - host.num_free)
+            cache.dec_lock(deepest)
+        pages = host.alloc(gain)
+        if pages is None:
+            return
+        op = KVCopy(STORE, HOST, [], pages, keys[have:stored])
+        cache.copies.append(op)
+        self._prefetches[id(op)] = _Prefetch(req, have, pages)
+        req.store_state = PREFETCHING
+
+    def written(self, req: Request, lo: int, hi: int) -> None:
+        """req's pages [lo, hi) were just handed to the tree, freshly computed:
+        write-through sends those the store does not hold yet."""
+        if not self.write_through:
+            return
+        lo = max(lo, req.store_pages)
+        if hi <= lo:
+            return
+        keys = self.request_keys(req, hi)[lo:hi]
+        assert self.cache is not None
+        self.cache.copies.append(KVCopy(DEVICE, STORE, list(req.pages[lo:hi]), [], keys))
+        self.stats.pages_written_to_store += hi - lo
+        req.store_pages = hi
+
+    # --- the plan's copies --------------------------------------------------------------
+    def take_copies(self, plan: StepPlan | None) -> bool:
+        """Move the copies decided since the last plan into `plan` (None: only say
+        whether there are any). They must travel in the next plan, in order."""
+        assert self.cache is not None
+        if plan is None:
+            return bool(self.cache.copies)
+        plan.kv_copies, self.cache.copies = self.cache.copies, []
+        self._sent = plan.kv_copies
+        return bool(plan.kv_copies)
+
+    def completed(self, transfers: list[KVTransferStat] | None) -> None:
+        """The worker ran the last plan's copies (None: the step failed, nothing moved)."""
+        sent, self._sent = self._sent, []
+        transfers = transfers or []
+        s, est = self.stats, self.estimates
+        for i, op in enumerate(sent):
+            stat = transfers[i] if i < len(transfers) else KVTransferStat()
+            s.transfer_seconds += stat.seconds
+            route = (op.src_tier, op.dst_tier)
+            if route == (DEVICE, HOST):
+                s.bytes_device_to_host += stat.bytes
+            elif route == (HOST, DEVICE):
+                s.bytes_host_to_device += stat.bytes
+                est.observe_transfer(HOST, stat.bytes, stat.seconds)
+            elif op.src_tier == STORE:
+                s.bytes_store_to_host += stat.bytes
+                est.observe_transfer(STORE, stat.bytes, stat.seconds)
+            elif op.dst_tier == STORE:
+                s.bytes_to_store += stat.bytes
+            pf = self._prefetches.pop(id(op), None)
+            if pf is not None:
+                self._finish_prefetch(pf, min(stat.pages, len(pf.host_pages)))
+        self._publish_estimates()
+
+    def observe_step(self, plan: StepPlan, forward_seconds: float, transfers: list[KVTransferStat]) -> None:
+        """Prefill speed from a step that ran prefill chunks (decode rows are cheap next to them)."""
+        tokens = sum(len(it.input_ids) for it in plan.items)
+        if tokens > len(plan.items):
+            self.estimates.observe_prefill(tokens, forward_seconds - sum(t.seconds for t in transfers))
+
+    def _finish_prefetch(self, pf: _Prefetch, loaded: int) -> None:
+        assert self.cache is not None
+        req, ps = pf.req, self.page_size
+        self.cache.host.free(pf.host_pages[loaded:])  # type: ignore[union-attr]
+        if loaded:
+            self.cache.insert_host(req.seq, pf.host_pages[:loaded], pf.first_page, req.namespace)
+            self.stats.store_hit_tokens += loaded * ps
+        if loaded < len(pf.host_pages):  # the store lost pages (evicted, damaged, down): recompute them
+            req.store_pages = min(req.store_pages, pf.first_page + loaded)
+        if req.store_state == PREFETCHING:
+            req.store_state = PROBED
+
+    def inflight_host_pages(self) -> int:
+        return sum(len(pf.host_pages) for pf in self._prefetches.values())
+
+    def _publish_estimates(self) -> None:
+        s, est = self.stats, self.estimates
+        s.est_prefill_tokens_per_s = est.prefill_tokens_per_s
+        s.est_host_bytes_per_s = est.bytes_per_s[HOST]
+        s.est_store_bytes_per_s = est.bytes_per_s[STORE]
