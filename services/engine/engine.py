@@ -17,7 +17,7 @@ from services.common.model_path import resolve_model_path
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.engine.outputs import GenerateOutput, StreamChunk
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import HiCacheConfig, SchedulerConfig
 from services.scheduler.outputs import QueueFull, RequestOutput
 from services.scheduler.scheduler import ModelLimits, Scheduler
 from services.tokenizer.text_tokenizer import TextTokenizer, load_tokenizer
@@ -33,6 +33,7 @@ class EngineConfig:
     """Flags of an in-process engine: the worker's and the scheduler's, flattened."""
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 
 
 @dataclass
@@ -50,19 +51,25 @@ class Engine:
 
     def __init__(self, model: str | None = None, worker: WorkerConfig | None = None,
                  scheduler: SchedulerConfig | None = None, *, checkpoint: Checkpoint | None = None,
-                 tokenizer: TextTokenizer | None = None):
-        """`checkpoint`/`tokenizer` reuse already loaded ones (tests build many engines)."""
+                 tokenizer: TextTokenizer | None = None, hicache: HiCacheConfig | None = None):
+        """`checkpoint`/`tokenizer` reuse already loaded ones (tests build many engines);
+        `hicache` adds the host tier and the kvstore below the KV pool."""
         worker = worker or WorkerConfig(model=model)
         path = None if checkpoint and tokenizer else resolve_model_path(model or worker.model)
         self.tokenizer: TextTokenizer = tokenizer or load_tokenizer(path)
-        self.runner = ModelRunner(worker, checkpoint or load_checkpoint(path))
+        checkpoint = checkpoint or load_checkpoint(path)
+        self.runner = ModelRunner(worker, checkpoint)
         mc, spec = self.runner.model_config, self.runner.kv_spec
         eos = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        self.limits = ModelLimits(spec.num_pages, spec.page_size, mc.max_position_embeddings, mc.vocab_size, eos)
         sched_cfg = scheduler or SchedulerConfig(max_running_requests=worker.max_requests)
         if sched_cfg.max_running_requests > worker.max_requests:
             raise ValueError("scheduler max_running_requests exceeds the worker's page-table rows")
-        self.scheduler = Scheduler(sched_cfg, self.limits)
+        hicache = hicache or HiCacheConfig()
+        self.kvstore, tiers = attach_tiers(self.runner, hicache, checkpoint.source,
+                                           cache_on=not sched_cfg.disable_radix_cache)
+        self.limits = ModelLimits(spec.num_pages, spec.page_size, mc.max_position_embeddings, mc.vocab_size, eos,
+                                  **tiers)
+        self.scheduler = Scheduler(sched_cfg, self.limits, hicache, self.kvstore)
         self.model_name = mc.name
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -155,6 +162,8 @@ class Engine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if self.kvstore is not None:
+            self.kvstore.close()
 
     # --- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -200,6 +209,11 @@ class Engine:
                 self._send(handle, StreamChunk(item.rid, finished=True, finish_reason="error",
                                                error=f"worker error: {exc}"))
 
+    def flush_kv_writes(self) -> None:
+        """Wait until the pages written to the kvstore so far have landed (tests)."""
+        if self.kvstore is not None:
+            self.kvstore.flush()
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             handle = self._handles.get(out.rid)
@@ -236,3 +250,29 @@ class Engine:
         handle.token_ids.extend(ids)
         return StreamChunk(out.rid, ids, text, list(out.logprobs), finished, reason, matched,
                            out.prompt_tokens, out.completion_tokens, out.cached_tokens, out.error)
+
+
+def attach_tiers(runner: ModelRunner, hicache: HiCacheConfig, source: str | None, cache_on: bool = True):
+    """Give the runner its host pool and kvstore client as `hicache` asks
+    (services/worker/host_pool.py). Returns (the store client or None, the
+    ModelLimits fields that tell the scheduler about them)."""
+    from services.kvstore.blocking import BlockingKVStore
+    from services.kvstore.page_codec import PageSpec
+    from services.worker.host_pool import HostKVPool, KVTransfer, model_identity
+    from services.worker.kv_pool import KVPoolSpec
+
+    spec, mc = runner.kv_spec, runner.model_config
+    page = PageSpec.from_pool(spec)
+    store = None
+    if hicache.kvstore_addr and cache_on:
+        store = BlockingKVStore(hicache.kvstore_addr, page, timeout_s=hicache.kvstore_timeout_s)
+    host_pages = hicache.host_pages(spec.num_pages) if cache_on else 0
+    host = None
+    if host_pages:
+        host = HostKVPool(KVPoolSpec(host_pages, spec.page_size, spec.num_layers, spec.num_kv_heads,
+                                     spec.head_dim, spec.dtype), pin=runner.device.type == "cuda")
+    runner.kv_transfer = KVTransfer(runner.pool, host, store)
+    fields = dict(host_pages=host_pages, page_bytes=spec.bytes_per_token * spec.page_size,
+                  model_identity=model_identity(mc.name, source),
+                  weights_version=str(getattr(runner, "weights_version", 0)), kv_layout=page.layout)
+    return store, fields

@@ -45,6 +45,8 @@ class _ForwardMeta:
 
 
 class ModelRunner:
+    kv_transfer = None  # HiCache tiers (services/worker/host_pool.KVTransfer), attached by the engine/service
+
     def __init__(self, config: WorkerConfig, checkpoint: Checkpoint):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -107,6 +109,8 @@ class ModelRunner:
         for spec in plan.new_requests:
             self._admit(spec)
         result = StepResult(step_id=plan.step_id)
+        if plan.kv_copies:  # tier moves the forward may read: first
+            result.kv_transfers = self.kv_transfer.run(plan.kv_copies)
         if plan.items:
             self._run_items(plan, result)
         result.forward_seconds = time.perf_counter() - t0

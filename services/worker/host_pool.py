@@ -1,0 +1,135 @@
+"""HiCache, the worker's side: the host KV pool and the copies between tiers.
+
+The scheduler decides every move and sends it as `StepPlan.kv_copies`
+(services/scheduler/step_plan.KVCopy); `KVTransfer.run` executes them in order
+before the forward and reports pages, bytes and seconds per copy, which feed the
+scheduler's load-or-recompute estimates. Tiers: DEVICE (the KV pool the model
+reads), HOST (a pool of the same layout in host memory, pinned on CUDA), STORE
+(the shared kvstore, through services/kvstore/blocking.BlockingKVStore). On a
+CPU-only machine DEVICE and HOST are both host memory; the mechanics are the same.
+
+A store page is [L, 2, P, Hkv, D] (services/kvstore/page_codec); the pools are
+k, v [L, S, Hkv, D] with page p at slots [p*P, (p+1)*P).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import torch
+
+from services.scheduler.step_plan import DEVICE, HOST, STORE, KVCopy, KVTransferStat
+from services.worker.kv_pool import KVPool, KVPoolSpec
+
+
+class HostKVPool:
+    """k, v [L, host_pages * P, Hkv, D] in host memory."""
+
+    def __init__(self, spec: KVPoolSpec, pin: bool = False):
+        self.spec = spec
+        shape = (spec.num_layers, spec.num_slots, spec.num_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)
+        self.v = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)
+
+
+def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:
+    """Slot indices [len(pages) * P] of `pages`, page by page."""
+    p = torch.tensor(pages, dtype=torch.int64)
+    return (p[:, None] * page_size + torch.arange(page_size)).reshape(-1).to(device)
+
+
+class KVTransfer:
+    def __init__(self, device_pool: KVPool, host_pool: HostKVPool | None, store=None):
+        """store: a BlockingKVStore (or anything with get_prefix / put_nowait), or None."""
+        self.pools = {DEVICE: device_pool, HOST: host_pool}
+        self.page_size = device_pool.spec.page_size
+        self.page_bytes = device_pool.spec.bytes_per_token * self.page_size
+        self.store = store
+
+    @torch.inference_mode()
+    def run(self, ops: list[KVCopy]) -> list[KVTransferStat]:
+        """Execute the copies in order; one stat per copy. A copy naming a tier
+        this worker lacks is a scheduler bug: ValueError."""
+        stats = []
+        for op in ops:
+            t0 = time.perf_counter()
+            if op.dst_tier == STORE:
+                n = self._to_store(op)
+            elif op.src_tier == STORE:
+                n = self._from_store(op)
+            else:
+                n = self._copy(op)
+            stats.append(KVTransferStat(n, n * self.page_bytes, time.perf_counter() - t0))
+        return stats
+
+    def _pool(self, tier: str):
+        pool = self.pools.get(tier)
+        if pool is None:
+            raise ValueError(f"a KV copy names the {tier!r} tier, which this worker does not have")
+        return pool
+
+    def _copy(self, op: KVCopy) -> int:
+        if len(op.src_pages) != len(op.dst_pages):
+            raise ValueError(f"KV copy of {len(op.src_pages)} pages into {len(op.dst_pages)}")
+        src, dst = self._pool(op.src_tier), self._pool(op.dst_tier)
+        s = page_slots(op.src_pages, self.page_size, src.k.device)
+        d = page_slots(op.dst_pages, self.page_size, dst.k.device)
+        for a, b in ((src.k, dst.k), (src.v, dst.v)):
+            b.index_copy_(1, d, a.index_select(1, s).to(b.device, non_blocking=True))
+        return len(op.src_pages)
+
+    def gather(self, tier: str, pages: list[int]) -> torch.Tensor:
+        """Pages as store pages [n, L, 2, P, Hkv, D], a fresh CPU tensor."""
+        pool, ps, n = self._pool(tier), self.page_size, len(pages)
+        slots = page_slots(pages, ps, pool.k.device)
+        k, v = pool.k.index_select(1, slots), pool.v.index_select(1, slots)  # [L, n*P, Hkv, D]
+        L, _, h, d = k.shape
+        both = torch.stack([k.view(L, n, ps, h, d), v.view(L, n, ps, h, d)], dim=2)  # [L, n, 2, P, Hkv, D]
+        return both.permute(1, 0, 2, 3, 4, 5).contiguous().cpu()
+
+    def scatter(self, tier: str, pages: list[int], data: torch.Tensor) -> None:
+        """Write store pages data [m, L, 2, P, Hkv, D] into `pages`[:m] of `tier`."""
+        pool, ps, m = self._pool(tier), self.page_size, data.shape[0]
+        slots = page_slots(pages[:m], ps, pool.k.device)
+        d = data.permute(1, 0, 2, 3, 4, 5)  # [L, m, 2, P, Hkv, D]
+        L = d.shape[0]
+        for i, dst in enumerate((pool.k, pool.v)):
+            part = d[:, :, i].reshape(L, m * ps, *dst.shape[2:])
+            dst.index_copy_(1, slots, part.to(dst.device, dst.dtype))
+
+    def _to_store(self, op: KVCopy) -> int:
+        if len(op.keys) != len(op.src_pages):
+            raise ValueError(f"{len(op.keys)} keys for {len(op.src_pages)} pages")
+        if self.store is None or not op.src_pages:
+            return 0
+        # Gathered now: later copies in this plan and the forward may reuse these pages.
+        self.store.put_nowait(op.keys, self.gather(op.src_tier, op.src_pages))
+        return len(op.src_pages)
+
+    def _from_store(self, op: KVCopy) -> int:
+        if self.store is None or not op.keys:
+            return 0
+        data = self.store.get_prefix(op.keys[:len(op.dst_pages)])
+        if data.shape[0]:
+            self.scatter(op.dst_tier, op.dst_pages, data)
+        return int(data.shape[0])
+
+
+def model_identity(name: str, source: str | None) -> str:
+    """A content identity for the KV namespace: the model's name plus a digest of
+    its file(s) (size and the first MiB: a GGUF's header and metadata, a
+    safetensors header), the same on every replica that loads the same bytes and
+    different for any other model or a re-quantized file."""
+    h = hashlib.blake2b(digest_size=16)
+    files = []
+    if source and os.path.isdir(source):
+        files = sorted(os.path.join(source, f) for f in os.listdir(source)
+                       if f.endswith((".safetensors", ".json", ".gguf")))
+    elif source and os.path.exists(source):
+        files = [source]
+    for path in files:
+        h.update(os.path.basename(path).encode() + os.path.getsize(path).to_bytes(8, "little"))
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+    return f"{name}:{h.hexdigest() if files else 'unknown-source'}"
