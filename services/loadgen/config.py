@@ -35,7 +35,8 @@ class BenchConfig:
         "help": "the `model` to send; none = the first id of GET /v1/models"})
     dataset: str = field(default="random", metadata={"help": "the workload", "choices": DATASETS})
     num_prompts: int = field(default=64, metadata={
-        "help": "requests (random, sharegpt-like) or conversations (multi-turn)"})
+        "help": "requests (random, sharegpt-like) or conversations (multi-turn); generated-shared-prefix "
+                "sends groups x prompts per group instead"})
     input_len: int = field(default=256, metadata={
         "help": "random: prompt tokens; multi-turn: tokens of each user message"})
     output_len: int = field(default=128, metadata={

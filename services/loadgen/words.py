@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 from dataclasses import dataclass
 
 FALLBACK_WORDS = (
@@ -54,7 +55,15 @@ def load_pool(tokenizer: str | None) -> WordPool:
     """The pool for --tokenizer: "default" (the default model's GGUF), a path, or None."""
     if tokenizer in (None, "", "none"):
         return WordPool(tuple(FALLBACK_WORDS), False, "none")
+    from services.common.model_path import default_model_path
     from services.tokenizer.text_tokenizer import load_tokenizer
+
+    if tokenizer == "default":
+        try:
+            default_model_path()
+        except FileNotFoundError as e:  # the tool also serves machines without our model
+            print(f"radixmesh bench: {e}; prompt lengths are approximate (--tokenizer none)", file=sys.stderr)
+            return WordPool(tuple(FALLBACK_WORDS), False, "none")
 
     tok = load_tokenizer(tokenizer)
     raw = tok.raw
