@@ -6,33 +6,15 @@ the kernel cannot be built here (no compiler), and callers fall back.
 """
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
-_SOURCE = os.path.join(os.path.dirname(__file__), "cpu", "paged_decode_attention.cpp")
-_lock = threading.Lock()
-_module = None
-_tried = False
+from kernels.cpu_build import load_cpu_extension
 
 
 def load():
     """The compiled extension, or None if it cannot be built (logged once)."""
-    global _module, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                from torch.utils.cpp_extension import load as build
-                _module = build("radixmesh_paged_decode_cpu", [_SOURCE], extra_cflags=["-O3", "-march=native",
-                                "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-            except Exception as exc:  # no compiler, no headers: the torch path still works
-                log.warning("CPU paged decode kernel unavailable (%s); using gather + SDPA", exc)
-        return _module
+    return load_cpu_extension("paged_decode_cpu", "paged_decode_attention.cpp")
 
 
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

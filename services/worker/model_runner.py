@@ -22,6 +22,7 @@ from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.kv_pool import KVPool, KVPoolSpec
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
+from services.worker.model.layer_ops import create_layer_ops
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.sampler_inputs import run_sampler
 
@@ -59,6 +60,8 @@ class ModelRunner:
             mc = _with_context(mc, config.context_length)
         self.model_config: ModelConfig = mc
         self.model = build_model(mc, checkpoint.tensors, config.torch_dtype, self.device)
+        self.prepacked = config.prepack_weights and self.model.prepack_weights()
+        self.model.ops = create_layer_ops(config.fused_ops, self.device)
         self.kv_spec = KVPoolSpec.from_budget(
             mc, config.page_size, config.torch_dtype,
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
@@ -68,8 +71,10 @@ class ModelRunner:
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
         self.requests: dict[str, _Request] = {}
-        log.info("worker ready: %s, %d KV pages x %d tokens (%.2f GiB %s)", mc.name,
-                 self.kv_spec.num_pages, self.kv_spec.page_size, self.kv_spec.total_bytes / 2**30, config.dtype)
+        log.info("worker ready: %s %s, %s, %s, %d KV pages x %d tokens (%.2f GiB)", mc.name, config.resolved_dtype,
+                 "prepacked linears" if self.prepacked else "plain linears",
+                 type(self.model.ops).__name__, self.kv_spec.num_pages,
+                 self.kv_spec.page_size, self.kv_spec.total_bytes / 2**30)
 
     # --- request state -------------------------------------------------------------
     def _admit(self, spec: NewRequestSpec) -> None:
@@ -159,8 +164,10 @@ def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.
         model = LlamaForCausalLM(mc)
     model = model.to_empty(device=device)
     model.load_hf_tensors(tensors)
-    model.rope = model.rope.__class__(mc).to(device)  # buffers were never materialized on meta
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    # The rope tables were never materialized on meta; they stay float32 in any dtype.
+    model.rope = model.rope.__class__(mc).to(device)
+    return model
 
 
 def _with_context(mc: ModelConfig, n: int) -> ModelConfig:

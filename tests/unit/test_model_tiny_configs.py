@@ -38,14 +38,14 @@ def _save_tiny(tmp_path, arch: str, extra: dict) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("page_size,backend", [(1, "cpu"), (4, "cpu"), (4, "torch")])
-def test_logits_match_transformers(tmp_path, name, page_size, backend):
+@pytest.mark.parametrize("page_size,backend,fused", [(1, "cpu", True), (4, "cpu", True), (4, "torch", False)])
+def test_logits_match_transformers(tmp_path, name, page_size, backend, fused):
     arch, extra = CONFIGS[name]
     path, hf = _save_tiny(tmp_path, arch, extra)
     ckpt = load_checkpoint(path)
     assert ckpt.config.attention_bias == (arch == "qwen2")
-    runner = ModelRunner(WorkerConfig(page_size=page_size, kv_cache_bytes=4 << 20, max_requests=4,
-                                      attention_backend=backend), ckpt)
+    runner = ModelRunner(WorkerConfig(dtype="float32", page_size=page_size, kv_cache_bytes=4 << 20, max_requests=4,
+                                      attention_backend=backend, fused_ops=fused), ckpt)
     g = torch.Generator().manual_seed(1)
     seqs = {"a": torch.randint(0, 256, (70,), generator=g).tolist(),  # past the llama3 original context
             "b": torch.randint(0, 256, (23,), generator=g).tolist()}

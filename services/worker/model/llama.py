@@ -12,19 +12,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.model.config import ModelConfig
+from services.worker.model.layer_ops import LayerOps, TorchLayerOps
+from services.worker.model.linear import Linear, can_prepack, packed_linear, prepack
 from services.worker.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the math is the layer ops' (layer_ops.py)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 (as the reference does), scale in the model dtype.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
-        return self.weight * normed
 
 
 class Attention(nn.Module):
@@ -34,17 +33,18 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, meta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, meta, ops: LayerOps) -> torch.Tensor:
         # x [T, hidden]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.rope_qk(self.qkv_proj(x), meta.positions, rope.cos, rope.sin,
+                          self.num_heads, self.num_kv_heads, self.head_dim)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(meta.positions, q, k)
         out = meta.attention(self.layer_id, q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -52,12 +52,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -68,9 +67,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding, meta,
+                ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) → (x', residual'): the residual stream is summed lazily, so
+        each add fuses with the norm that follows it. residual None = first layer."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        h = self.self_attn(h, rope, meta, ops)
+        h, residual = ops.add_rms_norm(h, residual, norm2.weight, norm2.eps)
+        return self.mlp(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -81,8 +86,25 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False)
+        self.packed_lm_head: torch.Tensor | None = None  # tied: a prepacked copy of the embedding
+        self.ops: LayerOps = TorchLayerOps()  # the runner installs fused ones where it can
+
+    def prepack_weights(self) -> bool:
+        """Prepack every linear (and a tied LM head) for oneDNN when this dtype and
+        device allow it (see linear.py). Call again after any weight change."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        packed = all([m.prepack() for m in linears])
+        tied = self.embed_tokens.weight
+        self.packed_lm_head = prepack(tied) if self.lm_head is None and can_prepack(tied) else None
+        return packed
+
+    def unpack_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.unpack()
+        self.packed_lm_head = None
 
     def forward(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → logits [len(logits_indices), vocab] (float32).
@@ -90,12 +112,16 @@ class LlamaForCausalLM(nn.Module):
         Only the rows that are sampled go through the LM head: a prefill chunk
         of 2,000 tokens needs one row of logits, not 2,000.
         """
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, self.rope, meta)
-        x = self.norm(x[logits_indices])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+            x, residual = layer(x, residual, self.rope, meta, self.ops)
+        x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        if self.lm_head is not None:
+            return self.lm_head(x).float()
+        if self.packed_lm_head is not None:
+            return packed_linear(x, self.packed_lm_head, None).float()
+        return F.linear(x, self.embed_tokens.weight).float()
 
     def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or

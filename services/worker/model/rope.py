@@ -38,7 +38,8 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (HF's rotate-half layout)."""
+    """Precomputed cos/sin tables [positions, head_dim] (HF's rotate-half layout);
+    the layer ops (layer_ops.py) apply them."""
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None):
         super().__init__()
@@ -47,14 +48,3 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [n, head_dim]
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, H, D]; k [T, Hkv, D] → rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,0 +1,167 @@
+// Fused element-wise ops of a Llama layer for CPUs. In eager torch each of
+// these is 4-8 small ops (casts, pow, mean, rsqrt, muls, cat); at decode batch
+// sizes their dispatch overhead costs more than their arithmetic. Math is in
+// float32; every result is rounded to the tensor's dtype once.
+//
+// add_rms_norm_(x, residual, weight, eps, first)
+//     x, residual [T, H]; weight [H]. When first: residual = x, else residual += x
+//     (rounded to the dtype, as `residual + x` would be). Returns
+//     weight * dtype(residual * rsqrt(mean(residual^2) + eps)).
+// rms_norm(x [T, H], weight [H], eps) -> [T, H]
+// rope_(qk [T, W], positions [T] int64, cos [P, D] float32, sin [P, D] float32, n_heads)
+//     Rotates the first n_heads head_dim-sized blocks of each row in place (q then
+//     k heads of a fused qkv output), rotate-half layout: for i < D/2,
+//     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+// silu_mul(gate_up [T, 2I]) -> [T, I] = silu(gate) * up
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+template <typename scalar_t>
+void norm_row(const scalar_t* __restrict__ in, const scalar_t* __restrict__ w, scalar_t* __restrict__ out,
+              int64_t n, float eps, float* __restrict__ tmp) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) {
+    tmp[i] = to_f(in[i]);
+    ss += tmp[i] * tmp[i];
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    // Round the normalized value to the dtype before the weight, as the reference does.
+    const float normed = to_f(static_cast<scalar_t>(tmp[i] * r));
+    out[i] = static_cast<scalar_t>(to_f(w[i]) * normed);
+  }
+}
+
+template <typename scalar_t>
+void add_row(scalar_t* __restrict__ r, const scalar_t* __restrict__ x, int64_t n, bool first) {
+  if (first) {
+    for (int64_t i = 0; i < n; ++i) r[i] = x[i];
+    return;
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) r[i] = static_cast<scalar_t>(to_f(r[i]) + to_f(x[i]));
+}
+
+template <typename scalar_t>
+void rope_head(scalar_t* __restrict__ x, const float* __restrict__ c, const float* __restrict__ s, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+    x[i] = static_cast<scalar_t>(x1 * c[i] - x2 * s[i]);
+    x[i + half] = static_cast<scalar_t>(x2 * c[i + half] + x1 * s[i + half]);
+  }
+}
+
+template <typename scalar_t>
+void silu_mul_row(const scalar_t* __restrict__ g, const scalar_t* __restrict__ u, scalar_t* __restrict__ o,
+                  int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = to_f(g[i]);
+    o[i] = static_cast<scalar_t>(x / (1.f + expf(-x)) * to_f(u[i]));
+  }
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
+              "weight must be [H] of x's dtype");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, weight);
+  auto out = torch::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> tmp(H);
+      for (int64_t t = begin; t < end; ++t) norm_row(xp + t * H, wp, op + t * H, H, (float)eps, tmp.data());
+    });
+  });
+  return out;
+}
+
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool first) {
+  check_rows(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
+              "residual must match x");
+  auto out = torch::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> tmp(H);
+      for (int64_t t = begin; t < end; ++t) {
+        add_row(rp + t * H, xp + t * H, H, first);
+        norm_row(rp + t * H, wp, op + t * H, H, (float)eps, tmp.data());
+      }
+    });
+  });
+  return out;
+}
+
+void rope_(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t n_heads) {
+  TORCH_CHECK(qk.dim() == 2 && qk.stride(1) == 1, "qk must be [T, W] with unit inner stride");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == qk.size(0),
+              "positions must be int64 [T]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+              sin.is_contiguous(), "cos/sin must be float32 [P, D]");
+  const int64_t T = qk.size(0), D = cos.size(1), half = D / 2, P = cos.size(0), row_stride = qk.stride(0);
+  TORCH_CHECK(n_heads * D <= qk.size(1) && D % 2 == 0, "n_heads * head_dim exceeds the row");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position out of the rope table");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rope_", [&] {
+    scalar_t* base = qk.data_ptr<scalar_t>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cp + pos[t] * D;
+        const float* s = sp + pos[t] * D;
+        for (int64_t h = 0; h < n_heads; ++h) rope_head(base + t * row_stride + h * D, c, s, half);
+      }
+    });
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous [T, 2I] tensor");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        silu_mul_row(gp + t * 2 * I, gp + t * 2 * I + I, op + t * I, I);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual add + RMSNorm (CPU)");
+  m.def("rope_", &rope_, "rotary embedding in place (CPU)");
+  m.def("silu_mul", &silu_mul, "SwiGLU activation (CPU)");
+}

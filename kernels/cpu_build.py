@@ -1,0 +1,29 @@
+"""Builds a C++ CPU kernel file into a torch extension on first use (cached by
+torch under ~/.cache/torch_extensions), or reports that it cannot."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_built: dict[str, ModuleType | None] = {}
+CPU_DIR = os.path.join(os.path.dirname(__file__), "cpu")
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+def load_cpu_extension(name: str, source: str) -> ModuleType | None:
+    """The compiled module `radixmesh_<name>` of kernels/cpu/<source>, or None when
+    it cannot be built here (no compiler or headers; logged once) — callers fall back to torch."""
+    with _lock:
+        if name not in _built:
+            _built[name] = None
+            try:
+                from torch.utils.cpp_extension import load as build
+                _built[name] = build(f"radixmesh_{name}", [os.path.join(CPU_DIR, source)], extra_cflags=CFLAGS,
+                                     extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as exc:  # the torch path still works
+                log.warning("CPU kernel %s unavailable (%s); using plain torch", name, exc)
+        return _built[name]
