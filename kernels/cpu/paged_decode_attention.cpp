@@ -25,14 +25,18 @@ void attend_one(const float* __restrict__ q, const kv_t* __restrict__ k, const k
                 int64_t slot_stride, float scale, float* __restrict__ out, std::vector<float>& scores) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : dyn_head_dim;
   // q, out: [group, D] for the query heads sharing this KV head; k/v already offset to the head.
-  scores.resize(group * len);
+  // Each K/V row is widened to float once into `row` and then used by all `group` heads.
+  scores.resize(group * len + head_dim);
+  float* __restrict__ row = scores.data() + group * len;
   for (int64_t j = 0; j < len; ++j) {
     const kv_t* kr = k + slots[j] * slot_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(kr[d]);
     for (int64_t g = 0; g < group; ++g) {
       const float* qr = q + g * head_dim;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * static_cast<float>(kr[d]);
+      for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * row[d];
       scores[g * len + j] = dot * scale;
     }
   }
@@ -56,11 +60,13 @@ void attend_one(const float* __restrict__ q, const kv_t* __restrict__ k, const k
   }
   for (int64_t j = 0; j < len; ++j) {
     const kv_t* vr = v + slots[j] * slot_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(vr[d]);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * len + j];
       float* o = out + g * head_dim;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * static_cast<float>(vr[d]);
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * row[d];
     }
   }
 }
