@@ -35,7 +35,7 @@ from tests.integration.mesh_harness import REPO, Mesh, stats  # noqa: E402
 # queue so that a flood meets RESOURCE_EXHAUSTED; the context capped at 1024 tokens so that
 # a prompt that nearly fills it stays cheap on a CPU.
 CONTEXT = 1024
-MESH_FLAGS = ["--kv-cache-bytes", str(256 << 20), "--max-requests", "48", "--max-running-requests", "40",
+MESH_FLAGS = ["--dtype", "float32", "--kv-cache-bytes", str(256 << 20), "--max-requests", "48", "--max-running-requests", "40",
               "--max-queued-requests", "40", "--context-length", str(CONTEXT), "--check-invariants"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "To make a cup of tea, first", "Water boils at",
@@ -49,7 +49,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def expected(checkpoint, tokenizer) -> dict:
     """Greedy outputs of the in-process Engine: ('text'|'chat', i) → GenerateOutput."""
-    engine = Engine(worker=WorkerConfig(kv_cache_bytes=64 << 20, max_requests=8),
+    engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=64 << 20, max_requests=8),
                     scheduler=SchedulerConfig(max_running_requests=8), checkpoint=checkpoint, tokenizer=tokenizer)
     try:
         out = {}

@@ -24,7 +24,9 @@ from protos.radixmesh.v1 import (
 
 REPO = Path(__file__).resolve().parents[2]
 # A small KV pool keeps start-up and memory low; room for 16 requests of ~40 tokens.
-SMALL_MESH = ["--kv-cache-bytes", str(32 << 20), "--max-requests", "16", "--max-running-requests", "16",
+# float32: tests compare token ids and logprobs with an in-process Engine, and only float32
+# makes them independent of how requests were batched (bfloat16 is the default on AMX CPUs).
+SMALL_MESH = ["--dtype", "float32", "--kv-cache-bytes", str(32 << 20), "--max-requests", "16", "--max-running-requests", "16",
               "--check-invariants"]
 
 

@@ -30,7 +30,7 @@ def references(hf_model, prompts):
 
 
 def make_engine(checkpoint, tokenizer, *, page_size=1, kv_bytes=256 << 20, **sched) -> Engine:
-    worker = WorkerConfig(page_size=page_size, kv_cache_bytes=kv_bytes, max_requests=32)
+    worker = WorkerConfig(dtype="float32", page_size=page_size, kv_cache_bytes=kv_bytes, max_requests=32)
     return Engine(worker=worker, scheduler=SchedulerConfig(max_running_requests=32, **sched),
                   checkpoint=checkpoint, tokenizer=tokenizer)
 

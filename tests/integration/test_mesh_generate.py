@@ -29,7 +29,7 @@ def mesh_and_engine(checkpoint, tokenizer):
     mesh = Mesh(*SMALL_MESH, "--max-queued-tokens", str(QUEUED_TOKENS_CAP))
     try:
         # Load the reference engine while the mesh starts.
-        engine = Engine(worker=WorkerConfig(kv_cache_bytes=32 << 20, max_requests=16),
+        engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=16),
                         scheduler=SchedulerConfig(max_running_requests=16), checkpoint=checkpoint,
                         tokenizer=tokenizer)
         mesh.wait_ready()
