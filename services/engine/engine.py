@@ -23,6 +23,7 @@ from services.scheduler.scheduler import ModelLimits, Scheduler
 from services.tokenizer.text_tokenizer import TextTokenizer, load_tokenizer
 from services.worker.config import WorkerConfig
 from services.worker.loader.checkpoint import Checkpoint, load_checkpoint
+from services.worker.host_pool import attach_tiers
 from services.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -251,28 +252,3 @@ class Engine:
         return StreamChunk(out.rid, ids, text, list(out.logprobs), finished, reason, matched,
                            out.prompt_tokens, out.completion_tokens, out.cached_tokens, out.error)
 
-
-def attach_tiers(runner: ModelRunner, hicache: HiCacheConfig, source: str | None, cache_on: bool = True):
-    """Give the runner its host pool and kvstore client as `hicache` asks
-    (services/worker/host_pool.py). Returns (the store client or None, the
-    ModelLimits fields that tell the scheduler about them)."""
-    from services.kvstore.blocking import BlockingKVStore
-    from services.kvstore.page_codec import PageSpec
-    from services.worker.host_pool import HostKVPool, KVTransfer, model_identity
-    from services.worker.kv_pool import KVPoolSpec
-
-    spec, mc = runner.kv_spec, runner.model_config
-    page = PageSpec.from_pool(spec)
-    store = None
-    if hicache.kvstore_addr and cache_on:
-        store = BlockingKVStore(hicache.kvstore_addr, page, timeout_s=hicache.kvstore_timeout_s)
-    host_pages = hicache.host_pages(spec.num_pages) if cache_on else 0
-    host = None
-    if host_pages:
-        host = HostKVPool(KVPoolSpec(host_pages, spec.page_size, spec.num_layers, spec.num_kv_heads,
-                                     spec.head_dim, spec.dtype), pin=runner.device.type == "cuda")
-    runner.kv_transfer = KVTransfer(runner.pool, host, store)
-    fields = dict(host_pages=host_pages, page_bytes=spec.bytes_per_token * spec.page_size,
-                  model_identity=model_identity(mc.name, source),
-                  weights_version=str(getattr(runner, "weights_version", 0)), kv_layout=page.layout)
-    return store, fields

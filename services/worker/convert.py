@@ -16,6 +16,8 @@ from __future__ import annotations
 from protos.radixmesh.v1 import worker_pb2 as pb
 from services.common.convert import sampling_from_proto, sampling_to_proto
 from services.scheduler.step_plan import (
+    KVCopy,
+    KVTransferStat,
     NewRequestSpec,
     StepItem,
     StepPlan,
@@ -49,6 +51,8 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
             for it in plan.items
         ],
         released_rids=plan.released_rids,
+        kv_copies=[pb.KVCopy(src_tier=c.src_tier, dst_tier=c.dst_tier, src_pages=c.src_pages,
+                             dst_pages=c.dst_pages, keys=c.keys) for c in plan.kv_copies],
     )
 
 
@@ -77,6 +81,8 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
             for it in msg.items
         ],
         released_rids=list(msg.released_rids),
+        kv_copies=[KVCopy(c.src_tier, c.dst_tier, list(c.src_pages), list(c.dst_pages), list(c.keys))
+                   for c in msg.kv_copies],
     )
 
 
@@ -107,6 +113,8 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
         next_token_ids=result.next_token_ids,
         logprobs=[_logprobs_to_proto(lp) for lp in result.logprobs],
         forward_seconds=result.forward_seconds,
+        kv_transfers=[pb.KVTransferStat(pages=t.pages, bytes=t.bytes, seconds=t.seconds)
+                      for t in result.kv_transfers],
     )
 
 
@@ -118,4 +126,5 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
         next_token_ids=list(msg.next_token_ids),
         logprobs=[_logprobs_from_proto(slot) for slot in msg.logprobs],
         forward_seconds=msg.forward_seconds,
+        kv_transfers=[KVTransferStat(t.pages, t.bytes, t.seconds) for t in msg.kv_transfers],
     )

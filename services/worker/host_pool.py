@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from services.scheduler.config import HiCacheConfig
 from services.scheduler.step_plan import DEVICE, HOST, STORE, KVCopy, KVTransferStat
 from services.worker.kv_pool import KVPool, KVPoolSpec
 
@@ -133,3 +134,27 @@ def model_identity(name: str, source: str | None) -> str:
         with open(path, "rb") as f:
             h.update(f.read(1 << 20))
     return f"{name}:{h.hexdigest() if files else 'unknown-source'}"
+
+
+def attach_tiers(runner, hicache: HiCacheConfig, source: str | None, cache_on: bool = True):
+    """Give the runner its host pool and kvstore client as `hicache` asks
+    (services/worker/host_pool.py). Returns (the store client or None, the
+    ModelLimits fields that tell the scheduler about them)."""
+    from services.kvstore.blocking import BlockingKVStore
+    from services.kvstore.page_codec import PageSpec
+
+    spec, mc = runner.kv_spec, runner.model_config
+    page = PageSpec.from_pool(spec)
+    store = None
+    if hicache.kvstore_addr and cache_on:
+        store = BlockingKVStore(hicache.kvstore_addr, page, timeout_s=hicache.kvstore_timeout_s)
+    host_pages = hicache.host_pages(spec.num_pages) if cache_on else 0
+    host = None
+    if host_pages:
+        host = HostKVPool(KVPoolSpec(host_pages, spec.page_size, spec.num_layers, spec.num_kv_heads,
+                                     spec.head_dim, spec.dtype), pin=runner.device.type == "cuda")
+    runner.kv_transfer = KVTransfer(runner.pool, host, store)
+    fields = dict(host_pages=host_pages, page_bytes=spec.bytes_per_token * spec.page_size,
+                  model_identity=model_identity(mc.name, source),
+                  weights_version=str(getattr(runner, "weights_version", 0)), kv_layout=page.layout)
+    return store, fields

@@ -39,17 +39,43 @@ class StepItem(_message.Message):
     sample: bool
     def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_pages: _Optional[_Iterable[int]] = ..., reset_pages: _Optional[bool] = ..., sample: _Optional[bool] = ...) -> None: ...
 
+class KVCopy(_message.Message):
+    __slots__ = ("src_tier", "dst_tier", "src_pages", "dst_pages", "keys")
+    SRC_TIER_FIELD_NUMBER: _ClassVar[int]
+    DST_TIER_FIELD_NUMBER: _ClassVar[int]
+    SRC_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    src_tier: str
+    dst_tier: str
+    src_pages: _containers.RepeatedScalarFieldContainer[int]
+    dst_pages: _containers.RepeatedScalarFieldContainer[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, src_tier: _Optional[str] = ..., dst_tier: _Optional[str] = ..., src_pages: _Optional[_Iterable[int]] = ..., dst_pages: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "items", "released_rids")
+    __slots__ = ("step_id", "new_requests", "items", "released_rids", "kv_copies")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_RIDS_FIELD_NUMBER: _ClassVar[int]
+    KV_COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestSpec]
     items: _containers.RepeatedCompositeFieldContainer[StepItem]
     released_rids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestSpec, _Mapping]]] = ..., items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., released_rids: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestSpec, _Mapping]]] = ..., items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., released_rids: _Optional[_Iterable[str]] = ..., kv_copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ...) -> None: ...
+
+class KVTransferStat(_message.Message):
+    __slots__ = ("pages", "bytes", "seconds")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    bytes: int
+    seconds: float
+    def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SampledLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -68,18 +94,20 @@ class LogprobSlot(_message.Message):
     def __init__(self, value: _Optional[_Union[SampledLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds")
+    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds", "kv_transfers")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RIDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rids: _containers.RepeatedScalarFieldContainer[str]
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[LogprobSlot]
     forward_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    kv_transfers: _containers.RepeatedCompositeFieldContainer[KVTransferStat]
+    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv_transfers: _Optional[_Iterable[_Union[KVTransferStat, _Mapping]]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -122,7 +150,7 @@ class ModelConfig(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rms_norm_eps: _Optional[float] = ..., rope_theta: _Optional[float] = ..., rope_scaling_json: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., tie_word_embeddings: _Optional[bool] = ..., attention_bias: _Optional[bool] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "num_kv_pages", "page_size", "dtype", "kv_dtype", "tp_size", "weights_version", "max_requests")
+    __slots__ = ("model", "num_kv_pages", "page_size", "dtype", "kv_dtype", "tp_size", "weights_version", "max_requests", "num_host_pages", "page_bytes", "model_identity", "kv_layout", "kvstore_addr")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +159,11 @@ class WorkerInfo(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KVSTORE_ADDR_FIELD_NUMBER: _ClassVar[int]
     model: ModelConfig
     num_kv_pages: int
     page_size: int
@@ -139,4 +172,9 @@ class WorkerInfo(_message.Message):
     tp_size: int
     weights_version: str
     max_requests: int
-    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., num_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., weights_version: _Optional[str] = ..., max_requests: _Optional[int] = ...) -> None: ...
+    num_host_pages: int
+    page_bytes: int
+    model_identity: str
+    kv_layout: str
+    kvstore_addr: str
+    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., num_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., weights_version: _Optional[str] = ..., max_requests: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kvstore_addr: _Optional[str] = ...) -> None: ...
