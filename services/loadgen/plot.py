@@ -40,7 +40,7 @@ def write_plot(path: str, series: list[tuple[str, list[RunOutput]]]) -> str:
                 xs.append(offset + t)
                 ys.append(v)
             offset += run.wall_s
-        ax.plot(xs, ys, label=label)
+        ax.step(xs, ys, where="post", label=label)
     ax.set(title="output throughput (1 s bins)", xlabel="s since the run began", ylabel="tokens/s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
