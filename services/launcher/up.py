@@ -51,7 +51,7 @@ TOPOLOGY = [
     ("gateway", [("--tokenizer-addr", "tokenizer")]),
 ]
 STOP_ORDER = [["gateway"], ["tokenizer"], ["scheduler", "detokenizer"], ["worker"]]  # one replica, by service
-FLEET_STOP_ORDER = [STOP_ORDER[0], ["router"], *STOP_ORDER[1:]]  # the router goes right after the gateway
+FLEET_STOP_ORDER = [STOP_ORDER[0], ["router"], *STOP_ORDER[1:], ["kvstore"]]  # the router right after the gateway
 TAKES_MODEL = ("worker", "detokenizer", "tokenizer")
 CONFIG_CLASSES = {
     "worker": "services.worker.main:WorkerServiceConfig",
@@ -60,8 +60,10 @@ CONFIG_CLASSES = {
     "tokenizer": "services.tokenizer.main:TokenizerServiceConfig",
     "gateway": "services.gateway.main:CONFIG_CLASS",
     "router": "services.router.config:RouterConfig",
+    "kvstore": "services.kvstore.main:KVStoreConfig",
 }
-SET_BY_LAUNCHER = {"--listen", "--replica-addrs", *(flag for _, peers in TOPOLOGY for flag, _ in peers)}
+SET_BY_LAUNCHER = {"--listen", "--replica-addrs", "--kvstore-addr",
+                   *(flag for _, peers in TOPOLOGY for flag, _ in peers)}
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,18 @@ class Planned:
     peers: list[tuple[str, list[str]]]
 
 
-def plan(replicas: int, router: bool, gateway: bool) -> list[Planned]:
-    """The children in start order. One replica without a router keeps the plain names."""
+def plan(replicas: int, router: bool, gateway: bool, kvstore: bool = False) -> list[Planned]:
+    """The children in start order. One replica without a router keeps the plain names.
+    With a kvstore, it starts first and every worker gets --kvstore-addr."""
     suffixes = [""] if replicas == 1 and not router else [f"-{i}" for i in range(replicas)]
-    out = []
+    out = [Planned("kvstore", "kvstore", [])] if kvstore else []
     for sfx in suffixes:
         for service, peers in TOPOLOGY:
             if service != "gateway":
-                out.append(Planned(service + sfx, service, [(flag, [peer + sfx]) for flag, peer in peers]))
+                links = [(flag, [peer + sfx]) for flag, peer in peers]
+                if kvstore and service == "worker":
+                    links.append(("--kvstore-addr", ["kvstore"]))
+                out.append(Planned(service + sfx, service, links))
     front = "tokenizer"
     if router or replicas > 1:
         out.append(Planned("router", "router", [("--replica-addrs", [f"tokenizer{s}" for s in suffixes])]))
@@ -101,6 +107,13 @@ class UpConfig:
         "help": "engine replicas (tokenizer + scheduler + worker + detokenizer each); more than 1 starts the "
                 "router in front of them (its flags, e.g. --policy, are forwarded)"})
     router: bool = field(default=False, metadata={"help": "start the router even in front of one replica"})
+    kvstore: bool | None = field(default=None, metadata={
+        "help": "start a kvstore and wire every replica's worker to it, so a prefix one replica computed serves "
+                "the others (its flags, e.g. --kvstore-disk-dir, are forwarded); default: on when --replicas > 1"})
+
+    @property
+    def use_kvstore(self) -> bool:
+        return self.replicas > 1 if self.kvstore is None else self.kvstore
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
@@ -169,7 +182,7 @@ def route_flags(extra: list[str], services: list[str]) -> dict[str, list[str]]:
 class Mesh:
     def __init__(self, config: UpConfig, routed: dict[str, list[str]]) -> None:
         self.config, self.routed = config, routed
-        self.plan = plan(config.replicas, config.router, "gateway" in routed)
+        self.plan = plan(config.replicas, config.router, "gateway" in routed, config.use_kvstore)
         self.children: dict[str, Child] = {}
         self.exits: dict[str, asyncio.Task] = {}
         self.stop = asyncio.Event()
@@ -315,6 +328,8 @@ def main(argv: list[str]) -> int:
         services = [name for name, _ in TOPOLOGY if name != "gateway" or config.gateway]
         if config.replicas > 1 or config.router:
             services.append("router")
+        if config.use_kvstore:
+            services.append("kvstore")
         routed = route_flags(extra, services)
     except ValueError as e:
         parser.error(str(e))

@@ -99,13 +99,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await asyncio.sleep(0.5)
         m = info.model
         limits = ModelLimits(info.num_kv_pages, info.page_size, m.max_position_embeddings, m.vocab_size,
-                             tuple(m.eos_token_ids))
+                             tuple(m.eos_token_ids), info.num_host_pages, info.page_bytes, info.model_identity,
+                             info.weights_version or "0", info.kv_layout)
         cfg = self.config.scheduler
         if info.max_requests and cfg.max_running_requests > info.max_requests:
             log.warning("capping max_running_requests to the worker's page-table rows",
                         extra={"requested": cfg.max_running_requests, "worker_max_requests": info.max_requests})
             cfg = replace(cfg, max_running_requests=info.max_requests)
-        core = Scheduler(cfg, limits)
+        core = Scheduler(cfg, limits, getattr(self.config, "hicache", None), self._kvstore_probe(info))
         if self.core is not None:
             carry_counters(self.core.stats, core.stats)
         self.core, self.info = core, info
@@ -114,6 +115,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.connected = True
         log.info("worker connected", extra={"worker": self.config.worker_addr, "model": m.name,
                                             "kv_pages": info.num_kv_pages, "page_size": info.page_size})
+
+    def _kvstore_probe(self, info):
+        """The worker's kvstore, for Exists (blocks this loop for at most its probe timeout)."""
+        if not info.kvstore_addr:
+            return None
+        if getattr(self, "_kvstore", None) is None or self._kvstore.address != info.kvstore_addr:
+            import torch
+
+            from services.kvstore.blocking import BlockingKVStore
+            from services.kvstore.page_codec import PageSpec
+            m = info.model  # only Exists is called: the spec just has to be well formed
+            spec = PageSpec(m.num_hidden_layers, info.page_size, m.num_key_value_heads, m.head_dim, torch.float32)
+            self._kvstore = BlockingKVStore(info.kvstore_addr, spec, probe_timeout_s=0.2)
+        return self._kvstore
 
     async def _run(self) -> None:
         while True:

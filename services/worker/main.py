@@ -9,6 +9,7 @@ import grpc
 from protos.radixmesh.v1 import worker_pb2_grpc
 from services.common.config import CommonConfig, parse_config
 from services.common.server import run_service
+from services.scheduler.config import HiCacheConfig
 from services.worker.config import WorkerConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50053"
@@ -18,6 +19,7 @@ DEFAULT_LISTEN = "127.0.0.1:50053"
 class WorkerServiceConfig:
     common: CommonConfig = field(default_factory=lambda: CommonConfig(listen=DEFAULT_LISTEN))
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    hicache: HiCacheConfig = field(default_factory=HiCacheConfig)  # host tier + kvstore (docs/kvstore.md)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(WorkerServiceConfig, argv, parser)
     from services.worker.service import WorkerService
 
-    service = WorkerService(config.worker)
+    service = WorkerService(config.worker, config.hicache)
 
     def add_servicers(server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)

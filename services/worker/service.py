@@ -44,8 +44,9 @@ STREAM_TAKEOVER_S = 10.0  # how long a new Step stream waits for the previous on
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, hicache=None) -> None:  # hicache: a scheduler.config.HiCacheConfig
         self.config = config
+        self.hicache = hicache
         self.runner = None  # a ModelRunner once start() returned
         self.info: pb.WorkerInfo | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="worker-step")
@@ -67,6 +68,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         self.runner, eos = await loop.run_in_executor(self._executor, self._load)
         self.info = worker_info(self.runner, eos)
+        if self.hicache is not None:  # the host tier and the kvstore: what the scheduler must know
+            t = self._tiers
+            self.info.MergeFrom(pb.WorkerInfo(
+                num_host_pages=t["host_pages"], page_bytes=t["page_bytes"], model_identity=t["model_identity"],
+                kv_layout=t["kv_layout"], kvstore_addr=self.hicache.kvstore_addr or ""))
         self._model = self.info.model.name
 
     def _load(self):
@@ -76,7 +82,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         from services.worker.model_runner import ModelRunner
 
         path = resolve_model_path(self.config.model)
-        runner = ModelRunner(self.config, load_checkpoint(path))
+        checkpoint = load_checkpoint(path)
+        runner = ModelRunner(self.config, checkpoint)
+        if self.hicache is not None:
+            from services.worker.host_pool import attach_tiers
+            self.kvstore, self._tiers = attach_tiers(runner, self.hicache, checkpoint.source)
         return runner, stop_ids(path, runner.model_config.eos_token_ids)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.WorkerInfo:

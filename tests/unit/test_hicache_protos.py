@@ -22,3 +22,14 @@ def test_kv_copies_and_transfer_stats_round_trip(kv_copies, kv_transfers) -> Non
     result = StepResult(step_id=3, kv_transfers=kv_transfers)
     msg = result_to_proto(result)
     assert result_from_proto(type(msg).FromString(msg.SerializeToString())) == result
+
+
+def test_up_with_a_kvstore_starts_it_first_and_wires_every_worker() -> None:
+    from services.launcher.up import UpConfig, plan
+    assert UpConfig(replicas=2).use_kvstore and not UpConfig().use_kvstore
+    assert not UpConfig(replicas=2, kvstore=False).use_kvstore and UpConfig(kvstore=True).use_kvstore
+    children = plan(2, False, True, kvstore=True)
+    assert children[0].name == "kvstore"
+    workers = [c for c in children if c.service == "worker"]
+    assert len(workers) == 2 and all(("--kvstore-addr", ["kvstore"]) in w.peers for w in workers)
+    assert all(c.service != "kvstore" for c in plan(2, False, True, kvstore=False))
