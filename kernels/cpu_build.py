@@ -2,6 +2,8 @@
 torch under ~/.cache/torch_extensions), or reports that it cannot."""
 from __future__ import annotations
 
+import glob
+import hashlib
 import logging
 import os
 import threading
@@ -14,6 +16,15 @@ CPU_DIR = os.path.join(os.path.dirname(__file__), "cpu")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
+def _headers_digest() -> str:
+    """torch rebuilds when a source or a flag changes, not a header: make the headers a flag."""
+    h = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(CPU_DIR, "*.h"))):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def load_cpu_extension(name: str, source: str) -> ModuleType | None:
     """The compiled module `radixmesh_<name>` of kernels/cpu/<source>, or None when
     it cannot be built here (no compiler or headers; logged once) — callers fall back to torch."""
@@ -22,7 +33,7 @@ def load_cpu_extension(name: str, source: str) -> ModuleType | None:
             _built[name] = None
             try:
                 from torch.utils.cpp_extension import load as build
-                _built[name] = build(f"radixmesh_{name}", [os.path.join(CPU_DIR, source)], extra_cflags=CFLAGS,
+                _built[name] = build(f"radixmesh_{name}", [os.path.join(CPU_DIR, source)], extra_cflags=[*CFLAGS, f"-DRADIXMESH_HEADERS={_headers_digest()}"],
                                      extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # the torch path still works
                 log.warning("CPU kernel %s unavailable (%s); using plain torch", name, exc)

@@ -19,10 +19,13 @@
 #include <cmath>
 #include <vector>
 
+#include "convert.h"
+
 namespace {
 
+using radixmesh::from_float;
 template <typename T>
-inline float to_f(T x) { return static_cast<float>(x); }
+inline float to_f(T x) { return radixmesh::to_float(x); }
 
 template <typename scalar_t>
 void norm_row(const scalar_t* __restrict__ in, const scalar_t* __restrict__ w, scalar_t* __restrict__ out,
@@ -37,8 +40,8 @@ void norm_row(const scalar_t* __restrict__ in, const scalar_t* __restrict__ w, s
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     // Round the normalized value to the dtype before the weight, as the reference does.
-    const float normed = to_f(static_cast<scalar_t>(tmp[i] * r));
-    out[i] = static_cast<scalar_t>(to_f(w[i]) * normed);
+    const float normed = to_f(from_float<scalar_t>(tmp[i] * r));
+    out[i] = from_float<scalar_t>(to_f(w[i]) * normed);
   }
 }
 
@@ -49,7 +52,7 @@ void add_row(scalar_t* __restrict__ r, const scalar_t* __restrict__ x, int64_t n
     return;
   }
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) r[i] = static_cast<scalar_t>(to_f(r[i]) + to_f(x[i]));
+  for (int64_t i = 0; i < n; ++i) r[i] = from_float<scalar_t>(to_f(r[i]) + to_f(x[i]));
 }
 
 template <typename scalar_t>
@@ -57,8 +60,8 @@ void rope_head(scalar_t* __restrict__ x, const float* __restrict__ c, const floa
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
-    x[i] = static_cast<scalar_t>(x1 * c[i] - x2 * s[i]);
-    x[i + half] = static_cast<scalar_t>(x2 * c[i + half] + x1 * s[i + half]);
+    x[i] = from_float<scalar_t>(x1 * c[i] - x2 * s[i]);
+    x[i + half] = from_float<scalar_t>(x2 * c[i + half] + x1 * s[i + half]);
   }
 }
 
@@ -68,7 +71,7 @@ void silu_mul_row(const scalar_t* __restrict__ g, const scalar_t* __restrict__ u
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float x = to_f(g[i]);
-    o[i] = static_cast<scalar_t>(x / (1.f + expf(-x)) * to_f(u[i]));
+    o[i] = from_float<scalar_t>(x / (1.f + expf(-x)) * to_f(u[i]));
   }
 }
 

@@ -15,6 +15,8 @@
 #include <limits>
 #include <vector>
 
+#include "convert.h"
+
 namespace {
 
 // HEAD_DIM > 0 fixes the head size at compile time so the dot products unroll
@@ -28,10 +30,12 @@ void attend_one(const float* __restrict__ q, const kv_t* __restrict__ k, const k
   // Each K/V row is widened to float once into `row` and then used by all `group` heads.
   scores.resize(group * len + head_dim);
   float* __restrict__ row = scores.data() + group * len;
+  constexpr int64_t kAhead = 8;  // rows prefetched ahead: slots scatter rows across the pool
   for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) __builtin_prefetch(k + slots[j + kAhead] * slot_stride);
     const kv_t* kr = k + slots[j] * slot_stride;
 #pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(kr[d]);
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = radixmesh::to_float(kr[d]);
     for (int64_t g = 0; g < group; ++g) {
       const float* qr = q + g * head_dim;
       float dot = 0.f;
@@ -59,9 +63,10 @@ void attend_one(const float* __restrict__ q, const kv_t* __restrict__ k, const k
     std::fill(out + g * head_dim, out + (g + 1) * head_dim, 0.f);
   }
   for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) __builtin_prefetch(v + slots[j + kAhead] * slot_stride);
     const kv_t* vr = v + slots[j] * slot_stride;
 #pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(vr[d]);
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = radixmesh::to_float(vr[d]);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * len + j];
       float* o = out + g * head_dim;

@@ -14,7 +14,9 @@ class WorkerConfig:
     dtype: str = field(default="auto", metadata={"help": "weights and KV dtype: auto | float32 | bfloat16 | float16 "
                                                  "(auto: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    page_size: int = field(default=1, metadata={"help": "tokens per KV page"})
+    page_size: int = field(default=16, metadata={
+        "help": "tokens per KV page (16: a request's KV rows stay contiguous in runs of 16, which the CPU decode "
+                "kernel reads ~20%% faster than rows scattered one token at a time; prefix matches round down to pages)"})
     kv_cache_bytes: int | None = field(default=3 << 30, metadata={"help": "KV pool byte budget (default 3 GiB: ~70k tokens of SmolLM2 in float32)"})
     kv_mem_fraction: float | None = field(default=None, metadata={"help": "size the KV pool as this fraction of free memory instead of a byte budget"})
     attention_backend: str = field(default="cpu", metadata={
