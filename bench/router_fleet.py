@@ -65,7 +65,7 @@ class Fleet:
     def __init__(self, args, policy: str) -> None:
         argv = [sys.executable, "-m", "services.cli", "up", "--no-gateway", "--replicas", str(args.replicas),
                 "--policy", policy, "--kv-cache-bytes", str(args.kv_tokens * KV_BYTES_PER_TOKEN),
-                "--max-running-requests", str(args.max_running), "--drain-timeout-s", "5", "--log-level", "warning"]
+                "--max-running-requests", str(args.max_running), "--drain-timeout-s", "5"]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.ready = threading.Event()
         self.addresses: dict[str, str] = {}
