@@ -51,11 +51,33 @@ def test_two_replicas_behind_the_router_keep_prefix_affinity():
         assert {r["state"] for r in body["replicas"]} == {"healthy"}
         status, body = http("POST", f"{url}/admin/replicas/{home.address}/drain")
         assert body["state"] == "draining"
-        assert ask(stub, "Question after the drain: is there gluten-free bread?")[0]["finish"] is not None
+        after = ask(stub, "Question after the drain: is there gluten-free bread?")[0]
+        assert after["finish"] is not None
+        # The other replica never saw the system prompt: its KV came from the kvstore that
+        # `--replicas 2` starts and every worker writes through to (issue 7).
+        assert after["usage"][2] > 0, after
         listing = {r.address: r for r in admin.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5).replicas}
         assert listing[home.address].routed == 5 and sum(r.routed for r in listing.values()) == 6
         assert http("POST", f"{url}/admin/replicas/{home.address}/resume")[1]["state"] == "healthy"
         assert mesh.stop() == 0
         assert mesh.leftover_children() == []
+    finally:
+        mesh.kill_all()
+
+
+def test_round_robin_replicas_reuse_each_others_prefixes_through_the_kvstore():
+    """Routing ignores prefixes here; the store started by `--replicas 2` still serves replica B
+    the system prompt replica A computed (issue 7)."""
+    mesh = Mesh("--replicas", "2", "--policy", "round_robin", *SMALL_MESH, "--health-interval-s", "0.2")
+    try:
+        mesh.wait_ready()
+        assert "kvstore" in mesh.addresses
+        stub = tokenizer_pb2_grpc.TokenizerStub(mesh.channel("router"))
+        first, second = (ask(stub, f"Question {i}: when do you open?")[0] for i in range(2))
+        admin = router_pb2_grpc.RouterStub(mesh.channel("router"))
+        routed = [r.routed for r in admin.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5).replicas]
+        assert routed == [1, 1]  # one request each: the second replica saw the prompt first here
+        assert first["usage"][2] == 0 and second["usage"][2] > 100, (first, second)
+        assert mesh.stop() == 0
     finally:
         mesh.kill_all()
