@@ -45,7 +45,9 @@ def test_llama_server_command_line():
     assert cmd[cmd.index("-m") + 1] == "/m.gguf" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--port") + 1] == "8081" and cmd[cmd.index("-np") + 1] == "64"
     assert cmd[cmd.index("-c") + 1] == str(64 * 448) and cmd[cmd.index("-t") + 1] == "2"
-    assert cmd[cmd.index("-fa") + 1] == "off" and "-cb" in cmd
+    assert cmd[cmd.index("-fa") + 1] == "off" and "-cb" in cmd and "--no-repack" not in cmd
+    assert peers.llama_server_command("b", "m", 1, 1, 1, 2, "on", no_repack=True)[-1] == "--no-repack"
+    assert "-mno-amx-tile" in peers.LLAMA_CMAKE_ARGS and "-DLLAMA_OPENSSL=OFF" in peers.LLAMA_CMAKE_ARGS
 
 
 def test_the_faster_flash_attention_setting_is_kept():
