@@ -181,6 +181,14 @@ def _copy(sp: SamplingParams) -> SamplingParams:
     return SamplingParams(**{**vars(sp), "stop": list(sp.stop), "stop_token_ids": list(sp.stop_token_ids)})
 
 
+def _max_tokens_alias(body: dict) -> tuple[dict, dict]:
+    """(body with max_completion_tokens, the newer name, folded into max_tokens; the parameter
+    names errors should cite). Both routes accept either name; the newer wins when both are given."""
+    if body.get("max_completion_tokens") is None:
+        return body, {}
+    return {**body, "max_tokens": body["max_completion_tokens"]}, {"max_tokens": "max_completion_tokens"}
+
+
 def parse_completion(body: dict, info: ModelInfo, served: str, default_max_tokens: int | None = None
                      ) -> ParsedRequest:
     body = _validated(schemas.COMPLETION_REQUEST, body)
@@ -188,8 +196,9 @@ def parse_completion(body: dict, info: ModelInfo, served: str, default_max_token
     stream, include_usage = _stream_flags(body)
     n = body.get("n") or 1
     logprobs = body.get("logprobs")
-    fills = _fills_context(body, True)
-    sp = _finish_sampling(_sampling(body, info, default_max_tokens, fill=True), info,
+    values, names = _max_tokens_alias(body)
+    fills = _fills_context(values, True)
+    sp = _finish_sampling(_sampling(values, info, default_max_tokens, names, fill=True), info,
                           logprobs is not None, logprobs or 0)
     prompt = body["prompt"]
     if isinstance(prompt, str):
@@ -224,9 +233,7 @@ def parse_chat(body: dict, info: ModelInfo, served: str, default_max_tokens: int
     logprobs, top = bool(body.get("logprobs")), body.get("top_logprobs") or 0
     if top and not logprobs:
         raise invalid("top_logprobs requires logprobs=true", param="top_logprobs")
-    newer = body.get("max_completion_tokens") is not None
-    values = {**body, "max_tokens": body["max_completion_tokens"]} if newer else body
-    names = {"max_tokens": "max_completion_tokens"} if newer else {}
+    values, names = _max_tokens_alias(body)
     fills = _fills_context(values, True)
     sp = _finish_sampling(_sampling(values, info, default_max_tokens, names, fill=True), info, logprobs, top)
     messages = []

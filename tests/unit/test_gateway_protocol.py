@@ -258,3 +258,16 @@ def test_no_max_tokens_fills_what_the_context_leaves():
                              backend=backend)
     assert status == 400 and "exceeds the model's context length" in out["error"]["message"], out
     assert not backend.calls[-1].fill_context
+
+
+def test_completions_honour_max_completion_tokens_too():
+    """The shared schema accepts the newer name on both routes; /v1/completions once ignored it
+    and generated to the end of the context (found by the real-mesh fuzz test)."""
+    backend = FakeBackend()
+    request("POST", COMP, {"model": MODEL, "prompt": "x", "max_completion_tokens": 3}, backend=backend)
+    request("POST", COMP, {"model": MODEL, "prompt": "x", "max_tokens": 9, "max_completion_tokens": 4},
+            backend=backend)
+    assert [c.sampling.max_new_tokens for c in backend.calls] == [3, 4]
+    assert not backend.calls[0].fill_context
+    status, _, out = request("POST", COMP, {"model": MODEL, "prompt": "x", "max_completion_tokens": 0})
+    assert status == 400 and out["error"]["param"] == "max_completion_tokens"
