@@ -26,9 +26,10 @@ from services.worker.model_runner import ModelRunner  # noqa: E402
 def decode_plan(runner: ModelRunner, batch: int, kv_len: int, step_id: int) -> StepPlan:
     """`batch` requests holding kv_len tokens each, one new token each (pages pre-assigned)."""
     plan = StepPlan(step_id=step_id)
+    per_request = -(-(kv_len + 1) // runner.kv_spec.page_size)
     for b in range(batch):
         rid = f"r{b}"
-        pages = list(range(b * (kv_len + 1), (b + 1) * (kv_len + 1)))
+        pages = list(range(b * per_request, (b + 1) * per_request))
         if rid not in runner.requests:
             plan.new_requests.append(NewRequestSpec(rid, [1] * kv_len, [], SamplingParams(temperature=0), 0))
             plan.items.append(StepItem(rid, [7], kv_len, pages, reset_pages=True))
@@ -37,13 +38,14 @@ def decode_plan(runner: ModelRunner, batch: int, kv_len: int, step_id: int) -> S
     return plan
 
 
-def prefill_plan(batch: int, length: int, step_id: int) -> StepPlan:
+def prefill_plan(batch: int, length: int, step_id: int, page_size: int = 1) -> StepPlan:
     plan = StepPlan(step_id=step_id)
+    per_request = -(-length // page_size)
     for b in range(batch):
         rid = f"p{step_id}-{b}"
         plan.new_requests.append(NewRequestSpec(rid, [5] * length, [], SamplingParams(temperature=0), 0))
         plan.items.append(StepItem(rid, [5 + (i % 50) for i in range(length)], 0,
-                                   list(range(b * length, (b + 1) * length)), reset_pages=True))
+                                   list(range(b * per_request, (b + 1) * per_request)), reset_pages=True))
         plan.released_rids.append(f"p{step_id - 1}-{b}")
     return plan
 
@@ -55,6 +57,7 @@ def main() -> int:
     p.add_argument("--kv-len", type=int, default=320)
     p.add_argument("--prefill-len", type=int, default=0, help="time a prefill of this many tokens per request instead")
     p.add_argument("--backend", default="cpu")
+    p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--trace", action="store_true", help="print the profiler's op table")
     args = p.parse_args()
@@ -62,11 +65,11 @@ def main() -> int:
         torch.set_flush_denormal(True)
     ckpt = load_checkpoint(default_model_path())
     runner = ModelRunner(WorkerConfig(dtype=args.dtype, attention_backend=args.backend, max_requests=max(64, args.batch),
-                                      kv_cache_bytes=1 << 30), ckpt)
+                                      kv_cache_bytes=1 << 30, page_size=args.page_size), ckpt)
 
     def plan(i: int) -> StepPlan:
         if args.prefill_len:
-            return prefill_plan(args.batch, args.prefill_len, i)
+            return prefill_plan(args.batch, args.prefill_len, i, runner.kv_spec.page_size)
         return decode_plan(runner, args.batch, args.kv_len, i)
 
     for i in range(3):

@@ -16,9 +16,10 @@ def kernel():
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 80)])
-def test_matches_reference(kernel, dtype, atol, heads, kv_heads, head_dim):
-    g = torch.Generator().manual_seed(heads * head_dim)
-    B, S, L = 7, 500, 61
+@pytest.mark.parametrize("B", [3, 33])  # few requests: a task per KV head; many: a task per request
+def test_matches_reference(kernel, dtype, atol, heads, kv_heads, head_dim, B):
+    g = torch.Generator().manual_seed(heads * head_dim + B)
+    S, L = 500, 61
     q = torch.randn(B, heads, head_dim, generator=g)
     k = torch.randn(S, kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(S, kv_heads, head_dim, generator=g).to(dtype)
