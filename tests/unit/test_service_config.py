@@ -115,3 +115,17 @@ def test_json_log_lines_carry_service_request_id_and_extras() -> None:
     assert first["msg"] == "admitted 3" and first["request_id"] == "req-42"
     assert first["prompt_tokens"] == 17 and first["ts"].endswith("Z")
     assert "request_id" not in second and "RuntimeError: boom" in second["exc"]
+
+
+def test_worker_dtype_auto_resolves_by_cpu_features(monkeypatch):
+    from services.worker import config as worker_config
+    from services.worker.config import WorkerConfig
+
+    assert WorkerConfig(dtype="float16").resolved_dtype == "float16"
+    monkeypatch.setattr(worker_config, "cpu_has_fast_bf16", lambda: True)
+    assert WorkerConfig().resolved_dtype == "bfloat16"
+    monkeypatch.setattr(worker_config, "cpu_has_fast_bf16", lambda: False)
+    assert WorkerConfig().resolved_dtype == "float32"
+    assert WorkerConfig(device="cuda").resolved_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="--dtype must be auto or one of"):
+        WorkerConfig(dtype="int4")
