@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from protos.radixmesh.v1 import common_pb2, tokenizer_pb2 as pb, tokenizer_pb2_grpc  # noqa: E402
 
-KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M in float32: K and V, 30 layers, 3 KV heads of 64
+KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # SmolLM2-135M in bfloat16: K and V, 30 layers, 3 KV heads of 64
 WORDS = ("bread oven flour yeast crust dough rye wheat bakery order delivery price allergy gluten sugar butter "
          "morning weekend holiday invoice customer account refund receipt shelf storage label policy supplier "
          "schedule staff counter window payment discount membership question answer polite short").split()
@@ -65,7 +65,9 @@ class Fleet:
     def __init__(self, args, policy: str) -> None:
         argv = [sys.executable, "-m", "services.cli", "up", "--no-gateway", "--replicas", str(args.replicas),
                 "--policy", policy, "--kv-cache-bytes", str(args.kv_tokens * KV_BYTES_PER_TOKEN),
-                "--max-running-requests", str(args.max_running), "--drain-timeout-s", "5"]
+                "--max-running-requests", str(args.max_running), "--drain-timeout-s", "5", "--dtype", "bfloat16",
+                # routing alone: a shared kvstore would give round_robin the prefixes too (issue 7)
+                "--no-kvstore"]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.ready = threading.Event()
         self.addresses: dict[str, str] = {}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import importlib
 import logging
 import signal
@@ -72,6 +73,13 @@ class Planned:
     name: str
     service: str
     peers: list[tuple[str, list[str]]]
+
+
+def worker_threads(replicas: int, cores: int | None = None) -> int:
+    """Intra-op threads per worker when `replicas` workers share this machine's cores."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // replicas)
 
 
 def plan(replicas: int, router: bool, gateway: bool, kvstore: bool = False) -> list[Planned]:
@@ -227,7 +235,12 @@ class Mesh:
             argv += ["--drain-timeout-s", str(cfg.drain_timeout_s)]
         if name in TAKES_MODEL and cfg.model:
             argv += ["--model", cfg.model]
-        return argv + self.routed.get(name, [])
+        routed = self.routed.get(name, [])
+        if name == "worker" and cfg.replicas > 1 and "--num-threads" not in routed:
+            # N workers on one machine: split the cores instead of oversubscribing them
+            # (each OpenMP team spinning on all cores slows every worker several-fold).
+            argv += ["--num-threads", str(worker_threads(cfg.replicas))]
+        return argv + routed
 
     async def start(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s

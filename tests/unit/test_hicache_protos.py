@@ -33,3 +33,9 @@ def test_up_with_a_kvstore_starts_it_first_and_wires_every_worker() -> None:
     workers = [c for c in children if c.service == "worker"]
     assert len(workers) == 2 and all(("--kvstore-addr", ["kvstore"]) in w.peers for w in workers)
     assert all(c.service != "kvstore" for c in plan(2, False, True, kvstore=False))
+
+
+def test_replicas_split_the_cores_between_their_workers():
+    from services.launcher.up import worker_threads
+    assert [worker_threads(n, cores=2) for n in (1, 2, 3)] == [2, 1, 1]
+    assert worker_threads(4, cores=16) == 4
