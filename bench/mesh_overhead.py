@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from services.loadgen.metrics import percentile  # noqa: E402  (one percentile rule for every bench)
+
 TARGET_ITL_RATIO = 1.15
 
 
@@ -52,16 +54,6 @@ class RequestRecord:
     events: list[float] = field(default_factory=list)
     tokens: int = 0
     text: str = ""
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def mean(values: list[float]) -> float:
