@@ -4,6 +4,7 @@ peers point at their peers' listen ports (the router at both tokenizers), health
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -23,9 +24,19 @@ def _merged() -> dict:
     return out
 
 
+def _field(config, name: str):
+    """A flag's value in a service config, looking inside its nested config groups too."""
+    if hasattr(config, name):
+        return getattr(config, name)
+    for group in vars(config).values():
+        if dataclasses.is_dataclass(group) and hasattr(group, name):
+            return getattr(group, name)
+    raise AttributeError(name)
+
+
 def test_fleet_overlay_matches_the_launcher_plan():
     compose = _merged()
-    planned = plan(2, False, True)
+    planned = plan(2, False, True, kvstore=True)  # --replicas 2 starts a kvstore by default
     names = {p.name: p.name.replace("-0", "") for p in planned}  # compose's replica 0 has the plain names
     configs, ports = {}, {}
     for p in planned:
@@ -40,7 +51,7 @@ def test_fleet_overlay_matches_the_launcher_plan():
         assert svc["healthcheck"]["test"][-1] == f"127.0.0.1:{ports[p.name]}"
     for p in planned:
         for flag, peers in p.peers:
-            value = getattr(configs[p.name], flag.removeprefix("--").replace("-", "_"))
+            value = _field(configs[p.name], flag.removeprefix("--").replace("-", "_"))
             want = [f"{names[peer]}:{ports[peer]}" for peer in peers]
             assert (value if isinstance(value, list) else [value]) == want, (p.name, flag)
             assert {names[peer] for peer in peers} <= set(compose[names[p.name]]["depends_on"]), p.name
