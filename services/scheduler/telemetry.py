@@ -79,9 +79,11 @@ class SchedulerTelemetry:
             m.histogram(r, "request_prompt_tokens", "prompt tokens per request", m.TOKEN_BUCKETS),
             m.histogram(r, "request_generation_tokens", "generated tokens per request", m.TOKEN_BUCKETS))
         r.register(m.LiveCollector(lambda: self.model if service.core is not None else None, self._live))
+        self._itl = None  # the labelled ITL child, observed per token: looked up once per model
 
     def connected(self, model: str) -> None:
         self.model = model
+        self._itl = self.h.itl.labels(model)
 
     def _live(self) -> dict[str, tuple[str, str, float]]:
         core, usage = self._service.core, self._service._usage
@@ -162,7 +164,7 @@ class SchedulerTelemetry:
                         seq.decode = tracing.tracer().start_span(
                             "decode", context=trace.set_span_in_context(seq.span), start_time=tracing.ns(t))
                 elif seq.last_token is not None:
-                    self.h.itl.labels(self.model).observe((t - seq.last_token) / len(out.new_token_ids))
+                    (self._itl or self.h.itl.labels(self.model)).observe((t - seq.last_token) / len(out.new_token_ids))
                 seq.last_token = t
             if out.finished:
                 self._finish(out.rid, out.finish_reason or "stop", out.prompt_tokens, out.completion_tokens,

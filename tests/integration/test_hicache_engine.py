@@ -211,9 +211,8 @@ def test_disk_tier_across_a_restart_damaged_pages_and_a_dead_store(checkpoint, t
         server.close()
 
 
-def test_other_model_identity_or_adapter_never_hits(checkpoint, tokenizer, prompts, page_size, tmp_path):
-    if page_size != 16:
-        pytest.skip("keys do not depend on the page size beyond the namespace: one size suffices")
+def test_other_model_identity_or_adapter_never_hits(checkpoint, tokenizer, prompts, tmp_path):
+    page_size = 16  # keys depend on the page size only through the namespace: one size suffices
     server = StoreServer(tmp_path / "kv").start()
     try:
         a = engine(checkpoint, tokenizer, page_size, kvstore_addr=server.address)
