@@ -18,20 +18,24 @@ def load():
 
 
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                           kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D] float32; k, v [S, Hkv, D]; slots [B, L] int64; kv_lens [B] → [B, H, D] float32."""
+                           kv_lens: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
+                           v_new: torch.Tensor | None = None,
+                           new_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D]; k, v [S, Hkv, D]; slots [B, L] int64; kv_lens [B] → [B, H, D] in q's dtype.
+    With k_new, v_new [B, Hkv, D] and new_slots [B], those rows are written to the pool first."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU paged decode kernel is not built")
-    return module.paged_decode_attention(q.contiguous(), k, v, slots.contiguous(), kv_lens, scale)
+    return module.paged_decode_attention(q, k, v, slots.contiguous(), kv_lens, scale, k_new, v_new, new_slots)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The same contract in plain torch: gather, mask, SDPA."""
+    """The same contract in plain torch (float32 math): gather, mask, SDPA."""
     B, L = slots.shape
     kg = k[slots].float().transpose(1, 2)  # [B, Hkv, L, D]
     vg = v[slots].float().transpose(1, 2)
     mask = (torch.arange(L)[None, :] < kv_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    out = F.scaled_dot_product_attention(q.float().unsqueeze(2), kg, vg, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2).to(q.dtype)

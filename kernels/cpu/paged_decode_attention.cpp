@@ -2,56 +2,55 @@
 // place through a slot table. Replaces gather-then-SDPA, which copied every
 // request's KV once per layer and then read it again.
 //
-// q        [B, H, D]      float32
-// k, v     [S, Hkv, D]    float32 / bfloat16 / float16 (one layer of the pool)
-// slots    [B, L] int64   KV slot of each position (rows padded past kv_lens)
-// kv_lens  [B] int64
-// returns  [B, H, D]      float32
+// paged_decode_attention(q, k, v, slots, kv_lens, scale, k_new?, v_new?, new_slots?)
+//   q          [B, H, D]      float32 / bfloat16 / float16; rows may be strided
+//                             (a view of the fused qkv projection), heads contiguous
+//   k, v       [S, Hkv, D]    float32 / bfloat16 / float16 (one layer of the pool)
+//   slots      [B, L] int64   KV slot of each position (rows padded past kv_lens)
+//   kv_lens    [B] int64
+//   k_new, v_new [B, Hkv, D]  optional: this step's K/V, written to new_slots [B]
+//                             before attending (saves two index_copy dispatches a layer)
+//   returns    [B, H, D]      in q's dtype
+//
+// Two implementations behind the one entry point:
+//  * bfloat16 q and KV on a CPU with AVX512-BF16, head_dim 64 or 128: explicit
+//    intrinsics. Q·K uses the bf16 dot-product instruction (exact bf16 products,
+//    float32 sums) over 16 KV rows at a time, reducing the 16 partial vectors
+//    with one transpose-add tree instead of 16 horizontal sums; P·V keeps the
+//    output heads in registers. A KV row is read once for every query head of
+//    its group.
+//  * everything else: portable loops the compiler vectorizes (float32 math).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "convert.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define RADIXMESH_AVX512_BF16 1
+#endif
+
 namespace {
 
-// HEAD_DIM > 0 fixes the head size at compile time so the dot products unroll
-// into whole SIMD registers; 0 means "read it at run time".
-template <typename kv_t, int HEAD_DIM>
-void attend_one(const float* __restrict__ q, const kv_t* __restrict__ k, const kv_t* __restrict__ v,
-                const int64_t* __restrict__ slots, int64_t len, int64_t group, int64_t dyn_head_dim,
-                int64_t slot_stride, float scale, float* __restrict__ out, std::vector<float>& scores) {
-  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : dyn_head_dim;
-  // q, out: [group, D] for the query heads sharing this KV head; k/v already offset to the head.
-  // Each K/V row is widened to float once into `row` and then used by all `group` heads.
-  scores.resize(group * len + head_dim);
-  float* __restrict__ row = scores.data() + group * len;
-  constexpr int64_t kAhead = 8;  // rows prefetched ahead: slots scatter rows across the pool
-  for (int64_t j = 0; j < len; ++j) {
-    if (j + kAhead < len) __builtin_prefetch(k + slots[j + kAhead] * slot_stride);
-    const kv_t* kr = k + slots[j] * slot_stride;
-#pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) row[d] = radixmesh::to_float(kr[d]);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qr = q + g * head_dim;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * row[d];
-      scores[g * len + j] = dot * scale;
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * len;
+using radixmesh::from_float;
+using radixmesh::to_float;
+
+// Softmax of each of `rows` score rows of length len (row stride ld), in place.
+// Returns nothing; rows sum to 1. Vectorized through libmvec's expf (-ffast-math).
+void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * ld;
     float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
     float sum = 0.f;
-    // Vectorized through glibc's libmvec expf (needs -ffast-math); scalar exp
-    // dominated the kernel.
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < len; ++j) {
       s[j] = expf(s[j] - m);
@@ -60,13 +59,40 @@ void attend_one(const float* __restrict__ q, const kv_t* __restrict__ k, const k
     const float inv = 1.f / sum;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) s[j] *= inv;
-    std::fill(out + g * head_dim, out + (g + 1) * head_dim, 0.f);
   }
+}
+
+// ---- portable path ------------------------------------------------------------------
+// q, out: [group, D] float for the query heads sharing one KV head; k/v offset to the head.
+// Each K/V row is widened to float once into `row` and then used by all `group` heads.
+template <typename kv_t, int HEAD_DIM>
+void attend_portable(const float* __restrict__ q, const kv_t* __restrict__ k, const kv_t* __restrict__ v,
+                     const int64_t* __restrict__ slots, int64_t len, int64_t group, int64_t dyn_head_dim,
+                     int64_t slot_stride, float scale, float* __restrict__ out, std::vector<float>& scores) {
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : dyn_head_dim;
+  scores.resize(group * len + head_dim);
+  float* __restrict__ row = scores.data() + group * len;
+  constexpr int64_t kAhead = 8;  // rows prefetched ahead: slots scatter rows across the pool
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) __builtin_prefetch(k + slots[j + kAhead] * slot_stride);
+    const kv_t* kr = k + slots[j] * slot_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = to_float(kr[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qr = q + g * head_dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * row[d];
+      scores[g * len + j] = dot * scale;
+    }
+  }
+  softmax_rows(scores.data(), group, len, len);
+  std::fill(out, out + group * head_dim, 0.f);
   for (int64_t j = 0; j < len; ++j) {
     if (j + kAhead < len) __builtin_prefetch(v + slots[j + kAhead] * slot_stride);
     const kv_t* vr = v + slots[j] * slot_stride;
 #pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) row[d] = radixmesh::to_float(vr[d]);
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = to_float(vr[d]);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * len + j];
       float* o = out + g * head_dim;
@@ -76,44 +102,281 @@ void attend_one(const float* __restrict__ q, const kv_t* __restrict__ k, const k
   }
 }
 
+template <typename q_t, typename kv_t>
+void run_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
+                  const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
+                  q_t* op) {
+  const int64_t group = H / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(group * D), of(group * D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hkv, h = i % Hkv;
+      const q_t* qr = qp + b * q_row_stride + h * group * D;
+      for (int64_t e = 0; e < group * D; ++e) qf[e] = to_float(qr[e]);
+      auto call = [&](auto fn) {
+        fn(qf.data(), kp + h * D, vp + h * D, sp + b * L, lens[b], group, D, Hkv * D, scale, of.data(), scores);
+      };
+      if (D == 64) call(attend_portable<kv_t, 64>);
+      else if (D == 128) call(attend_portable<kv_t, 128>);
+      else call(attend_portable<kv_t, 0>);
+      q_t* orow = op + (b * H + h * group) * D;
+      for (int64_t e = 0; e < group * D; ++e) orow[e] = from_float<q_t>(of[e]);
+    }
+  });
+}
+
+// ---- AVX512-BF16 path ---------------------------------------------------------------
+#ifdef RADIXMESH_AVX512_BF16
+using bf16 = c10::BFloat16;
+
+// r[i] = sum of the 16 lanes of v[i], for 16 vectors: a transpose-add tree
+// (45 shuffles/adds) instead of 16 horizontal reductions (~100).
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per lane: the lane's sums of v[4i..4i+3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2/2, exp(r)
+// by its degree-6 Taylor polynomial (error < 2e-7 relative), times 2^n.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // below: exp underflows to ~0 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split hi + lo
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 32 bf16 -> two 16-float vectors by interleaving zero below each value (exact). The
+// dimensions come out permuted per 128-bit lane: lo holds 8L+0..3, hi 8L+4..7 of lane L.
+inline void widen_bf16x32(const bf16* p, __m512& lo, __m512& hi) {
+  const __m512i x = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
+  lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x));
+  hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x));
+}
+
+template <int D>
+inline void prefetch_row(const bf16* p) {  // every cache line of one head's row
+  for (int off = 0; off < D * 2; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + off);
+}
+
+// One KV head and GB of the query heads that share it.
+//   q    [GB, D] bf16 (contiguous heads), k/v offset to the head, slot_stride elements per slot
+//   out  [GB, D] bf16; scores: scratch of GB * ld floats, ld >= len rounded up to 16
+template <int D, int GB>
+void attend_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                 const int64_t* __restrict__ slots, int64_t len, int64_t slot_stride, float scale,
+                 bf16* __restrict__ out, float* __restrict__ scores, int64_t ld) {
+  constexpr int C = D / 32;  // 32-bf16 vectors per row
+  constexpr int64_t kAhead = 16;
+  // 1. scores = scale * q·k for 16 rows at a time, tracking each head's running max.
+  __m512bh qv[GB][C];
+  __m512 vmax[GB];
+  for (int g = 0; g < GB; ++g) {
+    vmax[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int c = 0; c < C; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) __m512 part[GB][16];
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
+    for (int jj = 0; jj < n; ++jj) {
+      const int64_t j = j0 + jj;
+      if (j + kAhead < len) prefetch_row<D>(k + slots[j + kAhead] * slot_stride);
+      const bf16* kr = k + slots[j] * slot_stride;
+      __m512bh kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+      for (int g = 0; g < GB; ++g) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kv[c]);
+        part[g][jj] = a;
+      }
+    }
+    for (int jj = n; jj < 16; ++jj)
+      for (int g = 0; g < GB; ++g) part[g][jj] = _mm512_setzero_ps();
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 sc = _mm512_mul_ps(reduce16(part[g]), vscale);
+      vmax[g] = _mm512_mask_max_ps(vmax[g], keep, vmax[g], sc);
+      _mm512_mask_storeu_ps(scores + g * ld + j0, keep, sc);
+    }
+  }
+  // 2. p = exp(s - max) in place; the 1/sum waits for the output.
+  float inv_sum[GB];
+  for (int g = 0; g < GB; ++g) {
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[g]));
+    __m512 sum = _mm512_setzero_ps();
+    float* s = scores + g * ld;
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const __mmask16 keep = len - j0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j0)) - 1u);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j0), m));
+      sum = _mm512_mask_add_ps(sum, keep, sum, e);
+      _mm512_mask_storeu_ps(s + j0, keep, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  // 3. out = (p · V) / sum, the accumulators in registers (lane-permuted, see widen_bf16x32).
+  __m512 lo[GB][C], hi[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) prefetch_row<D>(v + slots[j + kAhead] * slot_stride);
+    const bf16* vr = v + slots[j] * slot_stride;
+    __m512 vlo[C], vhi[C];
+    for (int c = 0; c < C; ++c) widen_bf16x32(vr + c * 32, vlo[c], vhi[c]);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * ld + j]);
+      for (int c = 0; c < C; ++c) {
+        lo[g][c] = _mm512_fmadd_ps(p, vlo[c], lo[g][c]);
+        hi[g][c] = _mm512_fmadd_ps(p, vhi[c], hi[g][c]);
+      }
+    }
+  }
+  // Back to natural order: per lane L, dims 8L..8L+3 are lo's, 8L+4..8L+7 hi's.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int g = 0; g < GB; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < C; ++c) {
+      const __m512 l = _mm512_mul_ps(lo[g][c], inv), h = _mm512_mul_ps(hi[g][c], inv);
+      bf16* o = out + g * D + c * 32;  // round to nearest even, as c10 does
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(l, first, h)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(l, second, h)));
+    }
+  }
+}
+
+using BlockFn = void (*)(const bf16*, const bf16*, const bf16*, const int64_t*, int64_t, int64_t, float, bf16*,
+                         float*, int64_t);
+
+// The head-block kernel for D and a block of gb heads; blocks keep the P·V
+// accumulators (gb * D / 16 vectors) within 16 registers.
+BlockFn block_fn(int64_t D, int64_t gb) {
+  if (D == 64) {
+    static constexpr BlockFn fns[] = {attend_bf16<64, 1>, attend_bf16<64, 2>, attend_bf16<64, 3>,
+                                      attend_bf16<64, 4>};
+    return fns[gb - 1];
+  }
+  static constexpr BlockFn fns[] = {attend_bf16<128, 1>, attend_bf16<128, 2>};
+  return fns[gb - 1];
+}
+
+bool bf16_fast_path(int64_t D) { return D == 64 || D == 128; }
+
+void run_bf16(const bf16* qp, int64_t q_row_stride, const bf16* kp, const bf16* vp, const int64_t* sp,
+              const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
+              bf16* op) {
+  const int64_t group = H / Hkv, max_block = D == 64 ? 4 : 2;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hkv, h = i % Hkv, len = lens[b], ld = (len + 15) / 16 * 16;
+      scores.resize(max_block * ld);
+      for (int64_t g0 = 0; g0 < group; g0 += max_block) {
+        const int64_t gb = std::min(max_block, group - g0), head = h * group + g0;
+        block_fn(D, gb)(qp + b * q_row_stride + head * D, kp + h * D, vp + h * D, sp + b * L, len, Hkv * D,
+                        scale, op + (b * H + head) * D, scores.data(), ld);
+      }
+    }
+  });
+}
+#endif  // RADIXMESH_AVX512_BF16
+
+// Copy this step's K/V rows [B, Hkv, D] (rows may be strided) into the pool at new_slots.
+void write_new_kv(torch::Tensor& k, torch::Tensor& v, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                  const torch::Tensor& new_slots) {
+  const int64_t B = k_new.size(0), row = k.size(1) * k.size(2), S = k.size(0);
+  TORCH_CHECK(k_new.dim() == 3 && k_new.sizes() == v_new.sizes() && k_new.size(1) == k.size(1) &&
+                  k_new.size(2) == k.size(2),
+              "k_new/v_new must be [B, Hkv, D] matching the pool");
+  TORCH_CHECK(k_new.scalar_type() == k.scalar_type() && v_new.scalar_type() == k.scalar_type(),
+              "k_new/v_new must have the pool's dtype");
+  for (const auto* t : {&k_new, &v_new})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == k.size(2), "k_new/v_new heads must be contiguous");
+  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.dim() == 1 && new_slots.size(0) == B &&
+                  new_slots.is_contiguous(),
+              "new_slots must be int64 [B]");
+  const int64_t* ns = new_slots.data_ptr<int64_t>();
+  const int64_t elem = k.element_size();
+  auto* kd = static_cast<char*>(k.data_ptr());
+  auto* vd = static_cast<char*>(v.data_ptr());
+  const auto* ks = static_cast<const char*>(k_new.data_ptr());
+  const auto* vs = static_cast<const char*>(v_new.data_ptr());
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ns[b] >= 0 && ns[b] < S, "new slot out of range");
+    std::memcpy(kd + ns[b] * row * elem, ks + b * k_new.stride(0) * elem, row * elem);
+    std::memcpy(vd + ns[b] * row * elem, vs + b * v_new.stride(0) * elem, row * elem);
+  }
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
-                                     torch::Tensor kv_lens, double scale) {
+                                     torch::Tensor kv_lens, double scale, std::optional<torch::Tensor> k_new,
+                                     std::optional<torch::Tensor> v_new, std::optional<torch::Tensor> new_slots) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [B,H,D], k/v [S,Hkv,D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous within a row");
   TORCH_CHECK(slots.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong, "int64 slots/lens");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && slots.is_contiguous(),
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && slots.is_contiguous() && kv_lens.is_contiguous(),
               "contiguous tensors expected");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v must share a dtype");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), L = slots.size(1);
   TORCH_CHECK(k.size(2) == D && H % Hkv == 0 && slots.size(0) == B && kv_lens.size(0) == B, "shape mismatch");
-  const int64_t group = H / Hkv;
-  auto out = torch::empty_like(q);
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lens[b] >= 1 && lens[b] <= L, "kv_lens out of range");
+  TORCH_CHECK(k_new.has_value() == v_new.has_value() && k_new.has_value() == new_slots.has_value(),
+              "k_new, v_new and new_slots go together");
+  if (k_new) write_new_kv(k, v, *k_new, *v_new, *new_slots);
+  auto out = torch::empty({B, H, D}, q.options());
+  const float fscale = static_cast<float>(scale);
+#ifdef RADIXMESH_AVX512_BF16
+  if (q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && bf16_fast_path(D)) {
+    run_bf16(q.data_ptr<bf16>(), q.stride(0), k.data_ptr<bf16>(), v.data_ptr<bf16>(), slots.data_ptr<int64_t>(),
+             lens, B, H, Hkv, D, L, fscale, out.data_ptr<bf16>());
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* kp = k.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
-    const float* qp = q.data_ptr<float>();
-    const int64_t* sp = slots.data_ptr<int64_t>();
-    float* op = out.data_ptr<float>();
-    auto run = [&](auto fn) {
-      at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores;
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t b = i / Hkv, h = i % Hkv;
-          fn(qp + (b * H + h * group) * D, kp + h * D, vp + h * D, sp + b * L, lens[b], group, D, Hkv * D,
-             static_cast<float>(scale), op + (b * H + h * group) * D, scores);
-        }
-      });
-    };
-    if (D == 64) run(attend_one<scalar_t, 64>);
-    else if (D == 128) run(attend_one<scalar_t, 128>);
-    else run(attend_one<scalar_t, 0>);
+    using kv_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_q", [&] {
+      run_portable<scalar_t, kv_t>(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<kv_t>(), v.data_ptr<kv_t>(),
+                                   slots.data_ptr<int64_t>(), lens, B, H, Hkv, D, L, fscale,
+                                   out.data_ptr<scalar_t>());
+    });
   });
   return out;
 }
 
+bool has_avx512_bf16_path() {
+#ifdef RADIXMESH_AVX512_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("kv_lens"), py::arg("scale"),
+        py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("new_slots") = py::none());
+  m.def("has_avx512_bf16_path", &has_avx512_bf16_path, "whether the AVX512-BF16 bf16 kernel was compiled in");
 }

@@ -52,9 +52,12 @@ class TorchAttentionBackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D]
         pool = self.pool
+        pure_decode = len(self.groups) == 1 and self.groups[0].q_index.shape[1] == 1  # rows already in order
+        if pure_decode and self.native is not None:  # the kernel writes this step's K/V itself
+            return self._decode(layer, q, self.groups[0], (k, v, self.layout.out_slots))
         pool.write(layer, self.layout.out_slots, k, v)
-        if len(self.groups) == 1 and self.groups[0].q_index.shape[1] == 1:
-            return self._decode(layer, q, self.groups[0])  # pure decode: rows already in order
+        if pure_decode:
+            return self._decode(layer, q, self.groups[0])
         out = torch.empty_like(q)
         for group in self.groups:  # at most two: decode, extend
             if group.q_index.shape[1] == 1:
@@ -79,14 +82,17 @@ class TorchAttentionBackend:
         vg = torch.index_select(self.pool.v[layer], 0, flat, out=self._vbuf[:n])
         return kg.view(b, lk, *kg.shape[1:]).transpose(1, 2), vg.view(b, lk, *vg.shape[1:]).transpose(1, 2)
 
-    def _decode(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, g: _Group,
+                new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One query token per item: the G query heads sharing a KV head act as a
-        query length of G, so SDPA needs no GQA expansion. q [B, H, D] → [B, H, D]."""
+        query length of G, so SDPA needs no GQA expansion. q [B, H, D] → [B, H, D].
+        new_kv (k [B, Hkv, D], v, slots [B]): rows the native kernel writes first."""
         if self.native is not None:
+            kv_dtype = self.pool.k.dtype
+            extra = () if new_kv is None else (new_kv[0].to(kv_dtype), new_kv[1].to(kv_dtype), new_kv[2])
             out = self.native.paged_decode_attention(
-                q.float().contiguous(), self.pool.k[layer], self.pool.v[layer], g.kv_slots, g.kv_lens,
-                self.scale)
-            return out.to(q.dtype)
+                q, self.pool.k[layer], self.pool.v[layer], g.kv_slots, g.kv_lens, self.scale, *extra)
+            return out
         kg, vg = self._gather(layer, g)  # [B, Hkv, Lk, D]
         B, hkv = kg.shape[:2]
         qg = q.view(B, hkv, -1, q.shape[-1]).to(kg.dtype)  # [B, Hkv, G, D]
