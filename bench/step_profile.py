@@ -59,13 +59,16 @@ def main() -> int:
     p.add_argument("--backend", default="cpu")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--quant-max-rows", type=int, default=WorkerConfig.quant_max_rows,
+                   help="steps of at most this many tokens use the file's quantized weights (0: never)")
     p.add_argument("--trace", action="store_true", help="print the profiler's op table")
     args = p.parse_args()
     if os.environ.get("FLUSH_DENORMAL"):
         torch.set_flush_denormal(True)
     ckpt = load_checkpoint(default_model_path())
     runner = ModelRunner(WorkerConfig(dtype=args.dtype, attention_backend=args.backend, max_requests=max(64, args.batch),
-                                      kv_cache_bytes=1 << 30, page_size=args.page_size), ckpt)
+                                      kv_cache_bytes=1 << 30, page_size=args.page_size,
+                                      quant_max_rows=args.quant_max_rows), ckpt)
 
     def plan(i: int) -> StepPlan:
         if args.prefill_len:

@@ -6,12 +6,13 @@ import logging
 import sys
 import time
 
-from kernels import fused_cpu, paged_decode_cpu
+from kernels import fused_cpu, paged_decode_cpu, quant_gemv
 
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for name, module in (("paged decode attention", paged_decode_cpu), ("fused layer ops", fused_cpu)):
+    for name, module in (("paged decode attention", paged_decode_cpu), ("fused layer ops", fused_cpu),
+                         ("quantized linear", quant_gemv)):
         t0 = time.perf_counter()
         built = module.load() is not None
         print(f"{name}: {'built' if built else 'UNAVAILABLE (torch fallback)'} in {time.perf_counter() - t0:.1f} s")

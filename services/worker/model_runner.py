@@ -62,6 +62,7 @@ class ModelRunner:
         self.model = build_model(mc, checkpoint.tensors, config.torch_dtype, self.device)
         self.prepacked = config.prepack_weights and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
+        self.quantized_weights = self._use_quantized(checkpoint)
         self.kv_spec = KVPoolSpec.from_budget(
             mc, config.page_size, config.torch_dtype,
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
@@ -71,10 +72,23 @@ class ModelRunner:
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
         self.requests: dict[str, _Request] = {}
-        log.info("worker ready: %s %s, %s, %s, %d KV pages x %d tokens (%.2f GiB)", mc.name, config.resolved_dtype,
-                 "prepacked linears" if self.prepacked else "plain linears",
+        log.info("worker ready: %s %s, %s, %s, %s, %d KV pages x %d tokens (%.2f GiB)", mc.name,
+                 config.resolved_dtype, "prepacked linears" if self.prepacked else "plain linears",
+                 f"file's quantized weights for steps of <= {config.quant_max_rows} tokens "
+                 f"({self.quantized_weights} weights)" if self.quantized_weights else "no quantized weights",
                  type(self.model.ops).__name__, self.kv_spec.num_pages,
                  self.kv_spec.page_size, self.kv_spec.total_bytes / 2**30)
+
+    def _use_quantized(self, checkpoint: Checkpoint) -> int:
+        """Small steps on the file's Q8_0/Q4_1 blocks (Linear.set_quant) where they exist, the
+        device is a CPU and the kernel builds → the number of weights that got them."""
+        if not (self.config.quant_max_rows and checkpoint.quantized and self.device.type == "cpu"):
+            return 0
+        from kernels import quant_gemv
+        kernel = quant_gemv.load()
+        if kernel is None:
+            return 0
+        return self.model.use_quantized(checkpoint.quantized, self.config.quant_max_rows, kernel)
 
     # --- request state -------------------------------------------------------------
     def _admit(self, spec: NewRequestSpec) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,11 +17,16 @@ class Checkpoint:
     `model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight` only when the head is
     not tied) to contiguous float32 tensors in HF layout ([out, in] for linear weights).
     `source` is the path the checkpoint was read from.
+
+    `quantized` holds, for the 2-D weights a GGUF stores as Q8_0 or Q4_1, the file's own
+    blocks under the same names and row order (a `kernels.quant_gemv.QuantWeight`); the
+    worker runs small batches on them (services/worker/model/linear.py).
     """
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     source: str
+    quantized: dict = field(default_factory=dict)  # HF name -> QuantWeight
 
 
 def load_checkpoint(path: str) -> Checkpoint:

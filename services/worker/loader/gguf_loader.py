@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from kernels.quant_gemv import QTYPES, QuantWeight
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
 from services.common.gguf_reader import FastGGUFReader
@@ -76,13 +77,16 @@ def load_gguf(path: str) -> Checkpoint:
 
     # gguf's numpy kernels release the GIL on large arrays, so tensors dequantize in parallel.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        arrays = pool.map(lambda job: _dequantize(job[1], job[2]), jobs)
-        tensors = {hf: torch.from_numpy(a) for (hf, _, _), a in zip(jobs, arrays)}
-    return Checkpoint(config=config, tensors=tensors, source=path)
+        results = list(pool.map(lambda job: _dequantize(job[1], job[2]), jobs))
+    tensors = {hf: torch.from_numpy(a) for (hf, _, _), (a, _) in zip(jobs, results)}
+    quantized = {hf: QuantWeight.from_blocks(torch.from_numpy(raw), t.tensor_type.name)
+                 for (hf, t, _), (_, raw) in zip(jobs, results) if raw is not None}
+    return Checkpoint(config=config, tensors=tensors, source=path, quantized=quantized)
 
 
-def _dequantize(t: gguf.ReaderTensor, n_heads: int | None) -> np.ndarray:
-    """float32 array of HF shape [out, in] (or [n]); never a view into the read-only file mapping."""
+def _dequantize(t: gguf.ReaderTensor, n_heads: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(float32 array of HF shape [out, in] (or [n]), and for a Q8_0/Q4_1 matrix its blocks in
+    HF row order, else None); never views into the read-only file mapping."""
     raw = t.data
     if n_heads is not None:
         # Undo llama.cpp's row permutation on the still-quantized rows: blocks never cross a row,
@@ -94,7 +98,8 @@ def _dequantize(t: gguf.ReaderTensor, n_heads: int | None) -> np.ndarray:
     out = gguf.quants.dequantize(raw, t.tensor_type)
     if not out.flags.writeable:  # F32 comes back as a view of the mapping
         out = out.copy()
-    return out.astype(np.float32, copy=False)
+    keep = t.tensor_type.name in QTYPES and raw.ndim == 2
+    return out.astype(np.float32, copy=False), (np.array(raw, dtype=np.uint8) if keep else None)
 
 
 def _permute_heads(gguf_name: str, arch: str, config: ModelConfig) -> int | None:

@@ -10,12 +10,20 @@ to `F.linear` and do not depend on the batch size (tests/unit/test_linear.py).
 
 Only bfloat16 and float16 weights are packed: float32 goes through MKL's
 sgemm, which prepacking does not beat at small batches.
+
+A Linear can also hold the checkpoint's own quantized blocks (GGUF Q8_0/Q4_1,
+kernels/quant_gemv.py). Calls with at most `quant_max_rows` rows then run on
+them: at batch 1 a step is a read of the weights, and the blocks are 3.2x
+(Q4_1) fewer bytes than bfloat16. The math stays float32 with the file's exact
+weights, so this path is closer to the float32 reference than bfloat16 is.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.quant_gemv import quant_linear
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -38,13 +46,26 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear plus an optional prepacked copy of the weight used for compute.
+    """nn.Linear plus optional compute copies of the weight: a oneDNN-prepacked one,
+    and the checkpoint's quantized blocks for calls of few rows.
 
     The plain `weight` stays the source of truth (loaders and weight updates
-    write it); call `prepack()` again after changing it.
+    write it); call `prepack()` again after changing it, and drop `quant`
+    (`set_quant(None, 0)`) when the new weight no longer matches the file's.
     """
 
     packed: torch.Tensor | None = None
+    quant = None  # a kernels.quant_gemv.QuantWeight
+    quant_max_rows: int = 0
+    _quant_kernel = None
+
+    def set_quant(self, quant, max_rows: int, kernel=None) -> None:
+        """Run calls of at most max_rows rows on `quant` (a QuantWeight of this weight's
+        shape) through `kernel` (kernels.quant_gemv.load()); None or 0 turns it off."""
+        if quant is not None and quant.shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized weight {quant.shape} does not match {tuple(self.weight.shape)}")
+        on = quant is not None and max_rows > 0 and kernel is not None
+        self.quant, self.quant_max_rows, self._quant_kernel = (quant, max_rows, kernel) if on else (None, 0, None)
 
     def prepack(self) -> bool:
         self.packed = prepack(self.weight) if can_prepack(self.weight) else None
@@ -54,6 +75,8 @@ class Linear(nn.Linear):
         self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.quant_max_rows and self.quant is not None and x.dim() == 2:
+            return quant_linear(x, self.quant, self.bias, self._quant_kernel)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.quant_gemv import quant_linear
 from services.worker.model.config import ModelConfig
 from services.worker.model.layer_ops import LayerOps, TorchLayerOps
 from services.worker.model.linear import Linear, can_prepack, packed_linear, prepack
@@ -89,6 +90,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # tied: a prepacked copy of the embedding
+        self.quant_lm_head = None  # tied: the embedding's quantized blocks (a QuantWeight)
+        self.quant_lm_head_rows, self._quant_kernel = 0, None
         self.ops: LayerOps = TorchLayerOps()  # the runner installs fused ones where it can
 
     def prepack_weights(self) -> bool:
@@ -99,6 +102,39 @@ class LlamaForCausalLM(nn.Module):
         tied = self.embed_tokens.weight
         self.packed_lm_head = prepack(tied) if self.lm_head is None and can_prepack(tied) else None
         return packed
+
+    def use_quantized(self, quantized: dict, max_rows: int, kernel) -> int:
+        """Hand each linear (and a tied LM head) the checkpoint's quantized blocks of its
+        weight, fusing q/k/v and gate/up as the dense weights are, for calls of at most
+        max_rows rows (Linear.set_quant). quantized: HF name → QuantWeight. Returns how
+        many weights got blocks; the others stay dense."""
+        from kernels.quant_gemv import QuantWeight
+        q = {k.removeprefix("model."): v for k, v in quantized.items()}
+        given = 0
+
+        def give(linear: Linear, names: list[str]) -> None:
+            nonlocal given
+            parts = [q.get(n) for n in names]
+            if all(p is not None for p in parts) and len({p.qtype for p in parts}) == 1:
+                linear.set_quant(parts[0] if len(parts) == 1 else QuantWeight.cat_rows(parts), max_rows, kernel)
+                given += len(parts)
+            else:
+                linear.set_quant(None, 0)
+
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            give(layer.self_attn.qkv_proj, [f"{p}self_attn.{n}_proj.weight" for n in "qkv"])
+            give(layer.self_attn.o_proj, [f"{p}self_attn.o_proj.weight"])
+            give(layer.mlp.gate_up_proj, [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")])
+            give(layer.mlp.down_proj, [f"{p}mlp.down_proj.weight"])
+        if self.lm_head is not None:
+            give(self.lm_head, ["lm_head.weight"])
+        else:
+            self.quant_lm_head = q.get("embed_tokens.weight") if max_rows > 0 else None
+            self.quant_lm_head_rows = max_rows if self.quant_lm_head is not None else 0
+            self._quant_kernel = kernel
+            given += self.quant_lm_head is not None
+        return given
 
     def unpack_weights(self) -> None:
         for m in self.modules():
@@ -117,6 +153,8 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, self.rope, meta, self.ops)
         x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        if x.shape[0] <= self.quant_lm_head_rows and self.quant_lm_head is not None:
+            return quant_linear(x, self.quant_lm_head, None, self._quant_kernel, float_out=True)
         if self.lm_head is not None:
             return self.lm_head(x).float()
         if self.packed_lm_head is not None:
