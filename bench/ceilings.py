@@ -6,7 +6,9 @@ serving numbers are fractions of.
 - the model's linear-layers-only step time per batch size and dtype: the
   matmuls of one decode step (qkv, o, gate_up, down for every layer, then the
   LM head) and nothing else — no attention, norms, sampling or scheduling.
-  Eager, and under torch.compile (freezing) when --compile is given.
+  Eager, oneDNN-prepacked, under torch.compile (freezing) when --compile is
+  given, and on the GGUF file's own Q4_1/Q8_0 blocks (kernels/quant_gemv.py)
+  for the small batches the worker runs that way.
 
     .venv/bin/python bench/ceilings.py [--batch-sizes 1,16,64] [--dtypes float32,bfloat16,float16]
                                        [--compile] [--json bench/results/ceilings.json]
@@ -109,8 +111,44 @@ class LinearOnly(torch.nn.Module):
         return self._mm(x, self.head)
 
 
-def linear_step_seconds(shapes: LinearShapes, dtype: torch.dtype, batch: int, mode: str) -> float:
-    """mode: eager (F.linear), packed (oneDNN prepacked weights) or compile (torch.compile, freezing)."""
+class GGUFLinearOnly(torch.nn.Module):
+    """The same chain on the checkpoint's own quantized blocks (Q4_1 projections, Q8_0 head
+    for the default model) through kernels/quant_gemv.py, as the worker runs small steps."""
+
+    def __init__(self, quantized: dict, num_layers: int):
+        super().__init__()
+        from kernels import quant_gemv
+        from kernels.quant_gemv import QuantWeight
+        self.kernel = quant_gemv.load()
+        q = {k.removeprefix("model."): v for k, v in quantized.items()}
+        self.mats = []
+        for i in range(num_layers):
+            p = f"layers.{i}."
+            self.mats += [QuantWeight.cat_rows([q[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]),
+                          q[f"{p}self_attn.o_proj.weight"],
+                          QuantWeight.cat_rows([q[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")]),
+                          q[f"{p}mlp.down_proj.weight"]]
+        self.head = q.get("lm_head.weight", q["embed_tokens.weight"])
+        self.hidden = self.head.shape[1]
+        self.widths = [w.shape[1] for w in self.mats]
+        self.nbytes = sum(w.nbytes for w in self.mats) + self.head.nbytes
+
+    def _mm(self, x: torch.Tensor, w) -> torch.Tensor:
+        from kernels.quant_gemv import quant_linear
+        return quant_linear(x, w, None, self.kernel)
+
+    forward = LinearOnly.forward
+
+
+def linear_step_seconds(shapes: LinearShapes, dtype: torch.dtype, batch: int, mode: str,
+                        quantized: dict | None = None) -> float:
+    """mode: eager (F.linear), packed (oneDNN prepacked weights), compile (torch.compile, freezing)
+    or gguf (the file's quantized blocks; activations in dtype)."""
+    if mode == "gguf":
+        model = GGUFLinearOnly(quantized, shapes.num_layers)
+        x = torch.randn(batch, model.hidden, dtype=dtype)
+        with torch.inference_mode():
+            return best_of(lambda: model(x), 10, warmup=3)
     model = LinearOnly(shapes, dtype, packed=mode == "packed").eval()
     x = torch.randn(batch, model.hidden, dtype=dtype)
     with torch.inference_mode():
@@ -127,13 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--dtypes", default="float32,bfloat16,float16")
     p.add_argument("--compile", action="store_true", help="also time the linear-only step under torch.compile")
+    p.add_argument("--gguf-batch-sizes", default="1,2,4,8",
+                   help="batch sizes for the step on the file's own quantized weights (with the float32 and "
+                        "bfloat16 activations asked for by --dtypes; empty: skip)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     # Chained random matmuls shrink activations into denormals, which x86 computes
     # ~10x slower; real activations don't live there, so flush them as the worker does.
     torch.set_flush_denormal(True)
-    mc = load_checkpoint(default_model_path()).config
+    ckpt = load_checkpoint(default_model_path())
+    mc = ckpt.config
     shapes = LinearShapes.of(mc)
     out: dict = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
                  "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "model": mc.name,
@@ -153,6 +195,16 @@ def main(argv: list[str] | None = None) -> int:
                 out["linear_step_ms"][f"{name}/{mode}/{b}"] = ms
                 bw_floor = shapes.weight_params * dtype.itemsize / (out["memory"]["read_gb_s"] * 1e9) * 1e3
                 print(f"  linear-only step {mode:7s} B={b:3d}: {ms:7.2f} ms  ({b / ms * 1e3:7.0f} tok/s; "
+                      f"weight-read floor {bw_floor:.2f} ms)")
+        gguf_batches = [int(b) for b in args.gguf_batch_sizes.split(",") if b]
+        if ckpt.quantized and gguf_batches and name in ("float32", "bfloat16"):
+            nbytes = GGUFLinearOnly(ckpt.quantized, shapes.num_layers).nbytes
+            out["gguf_weight_bytes"] = nbytes
+            for b in gguf_batches:
+                ms = 1e3 * linear_step_seconds(shapes, dtype, b, "gguf", ckpt.quantized)
+                out["linear_step_ms"][f"{name}/gguf/{b}"] = ms
+                bw_floor = nbytes / (out["memory"]["read_gb_s"] * 1e9) * 1e3
+                print(f"  linear-only step gguf    B={b:3d}: {ms:7.2f} ms  ({b / ms * 1e3:7.0f} tok/s; "
                       f"weight-read floor {bw_floor:.2f} ms)")
     if args.json:
         with open(args.json, "w") as f:

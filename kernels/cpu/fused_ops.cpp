@@ -16,7 +16,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 #include "convert.h"
@@ -162,7 +165,52 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// argmax over each row of a float32 [B, V] tensor with torch's answer: the first index of
+// the maximum, or of the first NaN when a row has one (torch orders NaN above all). torch's
+// own CPU argmax is ~10x slower than its max here, and greedy decoding runs it every step.
+// All comparisons are on integer keys that order like the floats: -ffast-math assumes no
+// infinities or NaNs, and masked logits are -inf.
+namespace {
+inline int32_t order_key(uint32_t bits) {  // monotonic in the float's value (NaNs aside)
+  const int32_t i = static_cast<int32_t>(bits);
+  return i ^ ((i >> 31) & 0x7FFFFFFF);
+}
+inline bool is_nan_bits(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }
+}  // namespace
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
+              "x must be a contiguous non-empty float32 [B, V] tensor");
+  const int64_t B = x.size(0), V = x.size(1);
+  auto out = torch::empty({B}, x.options().dtype(at::kLong));
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint32_t* bits = xp + b * V;
+      int32_t best = INT32_MIN;
+      uint32_t nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+      for (int64_t j = 0; j < V; ++j) {
+        best = std::max(best, order_key(bits[j]));
+        nan |= is_nan_bits(bits[j]);
+      }
+      int64_t at = 0;
+      if (nan) {
+        while (!is_nan_bits(bits[at])) ++at;
+      } else if ((best & 0x7FFFFFFF) == 0 || best == -1) {  // the maximum is +0 or -0: equal values
+        while ((bits[at] & 0x7FFFFFFFu) != 0) ++at;
+      } else {
+        while (order_key(bits[at]) != best) ++at;
+      }
+      op[b] = at;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, NaN first, as torch.argmax (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual add + RMSNorm (CPU)");
   m.def("rope_", &rope_, "rotary embedding in place (CPU)");

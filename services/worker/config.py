@@ -27,10 +27,10 @@ class WorkerConfig:
         "help": "CPU, bfloat16/float16: run linears on oneDNN-prepacked weights (same results, faster)"})
     fused_ops: bool = field(default=True, metadata={
         "help": "CPU: run RMSNorm, RoPE and SwiGLU as fused C++ kernels (built on first use; else plain torch)"})
-    quant_max_rows: int = field(default=4, metadata={
+    quant_max_rows: int = field(default=2, metadata={
         "help": "CPU: steps of at most this many tokens run their linear layers on the GGUF file's own "
-                "Q8_0/Q4_1 blocks (float32 math on the file's exact weights; at batch 1 about 2x faster than "
-                "bfloat16 weights here); 0: always the dense weights"})
+                "Q8_0/Q4_1 blocks (float32 math on the file's exact weights; at batch 1 about 1.6x faster than "
+                "prepacked bfloat16 weights here; at 4 rows slower: bench/ceilings.py); 0: always the dense weights"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
 
     def __post_init__(self) -> None:

@@ -73,6 +73,22 @@ def _gumbel(seeds: Tensor, sample_indices: Tensor, token_ids: Tensor) -> Tensor:
     return counter_uniform(seeds, sample_indices, token_ids).log_().neg_().log_().neg_()
 
 
+_fused = None  # kernels/cpu/fused_ops.cpp once looked up (False: not buildable here)
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """x [B, V] → [B] int64, exactly torch.argmax(x, -1) (first maximum; NaN counts as the
+    maximum). On CPU float32 through the fused C++ op: torch's own takes ~3.4 ms at B=64."""
+    global _fused
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+        if _fused is None:
+            from kernels import fused_cpu
+            _fused = fused_cpu.load() or False
+        if _fused:
+            return _fused.argmax_rows(x.contiguous())
+    return x.argmax(dim=-1)
+
+
 def pad_token_lists(rows: list[list[int]], device: torch.device | str = "cpu") -> Tensor:
     """Ragged token lists -> [B, L] int64 padded with -1 (L >= 1 so shapes stay valid)."""
     width = max([len(r) for r in rows] + [1])
@@ -278,7 +294,7 @@ def sample(logits: Tensor, batch: SamplingBatch, prompt_tokens: Tensor | None = 
                              torch.tensor(float("-inf"), device=logits.device))
 
     if batch.all_greedy:
-        next_ids = processed.argmax(dim=-1)
+        next_ids = argmax_rows(processed)
     else:
         greedy_rows = batch.temperatures == 0
         # Greedy rows divide by 1 here; their sampled token is replaced below.
@@ -290,7 +306,7 @@ def sample(logits: Tensor, batch: SamplingBatch, prompt_tokens: Tensor | None = 
         pick = scores.argmax(dim=-1)  # [B]
         next_ids = pick if ids is None else ids.gather(1, pick[:, None]).squeeze(1)
         if batch.any_greedy:
-            next_ids = torch.where(greedy_rows, processed.argmax(dim=-1), next_ids)
+            next_ids = torch.where(greedy_rows, argmax_rows(processed), next_ids)
 
     out = SampleOutput(next_ids, None, None, None)
     k_max = max(want_logprobs) if want_logprobs else -1

@@ -106,7 +106,7 @@ def test_default_model_decodes_the_same_on_blocks_and_dense_weights():
     assert len(ckpt.quantized) == 211
     prompt = [1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 198, 1, 4093, 198]
     logits = {}
-    for rows in (4, 0):
+    for rows in (2, 0):
         runner = ModelRunner(WorkerConfig(dtype="float32", kv_cache_bytes=64 << 20, max_requests=2,
                                           quant_max_rows=rows), ckpt)
         assert runner.quantized_weights == (211 if rows else 0)
@@ -114,5 +114,5 @@ def test_default_model_decodes_the_same_on_blocks_and_dense_weights():
         runner.execute(StepPlan(0, [spec], [StepItem("r", prompt, 0, [0], True, False)]))
         out, _ = runner.compute_logits(StepPlan(1, [], [StepItem("r", [28], len(prompt), [])]))
         logits[rows] = out[0]
-    torch.testing.assert_close(logits[4], logits[0], atol=2e-3, rtol=1e-4)
-    assert int(logits[4].argmax()) == int(logits[0].argmax())
+    torch.testing.assert_close(logits[2], logits[0], atol=2e-3, rtol=1e-4)
+    assert int(logits[2].argmax()) == int(logits[0].argmax())

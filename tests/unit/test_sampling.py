@@ -277,3 +277,24 @@ def test_no_logprobs_unless_asked() -> None:
     out = sample(rand_logits(2, 50), build([SP(), SP()], vocab=50), want_logprobs=[-1, -1])
     assert out.logprobs is None and out.top_logprob_ids is None
     assert token_logprobs(out, [-1, -1]) == [None, None]
+
+
+def test_argmax_rows_is_torch_argmax_with_ties_infinities_nans_and_zeros():
+    """Greedy decoding's argmax (a C++ op on CPU) must give torch.argmax's index exactly:
+    the first maximum, NaN above everything, -inf rows, and +0 == -0."""
+    from services.worker.sampling import argmax_rows
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 300, generator=g)
+    x[0] = float("-inf")
+    x[1, 7] = x[1, 250] = 50.0  # a tie: the first wins
+    x[2, 9], x[2, 3] = float("nan"), 99.0
+    x[3, 299] = float("inf")
+    x[4] = 0.0
+    x[5] = -1.0
+    x[5, 10], x[5, 20] = -0.0, 0.0
+    x[6] = x[6].round()  # many ties
+    x[7, 0], x[7, 5] = -float("nan"), 1e30
+    x[8, 1::2] = float("-inf")
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    big = torch.randn(64, 49152, generator=g)
+    assert torch.equal(argmax_rows(big), big.argmax(dim=-1))
