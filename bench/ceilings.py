@@ -112,44 +112,40 @@ class LinearOnly(torch.nn.Module):
 
 
 class GGUFLinearOnly(torch.nn.Module):
-    """The same chain on the checkpoint's own quantized blocks (Q4_1 projections, Q8_0 head
-    for the default model) through kernels/quant_gemv.py, as the worker runs small steps."""
+    """The same chain through the worker's own model, its linears on the checkpoint's
+    quantized blocks (Q4_1 projections, Q8_0 head for the default model) as the worker runs
+    small steps (LlamaForCausalLM.use_quantized, kernels/quant_gemv.py)."""
 
-    def __init__(self, quantized: dict, num_layers: int):
+    def __init__(self, ckpt, dtype: torch.dtype, max_rows: int):
         super().__init__()
         from kernels import quant_gemv
-        from kernels.quant_gemv import QuantWeight
-        self.kernel = quant_gemv.load()
-        q = {k.removeprefix("model."): v for k, v in quantized.items()}
-        self.mats = []
-        for i in range(num_layers):
-            p = f"layers.{i}."
-            self.mats += [QuantWeight.cat_rows([q[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]),
-                          q[f"{p}self_attn.o_proj.weight"],
-                          QuantWeight.cat_rows([q[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")]),
-                          q[f"{p}mlp.down_proj.weight"]]
-        self.head = q.get("lm_head.weight", q["embed_tokens.weight"])
-        self.hidden = self.head.shape[1]
-        self.widths = [w.shape[1] for w in self.mats]
-        self.nbytes = sum(w.nbytes for w in self.mats) + self.head.nbytes
+        from services.worker.model_runner import build_model
+        model = build_model(ckpt.config, ckpt.tensors, dtype, torch.device("cpu"))
+        model.use_quantized(ckpt.quantized, max_rows, quant_gemv.load())
+        self.mats = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.head = model.lm_head
+        self.hidden = ckpt.config.hidden_size
+        self.widths = [m.in_features for m in self.mats]
 
-    def _mm(self, x: torch.Tensor, w) -> torch.Tensor:
-        from kernels.quant_gemv import quant_linear
-        return quant_linear(x, w, None, self.kernel)
+    def _mm(self, x: torch.Tensor, linear) -> torch.Tensor:
+        return linear(x)
 
     forward = LinearOnly.forward
 
 
-def linear_step_seconds(shapes: LinearShapes, dtype: torch.dtype, batch: int, mode: str,
-                        quantized: dict | None = None) -> float:
+_gguf_models: dict[torch.dtype, GGUFLinearOnly] = {}  # one model build per activation dtype
+
+
+def linear_step_seconds(shapes: LinearShapes, dtype: torch.dtype, batch: int, mode: str, ckpt=None) -> float:
     """mode: eager (F.linear), packed (oneDNN prepacked weights), compile (torch.compile, freezing)
-    or gguf (the file's quantized blocks; activations in dtype)."""
+    or gguf (the checkpoint's quantized blocks; activations in dtype)."""
     if mode == "gguf":
-        model = GGUFLinearOnly(quantized, shapes.num_layers)
-        x = torch.randn(batch, model.hidden, dtype=dtype)
-        with torch.inference_mode():
-            return best_of(lambda: model(x), 10, warmup=3)
-    model = LinearOnly(shapes, dtype, packed=mode == "packed").eval()
+        if dtype not in _gguf_models:
+            _gguf_models[dtype] = GGUFLinearOnly(ckpt, dtype, max_rows=64)
+        model = _gguf_models[dtype]
+    else:
+        model = LinearOnly(shapes, dtype, packed=mode == "packed").eval()
     x = torch.randn(batch, model.hidden, dtype=dtype)
     with torch.inference_mode():
         fn = model
@@ -182,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                  "weight_params_in_step": shapes.weight_params, "flops_per_token": shapes.flops_per_token()}
     out["memory"] = memory_bandwidth()
     print(f"memory: copy {out['memory']['copy_gb_s']:.1f} GB/s, read {out['memory']['read_gb_s']:.1f} GB/s")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    gguf_batches = [int(b) for b in args.gguf_batch_sizes.split(",") if b] if ckpt.quantized else []
+    if gguf_batches:  # the blocks' bytes as the kernel reads them, whatever the activations' dtype
+        out["gguf_weight_bytes"] = gguf_bytes = sum(q.nbytes for q in ckpt.quantized.values())
     out["matmul_tflops"] = {}
     out["linear_step_ms"] = {}
     for name in args.dtypes.split(","):
@@ -189,23 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         out["matmul_tflops"][name] = matmul_tflops(dtype)
         print(f"{name}: GEMM 2048^3 {out['matmul_tflops'][name]:.2f} TFLOP/s")
         modes = ["eager"] + (["packed"] if can_prepack(torch.empty(1, dtype=dtype)) else [])
-        for mode in modes + (["compile"] if args.compile else []):
-            for b in map(int, args.batch_sizes.split(",")):
-                ms = 1e3 * linear_step_seconds(shapes, dtype, b, mode)
-                out["linear_step_ms"][f"{name}/{mode}/{b}"] = ms
-                bw_floor = shapes.weight_params * dtype.itemsize / (out["memory"]["read_gb_s"] * 1e9) * 1e3
-                print(f"  linear-only step {mode:7s} B={b:3d}: {ms:7.2f} ms  ({b / ms * 1e3:7.0f} tok/s; "
-                      f"weight-read floor {bw_floor:.2f} ms)")
-        gguf_batches = [int(b) for b in args.gguf_batch_sizes.split(",") if b]
-        if ckpt.quantized and gguf_batches and name in ("float32", "bfloat16"):
-            nbytes = GGUFLinearOnly(ckpt.quantized, shapes.num_layers).nbytes
-            out["gguf_weight_bytes"] = nbytes
-            for b in gguf_batches:
-                ms = 1e3 * linear_step_seconds(shapes, dtype, b, "gguf", ckpt.quantized)
-                out["linear_step_ms"][f"{name}/gguf/{b}"] = ms
-                bw_floor = nbytes / (out["memory"]["read_gb_s"] * 1e9) * 1e3
-                print(f"  linear-only step gguf    B={b:3d}: {ms:7.2f} ms  ({b / ms * 1e3:7.0f} tok/s; "
-                      f"weight-read floor {bw_floor:.2f} ms)")
+        runs = [(mode, b) for mode in modes + (["compile"] if args.compile else []) for b in batches]
+        if ckpt.quantized and name in ("float32", "bfloat16"):
+            runs += [("gguf", b) for b in gguf_batches]
+        for mode, b in runs:
+            ms = 1e3 * linear_step_seconds(shapes, dtype, b, mode, ckpt)
+            out["linear_step_ms"][f"{name}/{mode}/{b}"] = ms
+            weight_bytes = gguf_bytes if mode == "gguf" else shapes.weight_params * dtype.itemsize
+            bw_floor = weight_bytes / (out["memory"]["read_gb_s"] * 1e9) * 1e3
+            print(f"  linear-only step {mode:7s} B={b:3d}: {ms:7.2f} ms  ({b / ms * 1e3:7.0f} tok/s; "
+                  f"weight-read floor {bw_floor:.2f} ms)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -179,6 +179,7 @@ def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.
     model = model.to_empty(device=device)
     model.load_hf_tensors(tensors)
     model = model.to(dtype).eval()
+    model.tie_lm_head()
     # The rope tables were never materialized on meta; they stay float32 in any dtype.
     model.rope = model.rope.__class__(mc).to(device)
     return model

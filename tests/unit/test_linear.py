@@ -45,3 +45,18 @@ def test_float32_and_repack_after_weight_change():
         half.prepack()  # a weight update must repack, as the model's prepack_weights() does
         assert torch.equal(half(x), F.linear(x, half.weight))
         assert not torch.equal(stale, half(x))
+
+
+def test_sharing_linear_computes_with_the_shared_parameter():
+    """A tied LM head: the Linear holds the embedding's very parameter, so an update to one is
+    an update to the other, and its logits are float32."""
+    emb = torch.nn.Embedding(50, 16).to(torch.bfloat16)
+    head = Linear.sharing(emb.weight)
+    assert head.weight is emb.weight and head.bias is None
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        emb.weight.mul_(2)
+    with torch.inference_mode():
+        logits = head.logits(x)
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits, F.linear(x, emb.weight).float())

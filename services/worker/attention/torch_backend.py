@@ -90,9 +90,8 @@ class TorchAttentionBackend:
         if self.native is not None:
             kv_dtype = self.pool.k.dtype
             extra = () if new_kv is None else (new_kv[0].to(kv_dtype), new_kv[1].to(kv_dtype), new_kv[2])
-            out = self.native.paged_decode_attention(
+            return self.native.paged_decode_attention(
                 q, self.pool.k[layer], self.pool.v[layer], g.kv_slots, g.kv_lens, self.scale, *extra)
-            return out
         kg, vg = self._gather(layer, g)  # [B, Hkv, Lk, D]
         B, hkv = kg.shape[:2]
         qg = q.view(B, hkv, -1, q.shape[-1]).to(kg.dtype)  # [B, Hkv, G, D]

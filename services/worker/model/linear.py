@@ -74,8 +74,27 @@ class Linear(nn.Linear):
     def unpack(self) -> None:
         self.packed = None
 
+    @classmethod
+    def sharing(cls, weight: nn.Parameter, bias: nn.Parameter | None = None) -> "Linear":
+        """A Linear computing with an existing parameter (a tied LM head and its embedding):
+        weight updates to one are updates to the other."""
+        with torch.device("meta"):
+            layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None)
+        layer.weight, layer.bias = weight, bias
+        return layer
+
+    def _runs_quantized(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.quant_max_rows and self.quant is not None and x.dim() == 2
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] → float32 [T, out]; on the quantized blocks straight from their float32
+        math, not rounded to x's dtype first."""
+        if self._runs_quantized(x):
+            return quant_linear(x, self.quant, self.bias, self._quant_kernel, float_out=True)
+        return self(x).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.quant_max_rows and self.quant is not None and x.dim() == 2:
+        if self._runs_quantized(x):
             return quant_linear(x, self.quant, self.bias, self._quant_kernel)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)

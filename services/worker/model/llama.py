@@ -8,13 +8,11 @@ matmuls for the whole batch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.quant_gemv import quant_linear
 from services.worker.model.config import ModelConfig
 from services.worker.model.layer_ops import LayerOps, TorchLayerOps
-from services.worker.model.linear import Linear, can_prepack, packed_linear, prepack
+from services.worker.model.linear import Linear
 from services.worker.model.rope import RotaryEmbedding
 
 
@@ -87,21 +85,22 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config)
+        # Tied: None until tie_lm_head() (after loading), then a Linear on the embedding's parameter.
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False)
-        self.packed_lm_head: torch.Tensor | None = None  # tied: a prepacked copy of the embedding
-        self.quant_lm_head = None  # tied: the embedding's quantized blocks (a QuantWeight)
-        self.quant_lm_head_rows, self._quant_kernel = 0, None
         self.ops: LayerOps = TorchLayerOps()  # the runner installs fused ones where it can
 
+    def tie_lm_head(self) -> None:
+        """A tied model computes logits through a Linear sharing the embedding's parameter, so
+        prepacking and quantized blocks treat it like every other linear. Call once the weights
+        are loaded and in their dtype (moving a meta module to a device unties parameters)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head = Linear.sharing(self.embed_tokens.weight)
+
     def prepack_weights(self) -> bool:
-        """Prepack every linear (and a tied LM head) for oneDNN when this dtype and
-        device allow it (see linear.py). Call again after any weight change."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        packed = all([m.prepack() for m in linears])
-        tied = self.embed_tokens.weight
-        self.packed_lm_head = prepack(tied) if self.lm_head is None and can_prepack(tied) else None
-        return packed
+        """Prepack every linear (the LM head included) for oneDNN when this dtype and device
+        allow it (see linear.py). Call again after any weight change."""
+        return all([m.prepack() for m in self.modules() if isinstance(m, Linear)])
 
     def use_quantized(self, quantized: dict, max_rows: int, kernel) -> int:
         """Hand each linear (and a tied LM head) the checkpoint's quantized blocks of its
@@ -127,20 +126,13 @@ class LlamaForCausalLM(nn.Module):
             give(layer.self_attn.o_proj, [f"{p}self_attn.o_proj.weight"])
             give(layer.mlp.gate_up_proj, [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")])
             give(layer.mlp.down_proj, [f"{p}mlp.down_proj.weight"])
-        if self.lm_head is not None:
-            give(self.lm_head, ["lm_head.weight"])
-        else:
-            self.quant_lm_head = q.get("embed_tokens.weight") if max_rows > 0 else None
-            self.quant_lm_head_rows = max_rows if self.quant_lm_head is not None else 0
-            self._quant_kernel = kernel
-            given += self.quant_lm_head is not None
+        give(self.lm_head, ["embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
         return given
 
     def unpack_weights(self) -> None:
         for m in self.modules():
             if isinstance(m, Linear):
                 m.unpack()
-        self.packed_lm_head = None
 
     def forward(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → logits [len(logits_indices), vocab] (float32).
@@ -153,13 +145,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, self.rope, meta, self.ops)
         x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
-        if x.shape[0] <= self.quant_lm_head_rows and self.quant_lm_head is not None:
-            return quant_linear(x, self.quant_lm_head, None, self._quant_kernel, float_out=True)
-        if self.lm_head is not None:
-            return self.lm_head(x).float()
-        if self.packed_lm_head is not None:
-            return packed_linear(x, self.packed_lm_head, None).float()
-        return F.linear(x, self.embed_tokens.weight).float()
+        return self.lm_head.logits(x)
 
     def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or
@@ -185,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
                     put(f"{p}self_attn.qkv_proj.{suffix}", torch.cat(parts, 0))
             gate, up = t.pop(f"{p}mlp.gate_proj.weight"), t.pop(f"{p}mlp.up_proj.weight")
             put(f"{p}mlp.gate_up_proj.weight", torch.cat([gate, up], 0))
-        if "lm_head.weight" in t and self.lm_head is not None:
+        if "lm_head.weight" in t and not self.config.tie_word_embeddings:
             put("lm_head.weight", t.pop("lm_head.weight"))
         t.pop("lm_head.weight", None)  # tied: identical to the embedding
         for name, value in t.items():
