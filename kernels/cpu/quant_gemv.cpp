@@ -15,172 +15,10 @@
 //                   of byte i for i < 16, high nibble of byte i - 16 after
 // K must be a multiple of 32 (the block size).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cstring>
-#include <vector>
+#include "quant_gemv.h"
 
-#include "convert.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define RADIXMESH_AVX512 1
-#endif
-
-namespace {
-
-constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weights (accumulators in registers)
-enum QType : int64_t { kQ8_0 = 0, kQ4_1 = 1 };
-
-// Bytes of quantized values per block: 32 int8 (Q8_0) or 16 bytes of nibbles (Q4_1).
-constexpr int64_t qs_bytes(int64_t qtype) { return qtype == kQ8_0 ? 32 : 16; }
-
-// The m term of Q4_1, sum_b m_b * (sum of x over block b), for x rows: a dot product
-// over blocks, so it costs nothing per weight. xsum [T, nb].
-void add_m_terms(const float* __restrict__ m_row, const float* __restrict__ xsum, int64_t R, int64_t nb,
-                 float* __restrict__ y) {
-  for (int64_t r = 0; r < R; ++r) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t b = 0; b < nb; ++b) s += m_row[b] * xsum[r * nb + b];
-    y[r] += s;
-  }
-}
-
-// ---- portable path: one output row, R x rows ------------------------------------------
-template <int64_t QT>
-void row_portable(const uint8_t* __restrict__ qs, const float* __restrict__ d, const float* __restrict__ x,
-                  int64_t R, int64_t K, float* __restrict__ y) {
-  const int64_t nb = K / kBlock;
-  float n[kBlock];
-  for (int64_t r = 0; r < R; ++r) y[r] = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* q = qs + b * qs_bytes(QT);
-    for (int i = 0; i < 16; ++i) {
-      if (QT == kQ8_0) {
-        n[i] = static_cast<float>(static_cast<int8_t>(q[i]));
-        n[i + 16] = static_cast<float>(static_cast<int8_t>(q[i + 16]));
-      } else {
-        n[i] = static_cast<float>(q[i] & 15);
-        n[i + 16] = static_cast<float>(q[i] >> 4);
-      }
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      const float* xb = x + r * K + b * kBlock;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int i = 0; i < kBlock; ++i) s += n[i] * xb[i];
-      y[r] += d[b] * s;
-    }
-  }
-}
-
-#ifdef RADIXMESH_AVX512
-// ---- AVX-512 path: NR output rows x R (<= kMaxRows) x rows, accumulators in registers ----
-// Per block: widen the 32 values to float, two multiply-adds against x per row, one FMA by
-// the block's scale (a broadcast from memory: no shuffle port). Several output rows at once
-// keep independent FMA chains in flight (a row of 18 blocks is too short to hide latency).
-template <int64_t QT>
-inline void widen(const uint8_t* q, __m512& w0, __m512& w1) {
-  if constexpr (QT == kQ8_0) {
-    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-  } else {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    w0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-    w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-  }
-}
-
-// qs/d point at the first of NR consecutive output rows; y [NR, R].
-template <int64_t QT, int R, int NR>
-void rows_avx512(const uint8_t* __restrict__ qs, const float* __restrict__ d, const float* __restrict__ x,
-                 int64_t K, float* __restrict__ y) {
-  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
-  __m512 acc[NR][R];
-  for (int n = 0; n < NR; ++n)
-    for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    if ((b * qs_bytes(QT)) % 64 == 0)  // the next NR rows' lines: helps the streamer
-      for (int n = 0; n < NR; ++n) __builtin_prefetch(qs + (n + NR) * row_bytes + b * qs_bytes(QT));
-    for (int n = 0; n < NR; ++n) {
-      __m512 w0, w1;
-      widen<QT>(qs + n * row_bytes + b * qs_bytes(QT), w0, w1);
-      const __m512 scale = _mm512_set1_ps(d[n * nb + b]);
-      for (int r = 0; r < R; ++r) {
-        const float* xb = x + r * K + b * kBlock;
-        const __m512 p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xb)));
-        acc[n][r] = _mm512_fmadd_ps(scale, p, acc[n][r]);
-      }
-    }
-  }
-  for (int n = 0; n < NR; ++n)
-    for (int r = 0; r < R; ++r) y[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
-}
-
-// Output rows [begin, end) for R x rows: groups of 4 (R = 1), 2 (R = 2) or 1.
-template <int64_t QT, int R>
-void span_avx512(const uint8_t* qs, const float* d, const float* x, int64_t K, int64_t begin, int64_t end,
-                 float* y /* [rows, R] from begin */) {
-  constexpr int NR = R == 1 ? 4 : (R == 2 ? 2 : 1);
-  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
-  int64_t n = begin;
-  for (; n + NR <= end; n += NR)
-    rows_avx512<QT, R, NR>(qs + n * row_bytes, d + n * nb, x, K, y + (n - begin) * R);
-  for (; n < end; ++n) rows_avx512<QT, R, 1>(qs + n * row_bytes, d + n * nb, x, K, y + (n - begin) * R);
-}
-
-template <int64_t QT>
-void span(const uint8_t* qs, const float* d, const float* x, int64_t R, int64_t K, int64_t begin, int64_t end,
-          float* y) {
-  switch (R) {
-    case 1: return span_avx512<QT, 1>(qs, d, x, K, begin, end, y);
-    case 2: return span_avx512<QT, 2>(qs, d, x, K, begin, end, y);
-    case 3: return span_avx512<QT, 3>(qs, d, x, K, begin, end, y);
-    case 4: return span_avx512<QT, 4>(qs, d, x, K, begin, end, y);
-    case 5: return span_avx512<QT, 5>(qs, d, x, K, begin, end, y);
-    case 6: return span_avx512<QT, 6>(qs, d, x, K, begin, end, y);
-    case 7: return span_avx512<QT, 7>(qs, d, x, K, begin, end, y);
-    default: return span_avx512<QT, 8>(qs, d, x, K, begin, end, y);
-  }
-}
-#else
-template <int64_t QT>
-void span(const uint8_t* qs, const float* d, const float* x, int64_t R, int64_t K, int64_t begin, int64_t end,
-          float* y) {
-  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
-  for (int64_t n = begin; n < end; ++n) row_portable<QT>(qs + n * row_bytes, d + n * nb, x, R, K, y + (n - begin) * R);
-}
-#endif
-
-template <int64_t QT>
-void run(const uint8_t* qs, const float* d, const float* m, const float* x, int64_t T, int64_t K, int64_t N,
-         float* y /* [T, N] */) {
-  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
-  std::vector<float> xsum;
-  if (QT == kQ4_1) {
-    xsum.assign(T * nb, 0.f);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t b = 0; b < nb; ++b)
-        for (int64_t i = 0; i < kBlock; ++i) xsum[t * nb + b] += x[t * K + b * kBlock + i];
-  }
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> out((end - begin) * kMaxRows);  // [rows, R]
-    for (int64_t t0 = 0; t0 < T; t0 += kMaxRows) {
-      const int64_t R = std::min(kMaxRows, T - t0);
-      span<QT>(qs, d, x + t0 * K, R, K, begin, end, out.data());
-      for (int64_t n = begin; n < end; ++n) {
-        float* o = out.data() + (n - begin) * R;
-        if (QT == kQ4_1) add_m_terms(m + n * nb, xsum.data() + t0 * nb, R, nb, o);
-        for (int64_t r = 0; r < R; ++r) y[(t0 + r) * N + n] = o[r];
-      }
-    }
-  });
-}
-
-}  // namespace
+using namespace radixmesh::qgemv;
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, std::optional<torch::Tensor> m,
                            int64_t qtype, std::optional<torch::Tensor> bias, bool float_out) {
@@ -201,8 +39,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, s
   auto y = torch::empty({T, N}, x.options().dtype(at::kFloat));
   if (T > 0) {
     const uint8_t* q = qs.data_ptr<uint8_t>();
-    if (qtype == kQ8_0) run<kQ8_0>(q, d.data_ptr<float>(), nullptr, xf.data_ptr<float>(), T, K, N, y.data_ptr<float>());
-    else run<kQ4_1>(q, d.data_ptr<float>(), m->data_ptr<float>(), xf.data_ptr<float>(), T, K, N, y.data_ptr<float>());
+    quant_matmul(qtype, q, d.data_ptr<float>(), m ? m->data_ptr<float>() : nullptr, xf.data_ptr<float>(), T, K, N,
+                 y.data_ptr<float>());
   }
   if (bias) y.add_(bias->to(at::kFloat));
   return float_out || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());

@@ -1,6 +1,7 @@
 """The worker's configuration: model, dtype, KV pool, attention backend."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,9 @@ class WorkerConfig:
         "help": "CPU: steps of at most this many tokens run their linear layers on the GGUF file's own "
                 "Q8_0/Q4_1 blocks (float32 math on the file's exact weights; at batch 1 about 1.6x faster than "
                 "prepacked bfloat16 weights here; at 4 rows slower: bench/ceilings.py); 0: always the dense weights"})
+    decode_stack: bool = field(default=True, metadata={
+        "help": "CPU: run pure-decode steps of at most --quant-max-rows tokens as one C++ call (embedding, all "
+                "layers, LM head; same logits as op by op, without ~600 Python-dispatched ops a step)"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
 
     def __post_init__(self) -> None:
@@ -57,6 +61,7 @@ class WorkerConfig:
         return DTYPES[self.resolved_dtype]
 
 
+@functools.cache
 def cpu_has_fast_bf16() -> bool:
     """AMX-BF16 or AVX-512 BF16 (Linux /proc/cpuinfo flags): bfloat16 matmuls run
     natively, ~5x float32's throughput on this project's CPU (bench/ceilings.py)."""

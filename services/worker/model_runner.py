@@ -63,6 +63,8 @@ class ModelRunner:
         self.prepacked = config.prepack_weights and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
         self.quantized_weights = self._use_quantized(checkpoint)
+        self.model_dtype = config.torch_dtype
+        self.decode_stack = self._use_decode_stack()
         self.kv_spec = KVPoolSpec.from_budget(
             mc, config.page_size, config.torch_dtype,
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
@@ -72,11 +74,11 @@ class ModelRunner:
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
         self.requests: dict[str, _Request] = {}
-        log.info("worker ready: %s %s, %s, %s, %s, %d KV pages x %d tokens (%.2f GiB)", mc.name,
+        log.info("worker ready: %s %s, %s, %s, %s%s, %d KV pages x %d tokens (%.2f GiB)", mc.name,
                  config.resolved_dtype, "prepacked linears" if self.prepacked else "plain linears",
                  f"file's quantized weights for steps of <= {config.quant_max_rows} tokens "
                  f"({self.quantized_weights} weights)" if self.quantized_weights else "no quantized weights",
-                 type(self.model.ops).__name__, self.kv_spec.num_pages,
+                 type(self.model.ops).__name__, ", one-call decode steps" if self.decode_stack else "", self.kv_spec.num_pages,
                  self.kv_spec.page_size, self.kv_spec.total_bytes / 2**30)
 
     def _use_quantized(self, checkpoint: Checkpoint) -> int:
@@ -89,6 +91,16 @@ class ModelRunner:
         if kernel is None:
             return 0
         return self.model.use_quantized(checkpoint.quantized, self.config.quant_max_rows, kernel)
+
+    def _use_decode_stack(self) -> bool:
+        """Pure-decode steps on the quantized blocks as one C++ call (LlamaForCausalLM.use_decode_stack),
+        where that matches what the op-by-op path would run: fused ops and the native attention kernel."""
+        from services.worker.model.layer_ops import FusedCpuLayerOps
+        if not (self.config.decode_stack and self.quantized_weights and isinstance(self.model.ops, FusedCpuLayerOps)
+                and self.config.attention_backend == "cpu"):
+            return False
+        from kernels import decode_stack
+        return self.model.use_decode_stack(decode_stack.load())
 
     # --- request state -------------------------------------------------------------
     def _admit(self, spec: NewRequestSpec) -> None:
@@ -155,6 +167,8 @@ class ModelRunner:
         for req, item in zip(reqs, plan.items):
             if item.new_pages or item.reset_pages:
                 self._append_pages(req, item.new_pages, item.reset_pages)
+        if self._runs_on_decode_stack(plan):
+            return self._decode_stack_step(plan, reqs)
         q_lens = [len(item.input_ids) for item in plan.items]
         start = [item.start_pos for item in plan.items]
         max_pages = -(-max(s + q for s, q in zip(start, q_lens)) // self.kv_spec.page_size)
@@ -169,6 +183,24 @@ class ModelRunner:
         logits_indices = ends[torch.tensor(sampled, dtype=torch.int64)]
         meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
         return self.model(input_ids, meta, logits_indices.to(self.device)), sampled
+
+
+    def _runs_on_decode_stack(self, plan: StepPlan) -> bool:
+        """A step of few one-token items, with KV in the model's dtype (a narrower KV cache runs op by op)."""
+        return (self.decode_stack and len(plan.items) <= self.model.decode_stack_rows
+                and all(len(item.input_ids) == 1 for item in plan.items) and self.pool.k.dtype == self.model_dtype)
+
+    def _decode_stack_step(self, plan: StepPlan, reqs: list[_Request]) -> tuple[torch.Tensor, list[int]]:
+        """The whole step as one C++ call, its inputs straight from Python ints: no
+        per-step layout or attention-metadata tensors."""
+        def i64(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        sampled = [i for i, item in enumerate(plan.items) if item.sample]
+        logits = self.model.decode_step(
+            i64([item.input_ids[0] for item in plan.items]), i64([item.start_pos for item in plan.items]),
+            self.page_table, i64([r.row for r in reqs]), self.kv_spec.page_size, self.pool, i64(sampled))
+        return logits, sampled
 
 
 def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

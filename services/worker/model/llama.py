@@ -89,6 +89,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.ops: LayerOps = TorchLayerOps()  # the runner installs fused ones where it can
+        # Small pure-decode steps as one C++ call (use_decode_stack); None: op by op.
+        self.decode_stack = None
+        self.decode_stack_rows = 0
 
     def tie_lm_head(self) -> None:
         """A tied model computes logits through a Linear sharing the embedding's parameter, so
@@ -128,6 +131,44 @@ class LlamaForCausalLM(nn.Module):
             give(layer.mlp.down_proj, [f"{p}mlp.down_proj.weight"])
         give(self.lm_head, ["embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
         return given
+
+    def use_decode_stack(self, kernel) -> bool:
+        """Run pure-decode steps of at most quant_max_rows rows as one C++ call
+        (kernels/decode_stack.py: the same row kernels as the fused ops, the paged decode
+        attention and the quantized linears, with no Python between them). Needs every
+        linear, the LM head included, on quantized blocks (use_quantized); False otherwise.
+        The stack reads the weights it was built from: call again after changing them."""
+        from kernels.quant_gemv import QTYPES
+        self.decode_stack, self.decode_stack_rows = None, 0
+        blocks = [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        blocks.append(self.lm_head)
+        if kernel is None or any(lin is None or lin.quant is None for lin in blocks):
+            return False
+        c = self.config
+        stack = kernel.DecodeStack(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+                                   c.head_dim ** -0.5, self.rope.cos, self.rope.sin)
+
+        def add(lin: Linear) -> int:
+            q = lin.quant
+            return stack.add_linear(q.qs, q.d, q.m, QTYPES[q.qtype][0], lin.bias)
+
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(layer.input_layernorm.weight.detach(), add(attn.qkv_proj), add(attn.o_proj),
+                            layer.post_attention_layernorm.weight.detach(), add(mlp.gate_up_proj),
+                            add(mlp.down_proj))
+        stack.set_head(self.embed_tokens.weight.detach(), self.norm.weight.detach(), add(self.lm_head))
+        self.decode_stack, self.decode_stack_rows = stack, min(lin.quant_max_rows for lin in blocks)
+        return True
+
+    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
+                    rows: torch.Tensor, page_size: int, pool, logits_rows: torch.Tensor) -> torch.Tensor:
+        """One token per request through the decode stack (use_decode_stack), KV written.
+        input_ids, positions, rows [B] int64: request b's pages are page_table[rows[b]]
+        ([N, P] int64). → float32 logits [len(logits_rows), vocab]."""
+        return self.decode_stack.forward(input_ids, positions, page_table, rows, page_size, pool.k, pool.v,
+                                         logits_rows)
 
     def unpack_weights(self) -> None:
         for m in self.modules():

@@ -1,0 +1,292 @@
+// A small decode step of a Llama-family model as one call: embedding, every decoder
+// layer, final norm and LM head, on the checkpoint's quantized blocks.
+//
+// At batch 1 the step's arithmetic is a read of ~100 MB of weights (~8 ms here), but
+// run op by op from Python it is ~20 calls per layer x 30 layers, each paying
+// interpreter, dispatcher and allocator time. Here the same row kernels run back to
+// back (quant_gemv.h, layer_ops.h, paged_attention.h) with the activations in
+// reused buffers, and every intermediate is rounded to the model's dtype exactly
+// where the op-by-op path rounds it: the logits are bit-identical to that path's
+// (tests/unit/test_decode_stack.py).
+//
+// DecodeStack(num_heads, num_kv_heads, head_dim, eps, scale, cos [P, D], sin [P, D])
+//   add_linear(qs, d, m?, qtype, bias?) -> id      a split GGUF weight (kernels/quant_gemv.py)
+//   add_layer(input_norm [Hd], qkv, o, post_norm [Hd], gate_up, down)   ids from add_linear
+//   set_head(embed [V, Hd], final_norm [Hd], lm_head)
+//   forward(input_ids [B], positions [B], page_table [N, P], rows [B], page_size,
+//           k_pool, v_pool [L, S, Hkv, D], logits_rows [R]) -> logits [R, V] float32
+// One query token per request at positions[b]: request b's pages are page_table[rows[b]];
+// each layer writes the token's K/V at its slot, then attends over positions
+// 0..positions[b]. Norm weights, the embedding and the pool share the model's dtype
+// (float32, bfloat16 or float16).
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "layer_ops.h"
+#include "paged_attention.h"
+#include "quant_gemv.h"
+
+namespace {
+
+using radixmesh::from_float;
+using radixmesh::to_float;
+
+struct QuantLinear {
+  int64_t qtype, N, K;
+  torch::Tensor qs, d, m, bias;  // m, bias undefined when absent
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  int64_t qkv, o, gate_up, down;
+};
+
+void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.is_contiguous(), what, " must be a contiguous [", n, "] vector");
+}
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              torch::Tensor cos, torch::Tensor sin)
+      : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)),
+        scale_(static_cast<float>(scale)), cos_(cos.contiguous()), sin_(sin.contiguous()) {
+    TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && D_ % 2 == 0, "bad head layout");
+    TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.sizes() == sin_.sizes() && cos_.dim() == 2 &&
+                    cos_.size(1) == D_,
+                "cos/sin must be float32 [P, head_dim]");
+  }
+
+  int64_t add_linear(torch::Tensor qs, torch::Tensor d, std::optional<torch::Tensor> m, int64_t qtype,
+                     std::optional<torch::Tensor> bias) {
+    using namespace radixmesh::qgemv;
+    TORCH_CHECK(qtype == kQ8_0 || qtype == kQ4_1, "qtype must be 0 (Q8_0) or 1 (Q4_1)");
+    TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.is_contiguous(), "d must be float32 [N, K/32]");
+    const int64_t N = d.size(0), K = d.size(1) * kBlock;
+    TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(0) == N &&
+                    qs.size(1) == d.size(1) * qs_bytes(qtype),
+                "qs must be contiguous uint8 [N, K/32 * ", qs_bytes(qtype), "]");
+    TORCH_CHECK(m.has_value() == (qtype == kQ4_1), "Q4_1 needs m; Q8_0 has none");
+    if (m) TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == at::kFloat && m->is_contiguous(), "m like d");
+    torch::Tensor b;
+    if (bias) {
+      check_vector(*bias, N, "bias");
+      b = bias->to(at::kFloat).contiguous();
+    }
+    linears_.push_back({qtype, N, K, qs, d, m ? *m : torch::Tensor(), b});
+    return static_cast<int64_t>(linears_.size()) - 1;
+  }
+
+  void add_layer(torch::Tensor input_norm, int64_t qkv, int64_t o, torch::Tensor post_norm, int64_t gate_up,
+                 int64_t down) {
+    for (int64_t id : {qkv, o, gate_up, down})
+      TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(linears_.size()), "unknown linear id ", id);
+    const int64_t Hd = linears_[qkv].K, I = linears_[down].K;
+    TORCH_CHECK(linears_[qkv].N == (H_ + 2 * Hkv_) * D_, "qkv must output (H + 2 Hkv) * head_dim");
+    TORCH_CHECK(linears_[o].K == H_ * D_ && linears_[o].N == Hd, "o_proj must map H * head_dim to hidden");
+    TORCH_CHECK(linears_[gate_up].K == Hd && linears_[gate_up].N == 2 * I && linears_[down].N == Hd,
+                "gate_up must map hidden to 2I and down I to hidden");
+    check_vector(input_norm, Hd, "input_norm");
+    check_vector(post_norm, Hd, "post_norm");
+    TORCH_CHECK(layers_.empty() || input_norm.scalar_type() == layers_[0].input_norm.scalar_type(), "mixed dtypes");
+    layers_.push_back({input_norm, post_norm, qkv, o, gate_up, down});
+  }
+
+  void set_head(torch::Tensor embed, torch::Tensor final_norm, int64_t lm_head) {
+    TORCH_CHECK(!layers_.empty(), "add the layers first");
+    TORCH_CHECK(lm_head >= 0 && lm_head < static_cast<int64_t>(linears_.size()), "unknown linear id ", lm_head);
+    const int64_t Hd = linears_[layers_[0].qkv].K;
+    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == Hd && embed.is_contiguous(), "embed must be [V, hidden]");
+    TORCH_CHECK(embed.scalar_type() == layers_[0].input_norm.scalar_type() &&
+                    final_norm.scalar_type() == embed.scalar_type(),
+                "embed, norms must share the model's dtype");
+    check_vector(final_norm, Hd, "final_norm");
+    TORCH_CHECK(linears_[lm_head].K == Hd, "lm_head must take hidden");
+    embed_ = embed;
+    final_norm_ = final_norm;
+    lm_head_ = lm_head;
+  }
+
+  torch::Tensor forward(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor page_table,
+                        torch::Tensor rows, int64_t page_size, torch::Tensor k_pool, torch::Tensor v_pool,
+                        torch::Tensor logits_rows) {
+    TORCH_CHECK(embed_.defined(), "set_head first");
+    const int64_t B = input_ids.size(0), L = static_cast<int64_t>(layers_.size());
+    for (const auto* t : {&input_ids, &positions, &rows, &logits_rows})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(), "int64 vectors expected");
+    TORCH_CHECK(positions.size(0) == B && rows.size(0) == B, "one position and page-table row per request");
+    TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.dim() == 2 && page_table.is_contiguous(),
+                "page_table must be contiguous int64 [N, P]");
+    TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.size(0) == L &&
+                    k_pool.size(2) == Hkv_ && k_pool.size(3) == D_ && k_pool.is_contiguous() &&
+                    v_pool.is_contiguous(),
+                "k/v pools must be contiguous [layers, S, Hkv, head_dim]");
+    TORCH_CHECK(k_pool.scalar_type() == embed_.scalar_type() && v_pool.scalar_type() == embed_.scalar_type(),
+                "the pool must have the model's dtype");
+    TORCH_CHECK(page_size >= 1 && k_pool.size(1) % page_size == 0, "the pool must hold whole pages");
+    check_indices(input_ids, embed_.size(0), "token id");
+    check_indices(positions, std::min(cos_.size(0), page_table.size(1) * page_size), "position");
+    check_indices(rows, page_table.size(0), "page-table row");
+    check_indices(logits_rows, B, "logits row");
+    // Each request's KV slots, positions 0..pos (the last one is this step's).
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* row = rows.data_ptr<int64_t>();
+    const int64_t* pt = page_table.data_ptr<int64_t>();
+    const int64_t num_pages = k_pool.size(1) / page_size, P = page_table.size(1);
+    int64_t Lk = 0;
+    for (int64_t b = 0; b < B; ++b) Lk = std::max(Lk, pos[b] + 1);
+    std::vector<int64_t> slots(B * Lk), lens(B), new_slots(B);
+    for (int64_t b = 0; b < B; ++b) {
+      lens[b] = pos[b] + 1;
+      for (int64_t j = 0; j < Lk; ++j) {
+        const int64_t p = std::min(j, pos[b]);  // padding repeats the last slot
+        const int64_t page = pt[row[b] * P + p / page_size];
+        TORCH_CHECK(page >= 0 && page < num_pages, "page out of range: ", page);
+        slots[b * Lk + j] = page * page_size + p % page_size;
+      }
+      new_slots[b] = slots[b * Lk + pos[b]];
+    }
+    auto logits = torch::empty({logits_rows.size(0), linears_[lm_head_].N}, embed_.options().dtype(at::kFloat));
+    if (B == 0) return logits;
+    std::lock_guard<std::mutex> hold(busy_);  // the reused buffers: one step at a time
+    Step step{input_ids.data_ptr<int64_t>(), pos, slots.data(), lens.data(), new_slots.data(), Lk, B,
+              logits_rows.data_ptr<int64_t>(), logits_rows.size(0)};
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, embed_.scalar_type(), "decode_stack", [&] {
+      run<scalar_t>(step, k_pool, v_pool, logits);
+    });
+    return logits;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  static void check_indices(const torch::Tensor& t, int64_t bound, const char* what) {
+    const int64_t* p = t.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) TORCH_CHECK(p[i] >= 0 && p[i] < bound, what, " out of range: ", p[i]);
+  }
+
+  // y [B, N] (dtype S, or float when S is float) = x [B, K] @ W^T + bias, float32 math,
+  // rounded to S once: quant_linear's contract.
+  template <typename S>
+  void linear(int64_t id, const S* x, int64_t B, S* y) {
+    const QuantLinear& w = linears_[id];
+    float* yf = linear_float(w, x, B);
+    for (int64_t i = 0; i < B * w.N; ++i) y[i] = from_float<S>(yf[i]);
+  }
+
+  template <typename S>
+  float* linear_float(const QuantLinear& w, const S* x, int64_t B, float* out = nullptr) {
+    xf_.resize(B * w.K);
+    for (int64_t i = 0; i < B * w.K; ++i) xf_[i] = to_float(x[i]);
+    if (out == nullptr) {
+      yf_.resize(B * w.N);
+      out = yf_.data();
+    }
+    radixmesh::qgemv::quant_matmul(w.qtype, w.qs.data_ptr<uint8_t>(), w.d.data_ptr<float>(),
+                                   w.m.defined() ? w.m.data_ptr<float>() : nullptr, xf_.data(), B, w.K, w.N, out);
+    if (w.bias.defined()) {
+      const float* bias = w.bias.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t n = 0; n < w.N; ++n) out[b * w.N + n] += bias[n];
+    }
+    return out;
+  }
+
+  template <typename S>
+  void attend(const S* q, int64_t q_stride, const S* k, const S* v, const int64_t* slots, const int64_t* lens,
+              int64_t B, int64_t Lk, S* out) {
+    using namespace radixmesh::attn;
+#ifdef RADIXMESH_AVX512_BF16
+    if constexpr (std::is_same_v<S, c10::BFloat16>) {
+      if (bf16_fast_path(D_)) return run_bf16(q, q_stride, k, v, slots, lens, B, H_, Hkv_, D_, Lk, scale_, out);
+    }
+#endif
+    run_portable<S, S>(q, q_stride, k, v, slots, lens, B, H_, Hkv_, D_, Lk, scale_, out);
+  }
+
+  struct Step {  // one call's request-level inputs, checked
+    const int64_t *ids, *pos, *slots, *lens, *new_slots;
+    int64_t Lk, B;
+    const int64_t* logits_rows;
+    int64_t R;
+  };
+
+  template <typename S>
+  void run(const Step& st, torch::Tensor& k_pool, torch::Tensor& v_pool, torch::Tensor& logits) {
+    using namespace radixmesh::ops;
+    const int64_t B = st.B, Hd = embed_.size(1), W = (H_ + 2 * Hkv_) * D_;
+    const int64_t I = linears_[layers_[0].down].K, S_slots = k_pool.size(1);
+    const int64_t kv_row = Hkv_ * D_, half = D_ / 2;
+    std::vector<S> x(B * Hd), residual(B * Hd), h(B * Hd), qkv(B * W), attn(B * H_ * D_), gu(B * 2 * I), act(B * I);
+    std::vector<float> tmp(Hd);
+    const int64_t *ids = st.ids, *pos = st.pos, *ns = st.new_slots;
+    const S* embed = embed_.data_ptr<S>();
+    for (int64_t b = 0; b < B; ++b) std::memcpy(&x[b * Hd], embed + ids[b] * Hd, Hd * sizeof(S));
+    const float* cos = cos_.data_ptr<float>();
+    const float* sin = sin_.data_ptr<float>();
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& layer = layers_[l];
+      for (int64_t b = 0; b < B; ++b) {  // residual (+)= x; h = norm(residual)
+        add_row(&residual[b * Hd], &x[b * Hd], Hd, l == 0);
+        norm_row(&residual[b * Hd], layer.input_norm.data_ptr<S>(), &h[b * Hd], Hd, eps_, tmp.data());
+      }
+      linear(layer.qkv, h.data(), B, qkv.data());
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t head = 0; head < H_ + Hkv_; ++head)
+          rope_head(&qkv[b * W + head * D_], cos + pos[b] * D_, sin + pos[b] * D_, half);
+      S* k = k_pool.data_ptr<S>() + l * S_slots * kv_row;
+      S* v = v_pool.data_ptr<S>() + l * S_slots * kv_row;
+      for (int64_t b = 0; b < B; ++b) {
+        std::memcpy(k + ns[b] * kv_row, &qkv[b * W + H_ * D_], kv_row * sizeof(S));
+        std::memcpy(v + ns[b] * kv_row, &qkv[b * W + (H_ + Hkv_) * D_], kv_row * sizeof(S));
+      }
+      attend<S>(qkv.data(), W, k, v, st.slots, st.lens, B, st.Lk, attn.data());
+      linear(layer.o, attn.data(), B, x.data());
+      for (int64_t b = 0; b < B; ++b) {
+        add_row(&residual[b * Hd], &x[b * Hd], Hd, false);
+        norm_row(&residual[b * Hd], layer.post_norm.data_ptr<S>(), &h[b * Hd], Hd, eps_, tmp.data());
+      }
+      linear(layer.gate_up, h.data(), B, gu.data());
+      for (int64_t b = 0; b < B; ++b) silu_mul_row(&gu[b * 2 * I], &gu[b * 2 * I + I], &act[b * I], I);
+      linear(layer.down, act.data(), B, x.data());
+    }
+    const int64_t R = st.R;
+    const int64_t* rows = st.logits_rows;
+    for (int64_t r = 0; r < R; ++r) {  // the sampled rows only, as the op-by-op path gathers them
+      std::vector<S> res(residual.begin() + rows[r] * Hd, residual.begin() + (rows[r] + 1) * Hd);
+      add_row(res.data(), &x[rows[r] * Hd], Hd, false);
+      norm_row(res.data(), final_norm_.data_ptr<S>(), &h[r * Hd], Hd, eps_, tmp.data());
+    }
+    linear_float(linears_[lm_head_], h.data(), R, logits.data_ptr<float>());
+  }
+
+  int64_t H_, Hkv_, D_;
+  float eps_, scale_;
+  torch::Tensor cos_, sin_, embed_, final_norm_;
+  int64_t lm_head_ = -1;
+  std::vector<QuantLinear> linears_;
+  std::vector<Layer> layers_;
+  std::vector<float> xf_, yf_;  // the linears' float32 input and output, reused across calls
+  std::mutex busy_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
+           py::arg("cos"), py::arg("sin"))
+      .def("add_linear", &DecodeStack::add_linear, py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("qtype"),
+           py::arg("bias") = py::none())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("set_head", &DecodeStack::set_head)
+      .def("forward", &DecodeStack::forward, "one decode step: token ids -> logits of logits_rows (float32)",
+           py::call_guard<py::gil_scoped_release>())  // the worker's event loop runs meanwhile
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+}

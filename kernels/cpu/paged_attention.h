@@ -1,0 +1,284 @@
+// The decode-attention loops of paged_decode_attention.cpp as a header, shared with
+// decode_stack.cpp. Contract and design: paged_decode_attention.cpp's comment.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "convert.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define RADIXMESH_AVX512_BF16 1
+#endif
+
+namespace radixmesh::attn {
+
+using radixmesh::from_float;
+using radixmesh::to_float;
+
+// Softmax of each of `rows` score rows of length len (row stride ld), in place.
+// Returns nothing; rows sum to 1. Vectorized through libmvec's expf (-ffast-math).
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * ld;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < len; ++j) {
+      s[j] = expf(s[j] - m);
+      sum += s[j];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+  }
+}
+
+// ---- portable path ------------------------------------------------------------------
+// q, out: [group, D] float for the query heads sharing one KV head; k/v offset to the head.
+// Each K/V row is widened to float once into `row` and then used by all `group` heads.
+template <typename kv_t, int HEAD_DIM>
+void attend_portable(const float* __restrict__ q, const kv_t* __restrict__ k, const kv_t* __restrict__ v,
+                     const int64_t* __restrict__ slots, int64_t len, int64_t group, int64_t dyn_head_dim,
+                     int64_t slot_stride, float scale, float* __restrict__ out, std::vector<float>& scores) {
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : dyn_head_dim;
+  scores.resize(group * len + head_dim);
+  float* __restrict__ row = scores.data() + group * len;
+  constexpr int64_t kAhead = 8;  // rows prefetched ahead: slots scatter rows across the pool
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) __builtin_prefetch(k + slots[j + kAhead] * slot_stride);
+    const kv_t* kr = k + slots[j] * slot_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = to_float(kr[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qr = q + g * head_dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * row[d];
+      scores[g * len + j] = dot * scale;
+    }
+  }
+  softmax_rows(scores.data(), group, len, len);
+  std::fill(out, out + group * head_dim, 0.f);
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) __builtin_prefetch(v + slots[j + kAhead] * slot_stride);
+    const kv_t* vr = v + slots[j] * slot_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = to_float(vr[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * len + j];
+      float* o = out + g * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * row[d];
+    }
+  }
+}
+
+template <typename q_t, typename kv_t>
+void run_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
+                  const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
+                  q_t* op) {
+  const int64_t group = H / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(group * D), of(group * D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hkv, h = i % Hkv;
+      const q_t* qr = qp + b * q_row_stride + h * group * D;
+      for (int64_t e = 0; e < group * D; ++e) qf[e] = to_float(qr[e]);
+      auto call = [&](auto fn) {
+        fn(qf.data(), kp + h * D, vp + h * D, sp + b * L, lens[b], group, D, Hkv * D, scale, of.data(), scores);
+      };
+      if (D == 64) call(attend_portable<kv_t, 64>);
+      else if (D == 128) call(attend_portable<kv_t, 128>);
+      else call(attend_portable<kv_t, 0>);
+      q_t* orow = op + (b * H + h * group) * D;
+      for (int64_t e = 0; e < group * D; ++e) orow[e] = from_float<q_t>(of[e]);
+    }
+  });
+}
+
+// ---- AVX512-BF16 path ---------------------------------------------------------------
+#ifdef RADIXMESH_AVX512_BF16
+using bf16 = c10::BFloat16;
+
+// r[i] = sum of the 16 lanes of v[i], for 16 vectors: a transpose-add tree
+// (45 shuffles/adds) instead of 16 horizontal reductions (~100).
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per lane: the lane's sums of v[4i..4i+3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2/2, exp(r)
+// by its degree-6 Taylor polynomial (error < 2e-7 relative), times 2^n.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // below: exp underflows to ~0 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split hi + lo
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 32 bf16 -> two 16-float vectors by interleaving zero below each value (exact). The
+// dimensions come out permuted per 128-bit lane: lo holds 8L+0..3, hi 8L+4..7 of lane L.
+inline void widen_bf16x32(const bf16* p, __m512& lo, __m512& hi) {
+  const __m512i x = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
+  lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x));
+  hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x));
+}
+
+template <int D>
+inline void prefetch_row(const bf16* p) {  // every cache line of one head's row
+  for (int off = 0; off < D * 2; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + off);
+}
+
+// One KV head and GB of the query heads that share it.
+//   q    [GB, D] bf16 (contiguous heads), k/v offset to the head, slot_stride elements per slot
+//   out  [GB, D] bf16; scores: scratch of GB * ld floats, ld >= len rounded up to 16
+template <int D, int GB>
+void attend_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                 const int64_t* __restrict__ slots, int64_t len, int64_t slot_stride, float scale,
+                 bf16* __restrict__ out, float* __restrict__ scores, int64_t ld) {
+  constexpr int C = D / 32;  // 32-bf16 vectors per row
+  constexpr int64_t kAhead = 16;
+  // 1. scores = scale * q·k for 16 rows at a time, tracking each head's running max.
+  __m512bh qv[GB][C];
+  __m512 vmax[GB];
+  for (int g = 0; g < GB; ++g) {
+    vmax[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int c = 0; c < C; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) __m512 part[GB][16];
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
+    for (int jj = 0; jj < n; ++jj) {
+      const int64_t j = j0 + jj;
+      if (j + kAhead < len) prefetch_row<D>(k + slots[j + kAhead] * slot_stride);
+      const bf16* kr = k + slots[j] * slot_stride;
+      __m512bh kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+      for (int g = 0; g < GB; ++g) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kv[c]);
+        part[g][jj] = a;
+      }
+    }
+    for (int jj = n; jj < 16; ++jj)
+      for (int g = 0; g < GB; ++g) part[g][jj] = _mm512_setzero_ps();
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 sc = _mm512_mul_ps(reduce16(part[g]), vscale);
+      vmax[g] = _mm512_mask_max_ps(vmax[g], keep, vmax[g], sc);
+      _mm512_mask_storeu_ps(scores + g * ld + j0, keep, sc);
+    }
+  }
+  // 2. p = exp(s - max) in place; the 1/sum waits for the output.
+  float inv_sum[GB];
+  for (int g = 0; g < GB; ++g) {
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[g]));
+    __m512 sum = _mm512_setzero_ps();
+    float* s = scores + g * ld;
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const __mmask16 keep = len - j0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j0)) - 1u);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j0), m));
+      sum = _mm512_mask_add_ps(sum, keep, sum, e);
+      _mm512_mask_storeu_ps(s + j0, keep, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  // 3. out = (p · V) / sum, the accumulators in registers (lane-permuted, see widen_bf16x32).
+  __m512 lo[GB][C], hi[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) prefetch_row<D>(v + slots[j + kAhead] * slot_stride);
+    const bf16* vr = v + slots[j] * slot_stride;
+    __m512 vlo[C], vhi[C];
+    for (int c = 0; c < C; ++c) widen_bf16x32(vr + c * 32, vlo[c], vhi[c]);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * ld + j]);
+      for (int c = 0; c < C; ++c) {
+        lo[g][c] = _mm512_fmadd_ps(p, vlo[c], lo[g][c]);
+        hi[g][c] = _mm512_fmadd_ps(p, vhi[c], hi[g][c]);
+      }
+    }
+  }
+  // Back to natural order: per lane L, dims 8L..8L+3 are lo's, 8L+4..8L+7 hi's.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int g = 0; g < GB; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < C; ++c) {
+      const __m512 l = _mm512_mul_ps(lo[g][c], inv), h = _mm512_mul_ps(hi[g][c], inv);
+      bf16* o = out + g * D + c * 32;  // round to nearest even, as c10 does
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(l, first, h)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(l, second, h)));
+    }
+  }
+}
+
+using BlockFn = void (*)(const bf16*, const bf16*, const bf16*, const int64_t*, int64_t, int64_t, float, bf16*,
+                         float*, int64_t);
+
+// The head-block kernel for D and a block of gb heads; blocks keep the P·V
+// accumulators (gb * D / 16 vectors) within 16 registers.
+inline BlockFn block_fn(int64_t D, int64_t gb) {
+  if (D == 64) {
+    static constexpr BlockFn fns[] = {attend_bf16<64, 1>, attend_bf16<64, 2>, attend_bf16<64, 3>,
+                                      attend_bf16<64, 4>};
+    return fns[gb - 1];
+  }
+  static constexpr BlockFn fns[] = {attend_bf16<128, 1>, attend_bf16<128, 2>};
+  return fns[gb - 1];
+}
+
+inline bool bf16_fast_path(int64_t D) { return D == 64 || D == 128; }
+
+inline void run_bf16(const bf16* qp, int64_t q_row_stride, const bf16* kp, const bf16* vp, const int64_t* sp,
+              const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
+              bf16* op) {
+  const int64_t group = H / Hkv, max_block = D == 64 ? 4 : 2;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hkv, h = i % Hkv, len = lens[b], ld = (len + 15) / 16 * 16;
+      scores.resize(max_block * ld);
+      for (int64_t g0 = 0; g0 < group; g0 += max_block) {
+        const int64_t gb = std::min(max_block, group - g0), head = h * group + g0;
+        block_fn(D, gb)(qp + b * q_row_stride + head * D, kp + h * D, vp + h * D, sp + b * L, len, Hkv * D,
+                        scale, op + (b * H + head) * D, scores.data(), ld);
+      }
+    }
+  });
+}
+#endif  // RADIXMESH_AVX512_BF16
+
+}  // namespace radixmesh::attn

@@ -1,0 +1,122 @@
+"""The one-call decode step (kernels/cpu/decode_stack.cpp) against the op-by-op path it
+replaces, on the real SmolLM2 file: bit-identical logits and KV, used exactly for small
+pure-decode steps, and clear errors for bad indices."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.scheduler.step_plan import NewRequestSpec, StepItem, StepPlan
+from services.worker.config import WorkerConfig
+from services.worker.model_runner import ModelRunner
+
+PROMPTS = {"a": [1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 198, 1, 4093, 198],  # 13 tokens: 1 page of 16 + 1
+           "b": [1, 4093, 198, 504, 1175, 282, 4649, 25, 28, 30, 2, 198, 1, 9690, 198, 2683, 314, 253, 5356, 30]}
+PAGES = {"a": [0, 1, 2], "b": [3, 4, 5]}
+
+
+@pytest.fixture(scope="module")
+def runners(checkpoint):
+    """(dtype, stack) -> a ModelRunner, built once for the module; tests reset() them."""
+    built: dict[tuple[str, bool], ModelRunner] = {}
+
+    def get(dtype: str, stack: bool) -> ModelRunner:
+        if (dtype, stack) not in built:
+            built[dtype, stack] = ModelRunner(WorkerConfig(
+                dtype=dtype, kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2, decode_stack=stack), checkpoint)
+        runner = built[dtype, stack]
+        runner.reset()
+        return runner
+    return get
+
+
+def _decode(runner: ModelRunner, rids: list[str], steps: int) -> list[torch.Tensor]:
+    """Prefill the prompts (op by op: not a decode step), then greedy-decode `steps` steps
+    of the given requests together; returns each step's logits."""
+    specs = [NewRequestSpec(r, PROMPTS[r], [], SamplingParams(temperature=0), 0) for r in rids]
+    runner.execute(StepPlan(0, specs, [StepItem(r, PROMPTS[r], 0, PAGES[r], True) for r in rids]))
+    pos = {r: len(PROMPTS[r]) for r in rids}
+    out = []
+    for step in range(1, steps + 1):
+        plan = StepPlan(step, [], [StepItem(r, [runner.requests[r].output_ids[-1]], pos[r], []) for r in rids])
+        logits, _ = runner.compute_logits(plan)
+        out.append(logits)
+        for r, row in zip(rids, logits):
+            runner.requests[r].output_ids.append(int(row.argmax()))
+            pos[r] += 1
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_stack_logits_and_kv_are_bit_identical_to_op_by_op(runners, dtype):
+    """Batch 1 and 2 with different lengths, across a page boundary (positions 13..20 and 20..27)."""
+    stacked, plain = runners(dtype, True), runners(dtype, False)
+    assert stacked.decode_stack and stacked.model.decode_stack.num_layers == 30
+    assert not plain.decode_stack and plain.model.decode_stack is None
+    for rids in (["a"], ["a", "b"]):
+        for r in (stacked, plain):
+            r.reset()
+        got, want = _decode(stacked, rids, 8), _decode(plain, rids, 8)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.float32 and torch.equal(g, w)
+        assert torch.equal(stacked.pool.k, plain.pool.k) and torch.equal(stacked.pool.v, plain.pool.v)
+        assert stacked.requests[rids[-1]].output_ids == plain.requests[rids[-1]].output_ids
+
+
+def test_stack_runs_only_small_pure_decode_steps(runners, monkeypatch):
+    runner = runners("bfloat16", True)
+    calls, real = [0], runner.model.decode_stack
+
+    class Counting:
+        def forward(self, *args):
+            calls[0] += 1
+            return real.forward(*args)
+
+    monkeypatch.setattr(runner.model, "decode_stack", Counting())
+    _decode(runner, ["a"], 2)  # a prefill (op by op), then two decode steps of one row
+    assert calls[0] == 2
+    runner.reset()
+    specs = [NewRequestSpec(r, PROMPTS[r], [], SamplingParams(temperature=0), 0) for r in ("a", "b")]
+    # A mixed step (one decode row, one prefill) runs op by op.
+    runner.execute(StepPlan(10, specs[:1], [StepItem("a", PROMPTS["a"], 0, PAGES["a"], True)]))
+    runner.execute(StepPlan(11, specs[1:], [StepItem("a", [28], 13, []),
+                                            StepItem("b", PROMPTS["b"], 0, PAGES["b"], True)]))
+    assert calls[0] == 2
+    # Three decode rows exceed --quant-max-rows 2: the dense path, op by op.
+    runner.execute(StepPlan(12, [NewRequestSpec("c", [1, 2], [], SamplingParams(temperature=0), 0)],
+                            [StepItem("c", [1, 2], 0, [6], True)]))
+    runner.execute(StepPlan(13, [], [StepItem("a", [28], 14, []), StepItem("b", [28], 20, []),
+                                     StepItem("c", [28], 2, [])]))
+    assert calls[0] == 2
+    runner.execute(StepPlan(14, [], [StepItem("a", [28], 15, []), StepItem("b", [28], 21, [])]))
+    assert calls[0] == 3
+
+
+def test_off_without_quantized_blocks_or_with_the_torch_backend(checkpoint):
+    assert not ModelRunner(WorkerConfig(kv_cache_bytes=8 << 20, max_requests=2, quant_max_rows=0), checkpoint).decode_stack
+    assert not ModelRunner(WorkerConfig(kv_cache_bytes=8 << 20, max_requests=2, attention_backend="torch"),
+                           checkpoint).decode_stack
+
+
+def test_bad_indices_raise_clear_errors(runners):
+    runner = runners("bfloat16", True)
+    model, pool, table = runner.model, runner.pool, runner.page_table
+    one, zero = torch.tensor([1]), torch.tensor([0])
+
+    def call(ids=one, pos=one, rows=zero, table=table, pool=pool):
+        return model.decode_step(ids, pos, table, rows, 16, pool, zero)
+
+    assert call().shape == (1, 49152)
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        call(ids=torch.tensor([10 ** 6]))
+    with pytest.raises(RuntimeError, match="position out of range"):
+        call(pos=torch.tensor([-1]))
+    with pytest.raises(RuntimeError, match="page-table row out of range"):
+        call(rows=torch.tensor([table.shape[0]]))
+    bad = table.clone()
+    bad[0, 0] = pool.k.shape[1]  # a page number past the pool
+    with pytest.raises(RuntimeError, match="page out of range"):
+        call(table=bad)
+    with pytest.raises(RuntimeError, match="model's dtype"):
+        call(pool=type("Pool", (), {"k": pool.k.float(), "v": pool.v.float()})())
