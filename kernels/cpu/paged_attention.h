@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "parallel.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -87,8 +88,10 @@ void run_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_
                   const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
                   q_t* op) {
   const int64_t group = H / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(group * D), of(group * D);
+  radixmesh::parallel_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {  // (request, KV head) items
+    thread_local std::vector<float> scores, qf, of;
+    qf.resize(group * D);
+    of.resize(group * D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, h = i % Hkv;
       const q_t* qr = qp + b * q_row_stride + h * group * D;
@@ -266,8 +269,8 @@ inline void run_bf16(const bf16* qp, int64_t q_row_stride, const bf16* kp, const
               const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
               bf16* op) {
   const int64_t group = H / Hkv, max_block = D == 64 ? 4 : 2;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  radixmesh::parallel_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {  // (request, KV head) items
+    thread_local std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, h = i % Hkv, len = lens[b], ld = (len + 15) / 16 * 16;
       scores.resize(max_block * ld);

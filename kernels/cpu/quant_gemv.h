@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "parallel.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -153,8 +154,10 @@ void run(const uint8_t* qs, const float* d, const float* m, const float* x, int6
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t i = 0; i < kBlock; ++i) xsum[t * nb + b] += x[t * K + b * kBlock + i];
   }
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> out((end - begin) * kMaxRows);  // [rows, R]
+  // Rows in chunks taken dynamically (parallel.h): ~8 per thread, whole 4-row groups.
+  radixmesh::parallel_chunks(N, radixmesh::chunk_for(N, 8, 16, 4), [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> out;
+    out.resize((end - begin) * kMaxRows);  // [rows, R]
     for (int64_t t0 = 0; t0 < T; t0 += kMaxRows) {
       const int64_t R = std::min(kMaxRows, T - t0);
       span<QT>(qs, d, x + t0 * K, R, K, begin, end, out.data());
