@@ -8,7 +8,8 @@ serving numbers are fractions of.
   LM head) and nothing else — no attention, norms, sampling or scheduling.
   Eager, oneDNN-prepacked, under torch.compile (freezing) when --compile is
   given, and on the GGUF file's own Q4_1/Q8_0 blocks (kernels/quant_gemv.py)
-  for the small batches the worker runs that way.
+  for the small batches the worker runs that way (per linear from Python, and as one C++ call,
+  which is what the worker's one-call decode step is compared with).
 
     .venv/bin/python bench/ceilings.py [--batch-sizes 1,16,64] [--dtypes float32,bfloat16,float16]
                                        [--compile] [--json bench/results/ceilings.json]
@@ -122,6 +123,9 @@ class GGUFLinearOnly(torch.nn.Module):
         from services.worker.model_runner import build_model
         model = build_model(ckpt.config, ckpt.tensors, dtype, torch.device("cpu"))
         model.use_quantized(ckpt.quantized, max_rows, quant_gemv.load())
+        from kernels import decode_stack
+        model.use_decode_stack(decode_stack.load())
+        self.stack = model.decode_stack  # its linears_only(B): the same matmuls as one C++ call
         self.mats = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         self.head = model.lm_head
@@ -139,11 +143,17 @@ _gguf_models: dict[torch.dtype, GGUFLinearOnly] = {}  # one model build per acti
 
 def linear_step_seconds(shapes: LinearShapes, dtype: torch.dtype, batch: int, mode: str, ckpt=None) -> float:
     """mode: eager (F.linear), packed (oneDNN prepacked weights), compile (torch.compile, freezing)
-    or gguf (the checkpoint's quantized blocks; activations in dtype)."""
-    if mode == "gguf":
+    or gguf (the checkpoint's quantized blocks; activations in dtype, one Python call per linear)
+    or gguf-1call (the same matmuls in float32 as one C++ call: DecodeStack.linears_only, the
+    floor of the worker's one-call decode step)."""
+    if mode in ("gguf", "gguf-1call"):
         if dtype not in _gguf_models:
             _gguf_models[dtype] = GGUFLinearOnly(ckpt, dtype, max_rows=64)
         model = _gguf_models[dtype]
+        if mode == "gguf-1call":
+            if model.stack is None:
+                raise RuntimeError("the decode-stack kernel is not built")
+            return best_of(lambda: model.stack.linears_only(batch), 10, warmup=3)
     else:
         model = LinearOnly(shapes, dtype, packed=mode == "packed").eval()
     x = torch.randn(batch, model.hidden, dtype=dtype)
@@ -192,12 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         runs = [(mode, b) for mode in modes + (["compile"] if args.compile else []) for b in batches]
         if ckpt.quantized and name in ("float32", "bfloat16"):
             runs += [("gguf", b) for b in gguf_batches]
+        if ckpt.quantized and name == "float32":  # the kernel's activations are float32 whatever the model's
+            runs += [("gguf-1call", b) for b in gguf_batches]
         for mode, b in runs:
             ms = 1e3 * linear_step_seconds(shapes, dtype, b, mode, ckpt)
             out["linear_step_ms"][f"{name}/{mode}/{b}"] = ms
-            weight_bytes = gguf_bytes if mode == "gguf" else shapes.weight_params * dtype.itemsize
+            weight_bytes = gguf_bytes if mode.startswith("gguf") else shapes.weight_params * dtype.itemsize
             bw_floor = weight_bytes / (out["memory"]["read_gb_s"] * 1e9) * 1e3
-            print(f"  linear-only step {mode:7s} B={b:3d}: {ms:7.2f} ms  ({b / ms * 1e3:7.0f} tok/s; "
+            print(f"  linear-only step {mode:10s} B={b:3d}: {ms:7.2f} ms  ({b / ms * 1e3:7.0f} tok/s; "
                   f"weight-read floor {bw_floor:.2f} ms)")
     if args.json:
         with open(args.json, "w") as f:

@@ -2,7 +2,7 @@
 ModelRunner, timed whole and broken down by torch's profiler.
 
     .venv/bin/python bench/step_profile.py [--dtype bfloat16] [--batch 64] [--kv-len 320]
-                                           [--prefill-len 0] [--backend cpu]
+                                           [--prefill-len 0] [--backend cpu] [--no-decode-stack]
 """
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--quant-max-rows", type=int, default=WorkerConfig.quant_max_rows,
                    help="steps of at most this many tokens use the file's quantized weights (0: never)")
+    p.add_argument("--decode-stack", action=argparse.BooleanOptionalAction, default=WorkerConfig.decode_stack,
+                   help="small decode steps as one C++ call (--no-decode-stack: op by op)")
     p.add_argument("--trace", action="store_true", help="print the profiler's op table")
     args = p.parse_args()
     if os.environ.get("FLUSH_DENORMAL"):
@@ -68,7 +70,7 @@ def main() -> int:
     ckpt = load_checkpoint(default_model_path())
     runner = ModelRunner(WorkerConfig(dtype=args.dtype, attention_backend=args.backend, max_requests=max(64, args.batch),
                                       kv_cache_bytes=1 << 30, page_size=args.page_size,
-                                      quant_max_rows=args.quant_max_rows), ckpt)
+                                      quant_max_rows=args.quant_max_rows, decode_stack=args.decode_stack), ckpt)
 
     def plan(i: int) -> StepPlan:
         if args.prefill_len:

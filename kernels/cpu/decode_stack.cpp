@@ -162,6 +162,21 @@ class DecodeStack {
     return logits;
   }
 
+  // The step's matmuls alone (every layer's qkv, o, gate_up, down, then the LM head) on B
+  // rows of zeros, one call: the linear-layers-only ceiling a whole step is compared with
+  // (bench/ceilings.py), without the Python dispatch a per-linear timing would add.
+  void linears_only(int64_t B) {
+    TORCH_CHECK(embed_.defined(), "set_head first");
+    TORCH_CHECK(B >= 1 && B <= 64, "1 to 64 rows");
+    std::lock_guard<std::mutex> hold(busy_);
+    int64_t widest = 0;
+    for (const QuantLinear& w : linears_) widest = std::max({widest, w.K, w.N});
+    std::vector<float> x(B * widest, 0.f), y(B * widest);
+    for (const Layer& layer : layers_)
+      for (int64_t id : {layer.qkv, layer.o, layer.gate_up, layer.down}) linear_float(linears_[id], x.data(), B, y.data());
+    linear_float(linears_[lm_head_], x.data(), B, y.data());
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
@@ -288,5 +303,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_head", &DecodeStack::set_head)
       .def("forward", &DecodeStack::forward, "one decode step: token ids -> logits of logits_rows (float32)",
            py::call_guard<py::gil_scoped_release>())  // the worker's event loop runs meanwhile
+      .def("linears_only", &DecodeStack::linears_only, "time the step's matmuls alone on B rows",
+           py::arg("rows"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

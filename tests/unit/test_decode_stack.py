@@ -120,3 +120,13 @@ def test_bad_indices_raise_clear_errors(runners):
         call(table=bad)
     with pytest.raises(RuntimeError, match="model's dtype"):
         call(pool=type("Pool", (), {"k": pool.k.float(), "v": pool.v.float()})())
+
+
+def test_linears_only_runs_the_step_matmuls_and_checks_rows(runners):
+    """bench/ceilings.py's one-call linear-only step: any row count the stack serves, nothing else."""
+    stack = runners("bfloat16", True).model.decode_stack
+    stack.linears_only(1)
+    stack.linears_only(2)
+    for bad in (0, 65):
+        with pytest.raises(RuntimeError, match="1 to 64 rows"):
+            stack.linears_only(bad)
