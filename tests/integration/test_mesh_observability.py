@@ -71,10 +71,15 @@ def trace_of(receiver: Receiver, request_id: str, timeout: float = 20) -> list[S
               and s.attributes.get("radixmesh.request_id") == request_id]
         if gw:
             trace = [s for s in spans if s.trace_id == gw[0].trace_id]
-            names = {s.name for s in trace}
-            # the tokenizer's CLIENT span of Scheduler/Generate can end after its own SERVER span
-            if {"worker.request", "decode", "detokenize", "radixmesh.v1.Tokenizer/Generate",
-                    "radixmesh.v1.Scheduler/Generate"} <= names:
+            have = {(s.service.removeprefix("radixmesh-"), s.name, s.kind) for s in trace}
+            # Spans are exported as they end, each service on its own clock: the ones that end
+            # last (the worker's request span at the release; the scheduler's SERVER span and the
+            # tokenizer's CLIENT span of Scheduler/Generate, in either order) must all be here.
+            if {("worker", "worker.request", "INTERNAL"), ("scheduler", "decode", "INTERNAL"),
+                    ("tokenizer", "radixmesh.v1.Tokenizer/Generate", "SERVER"),
+                    ("tokenizer", "radixmesh.v1.Scheduler/Generate", "CLIENT"),
+                    ("scheduler", "radixmesh.v1.Scheduler/Generate", "SERVER")} <= have \
+                    and any(name == "detokenize" for _, name, _ in have):
                 return trace
         assert time.monotonic() < deadline, (f"no complete trace for {request_id}: "
                                              f"{[(s.service, s.name, s.trace_id, s.attributes) for s in spans]}")
