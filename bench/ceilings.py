@@ -126,8 +126,7 @@ class GGUFLinearOnly(torch.nn.Module):
         from kernels import decode_stack
         model.use_decode_stack(decode_stack.load())
         self.stack = model.decode_stack  # its linears_only(B): the same matmuls as one C++ call
-        self.mats = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.mats = model.step_linears()
         self.head = model.lm_head
         self.hidden = ckpt.config.hidden_size
         self.widths = [m.in_features for m in self.mats]

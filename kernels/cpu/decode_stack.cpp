@@ -272,8 +272,9 @@ class DecodeStack {
     }
     const int64_t R = st.R;
     const int64_t* rows = st.logits_rows;
+    std::vector<S> res(Hd);
     for (int64_t r = 0; r < R; ++r) {  // the sampled rows only, as the op-by-op path gathers them
-      std::vector<S> res(residual.begin() + rows[r] * Hd, residual.begin() + (rows[r] + 1) * Hd);
+      std::copy_n(&residual[rows[r] * Hd], Hd, res.data());
       add_row(res.data(), &x[rows[r] * Hd], Hd, false);
       norm_row(res.data(), final_norm_.data_ptr<S>(), &h[r * Hd], Hd, eps_, tmp.data());
     }

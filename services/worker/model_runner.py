@@ -63,7 +63,6 @@ class ModelRunner:
         self.prepacked = config.prepack_weights and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
         self.quantized_weights = self._use_quantized(checkpoint)
-        self.model_dtype = config.torch_dtype
         self.decode_stack = self._use_decode_stack()
         self.kv_spec = KVPoolSpec.from_budget(
             mc, config.page_size, config.torch_dtype,
@@ -186,9 +185,9 @@ class ModelRunner:
 
 
     def _runs_on_decode_stack(self, plan: StepPlan) -> bool:
-        """A step of few one-token items, with KV in the model's dtype (a narrower KV cache runs op by op)."""
+        """A step of few one-token items (the pool is in the model's dtype: the stack checks it)."""
         return (self.decode_stack and len(plan.items) <= self.model.decode_stack_rows
-                and all(len(item.input_ids) == 1 for item in plan.items) and self.pool.k.dtype == self.model_dtype)
+                and all(len(item.input_ids) == 1 for item in plan.items))
 
     def _decode_stack_step(self, plan: StepPlan, reqs: list[_Request]) -> tuple[torch.Tensor, list[int]]:
         """The whole step as one C++ call, its inputs straight from Python ints: no

@@ -132,6 +132,11 @@ class LlamaForCausalLM(nn.Module):
         give(self.lm_head, ["embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
         return given
 
+    def step_linears(self) -> list[Linear]:
+        """Every layer's qkv, o, gate_up and down, in the order a step runs them (LM head not included)."""
+        return [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
     def use_decode_stack(self, kernel) -> bool:
         """Run pure-decode steps of at most quant_max_rows rows as one C++ call
         (kernels/decode_stack.py: the same row kernels as the fused ops, the paged decode
@@ -140,9 +145,7 @@ class LlamaForCausalLM(nn.Module):
         The stack reads the weights it was built from: call again after changing them."""
         from kernels.quant_gemv import QTYPES
         self.decode_stack, self.decode_stack_rows = None, 0
-        blocks = [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        blocks.append(self.lm_head)
+        blocks = self.step_linears() + [self.lm_head]
         if kernel is None or any(lin is None or lin.quant is None for lin in blocks):
             return False
         c = self.config
