@@ -203,6 +203,7 @@ class Engine:
                 self._send(handle, StreamChunk(handle.rid, finished=True, finish_reason="error", error=str(exc)))
 
     def _fail_step(self, plan, exc: Exception) -> None:
+        self.scheduler.step_failed()  # its KV was never (fully) written: nothing of it is cached
         for item in plan.items:
             self.scheduler.abort(item.rid)
             handle = self._handles.pop(item.rid, None)

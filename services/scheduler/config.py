@@ -24,6 +24,10 @@ class SchedulerConfig:
     init_new_token_ratio: float = field(default=0.7, metadata={"help": "share of max_new_tokens reserved per running request"})
     min_new_token_ratio: float = field(default=0.15, metadata={"help": "floor the reservation decays to"})
     new_token_ratio_decay: float = field(default=0.002, metadata={"help": "per-step decay of the reservation ratio"})
+    disable_overlap_schedule: bool = field(default=False, metadata={
+        "help": "plan each step only after the last one's result is back; by default the scheduler "
+                "service plans step n+1 while the worker runs step n (the in-process Engine always "
+                "runs one step at a time)"})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:

@@ -181,12 +181,10 @@ class HiCache:
         if plan is None:
             return bool(self.cache.copies)
         plan.kv_copies, self.cache.copies = self.cache.copies, []
-        self._sent = plan.kv_copies
         return bool(plan.kv_copies)
 
-    def completed(self, transfers: list[KVTransferStat] | None) -> None:
-        """The worker ran the last plan's copies (None: the step failed, nothing moved)."""
-        sent, self._sent = self._sent, []
+    def completed(self, sent: list[KVCopy], transfers: list[KVTransferStat] | None) -> None:
+        """The worker ran a plan's copies `sent` (transfers None: the step failed, nothing moved)."""
         transfers = transfers or []
         s, est = self.stats, self.estimates
         for i, op in enumerate(sent):

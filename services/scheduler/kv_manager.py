@@ -95,7 +95,7 @@ class KVManager:
         arriving now can share it (a prefix being prefilled serves others)."""
         if not self.cache_enabled:
             return
-        aligned = req.computed // self.page_size * self.page_size
+        aligned = self._cacheable(req)
         if aligned <= req.tree_tokens:
             return
         self._insert(req, aligned)
@@ -104,7 +104,7 @@ class KVManager:
         """The request is done (finished, aborted or retracted): cache what it
         computed, unlock its prefix, and free its private pages."""
         if self.cache_enabled:
-            aligned = req.computed // self.page_size * self.page_size
+            aligned = self._cacheable(req)
             if aligned > req.tree_tokens:
                 self._insert(req, aligned)
             private = req.pages[self.pages_for(req.tree_tokens):]
@@ -115,6 +115,11 @@ class KVManager:
         req.pages, req.node, req.tree_tokens = [], None, 0
         req.computed = 0
         req.pages_changed, req.sent_pages = True, 0  # a restart sends its page table afresh
+
+    def _cacheable(self, req: Request) -> int:
+        """Tokens of req the tree can key: computed (or planned: the worker runs plans in
+        order) and known, whole pages only."""
+        return min(req.computed, req.seq_len) // self.page_size * self.page_size
 
     def _insert(self, req: Request, n_tokens: int) -> None:
         n_pages = n_tokens // self.page_size

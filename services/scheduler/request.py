@@ -32,7 +32,10 @@ class Request:
     pages: list[int] = field(default_factory=list)
     node: TreeNode | None = None
     tree_tokens: int = 0
-    computed: int = 0  # tokens of `seq` whose KV is in the pool
+    computed: int = 0  # tokens of `seq` whose KV is in the pool or written by a step already sent
+    # Tokens sampled by steps sent but not processed yet (overlapped scheduling: the
+    # next plan is built while the worker runs the last one): not in output_ids yet.
+    unsampled: int = 0
     cached_tokens: int = 0  # prefix reused from the cache at (first) admission
     pages_changed: bool = True  # worker must receive the full page table next step
     sent_pages: int = 0  # pages the worker already has for this request
@@ -68,9 +71,14 @@ class Request:
     def pending(self) -> int:
         """Tokens still to run before the next sample: the prompt (and, after a
         retraction, the outputs) while prefilling; 1 (the last sampled token,
-        whose KV is not computed yet) while decoding."""
-        return self.seq_len - self.computed
+        whose KV is not computed yet, maybe not even known yet) while decoding."""
+        return self.seq_len + self.unsampled - self.computed
 
     @property
     def remaining_new_tokens(self) -> int:
-        return max(self.sampling.max_new_tokens - len(self.output_ids), 0)
+        return max(self.sampling.max_new_tokens - len(self.output_ids) - self.unsampled, 0)
+
+    @property
+    def last_token_pending(self) -> bool:
+        """Its next input is a token a step in flight samples: the worker fills it in."""
+        return self.unsampled > 0 and self.computed >= self.seq_len

@@ -4,10 +4,25 @@ Single-threaded and transport-free: `submit`/`abort` queue work, `schedule()`
 returns the next StepPlan, `process(result)` applies the worker's answer and
 yields per-request outputs. Each step carries every decoding request (one
 token each) plus prefill chunks admitted against a token budget.
+
+Overlapped scheduling: a driver may call `schedule()` again before the last
+plan's result came back (services/scheduler/service.py keeps one plan queued
+at the worker while another runs). Scheduling a step commits its progress at
+once (`computed` counts the tokens of every step sent; `unsampled` the tokens
+those steps sample), so the next plan continues where the sent ones end: a
+chunked prefill goes on with its next chunk, and a decode whose input is still
+being sampled gets `[LAST_SAMPLED]`, which the worker fills in. This is safe
+because the worker runs plans in order: a page freed and handed out again
+while a step is in flight is written by that step before the next plan's.
+`process()` then applies results oldest first; a request that finished in the
+meantime (EOS, abort, stop string) drops its token from the later step, a step
+wasted on that row. Requests that end by length are not planned past their
+last token.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from services.common.sampling_params import InvalidRequest, SamplingParams
@@ -17,7 +32,7 @@ from services.scheduler.kv_manager import KVManager
 from services.scheduler.outputs import QueueFull, RequestOutput, SchedulerStats
 from services.scheduler.policy import order_waiting
 from services.scheduler.request import Request, Status
-from services.scheduler.step_plan import NewRequestSpec, StepItem, StepPlan, StepResult
+from services.scheduler.step_plan import LAST_SAMPLED, NewRequestSpec, StepItem, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -36,6 +51,13 @@ class ModelLimits:
     kv_layout: str = ""  # services/common/page_hash.kv_layout of the worker's pages
 
 
+@dataclass
+class _SentStep:
+    """A plan sent to the worker whose result has not been processed yet."""
+    plan: StepPlan
+    runs: list[tuple[Request, int, bool]]  # (request, tokens it runs, whether it samples)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, limits: ModelLimits, hicache: HiCacheConfig | None = None,
                  store: StoreProbe | None = None):
@@ -51,13 +73,12 @@ class Scheduler:
         self.kv.on_cached = self.hicache.written
         self.hicache.cache = self.kv.cache
         self.stats.host_pages_total = limits.host_pages if self.kv.host_allocator else 0
-        self._last_plan: StepPlan | None = None
         self.waiting: list[Request] = []
         self.running: dict[str, Request] = {}
         self.new_token_ratio = config.init_new_token_ratio
         self._aborts: set[str] = set()
         self._release: list[str] = []  # worker state to drop at the next step
-        self._inflight: dict[str, int] = {}  # rid -> tokens run in the step being executed
+        self._sent: deque[_SentStep] = deque()  # plans the worker has not answered yet, oldest first
         self._outputs: list[RequestOutput] = []
         self._step_id = 0
 
@@ -103,6 +124,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborts or self._release)
 
+    @property
+    def steps_in_flight(self) -> int:
+        """Plans returned by schedule() whose results process() has not applied yet."""
+        return len(self._sent)
+
     def take_outputs(self) -> list[RequestOutput]:
         out, self._outputs = self._outputs, []
         return out
@@ -111,15 +137,12 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to run."""
         t0 = time.perf_counter()
-        if self._last_plan is not None:  # its result never came (the step failed)
-            self.hicache.completed(None)
-            self._last_plan = None
         self._apply_aborts()
         items: list[StepItem] = []
         scheduled: list[Request] = []
         self._schedule_decodes(items, scheduled)
         self._schedule_prefills(items, scheduled)
-        if not items and self.running and not self.waiting:
+        if not items and self.running and not self.waiting and not self._sent:
             # Nothing can grow: free memory by retracting the least advanced request.
             victim = self._pick_victim()
             if victim is not None:
@@ -129,7 +152,6 @@ class Scheduler:
             self._step_id += 1
             plan = StepPlan(self._step_id)
             self.hicache.take_copies(plan)
-            self._last_plan = plan
             for req in scheduled:
                 if not req.worker_has_state:
                     plan.new_requests.append(NewRequestSpec(
@@ -141,7 +163,7 @@ class Scheduler:
             plan.released_rids = [rid for rid in self._release if rid not in readmitted]
             self._release = []
             plan.items = items
-            self._inflight = {it.rid: len(it.input_ids) for it in items}
+            self._sent.append(_SentStep(plan, self._commit(scheduled, items)))
         self._refresh_gauges()
         self.stats.schedule_seconds += time.perf_counter() - t0
         return plan
@@ -152,11 +174,32 @@ class Scheduler:
         new_pages = req.pages if reset else req.pages[req.sent_pages:]
         req.sent_pages = len(req.pages)
         req.pages_changed = False
+        if req.last_token_pending:  # a decode planned before its input token came back
+            assert n == 1, f"{req.rid}: only a decode can run a token still being sampled"
+            return StepItem(req.rid, [LAST_SAMPLED], start, list(new_pages), reset)
         return StepItem(req.rid, req.tokens(start, n), start, list(new_pages), reset,
                         sample=start + n == req.seq_len)
 
+    @staticmethod
+    def _commit(scheduled: list[Request], items: list[StepItem]) -> list[tuple[Request, int, bool]]:
+        """Count a planned step as done: the next plan continues after it."""
+        runs = []
+        for req, item in zip(scheduled, items):
+            n = len(item.input_ids)
+            req.computed += n
+            req.unsampled += item.sample
+            runs.append((req, n, item.sample))
+        return runs
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """A step in flight samples its last token (by length): plan nothing more for it."""
+        if not req.unsampled:
+            return False
+        n_out = len(req.output_ids) + req.unsampled
+        return n_out >= req.sampling.max_new_tokens or req.seq_len + req.unsampled >= self.limits.context_length
+
     def _schedule_decodes(self, items: list[StepItem], scheduled: list[Request]) -> None:
-        decoding = [r for r in self.running.values() if r.pending == 1]
+        decoding = [r for r in self.running.values() if r.pending == 1 and not self._ends_in_flight(r)]
         need = sum(max(self.kv.pages_for(r.computed + 1) - len(r.pages), 0) for r in decoding)
         while need > self.kv.available_pages:
             victim = self._pick_victim()
@@ -208,7 +251,7 @@ class Scheduler:
             scheduled.append(req)
             budget -= n
         for req in self.waiting:  # the store's answer (and a prefetch) while it waits
-            if not req.store_state:
+            if not req.store_state and not req.unsampled:
                 self.hicache.probe(req)
         if not self.waiting or budget <= 0:
             return
@@ -243,6 +286,8 @@ class Scheduler:
         """Try to start (or restart) req with up to `budget` prefill tokens.
         Returns the tokens scheduled, 0 when it must wait."""
         self._blocked_by_memory = False
+        if req.unsampled:
+            return 0  # retracted while a step in flight samples its next token: admit it once known
         if req.store_state == PREFETCHING:
             return 0  # its prefix is arriving from the store: admit it with the next plan
         if self._shares_inflight_prefill(req):
@@ -282,50 +327,74 @@ class Scheduler:
 
     def _shares_inflight_prefill(self, req: Request) -> bool:
         """True when a request now prefilling will soon cache a long prefix of req:
-        waiting a step or two beats computing the same prefix twice."""
+        waiting a step or two beats computing the same prefix twice. What the tree
+        holds counts (`tree_tokens`), not what is planned: a chunk in flight is
+        cached when its result is processed."""
         if not self.kv.cache_enabled:
             return False
         min_gain = max(64, self.limits.page_size)
         for other in self.running.values():
-            if other.computed >= len(other.prompt_ids) or other.namespace != req.namespace:
+            if other.namespace != req.namespace or other.tree_tokens + min_gain > len(other.prompt_ids):
                 continue
             common = common_prefix_len(req.prompt_ids, other.prompt_ids)
-            if common - other.computed >= min_gain:
+            if common - other.tree_tokens >= min_gain:
                 return True
         return False
 
     # --- applying the worker's answer -------------------------------------------------------
     def process(self, result: StepResult) -> list[RequestOutput]:
-        plan, self._last_plan = self._last_plan, None
-        if plan is not None:
-            self.hicache.completed(result.kv_transfers)
-            self.hicache.observe_step(plan, result.forward_seconds, result.kv_transfers)
+        """Apply the result of the oldest step in flight."""
+        if not self._sent:
+            raise RuntimeError(f"result of step {result.step_id} arrived, but no step is in flight")
+        sent = self._sent.popleft()
+        plan = sent.plan
+        if result.step_id != plan.step_id:
+            raise RuntimeError(f"result of step {result.step_id} arrived, step {plan.step_id} was expected")
+        self.hicache.completed(plan.kv_copies, result.kv_transfers)
+        self.hicache.observe_step(plan, result.forward_seconds, result.kv_transfers)
         sampled = {rid: (tok, lp) for rid, tok, lp in
                    zip(result.rids, result.next_token_ids, result.logprobs or [None] * len(result.rids))}
         now = time.monotonic()
-        for rid, n in self._inflight.items():
-            req = self.running.get(rid)
-            if req is None:
+        for req, n, samples in sent.runs:
+            if req.status is Status.FINISHED:  # ended while the step ran: its token is dropped
                 continue
-            req.computed += n
-            if n > 1:
+            if samples:
+                if req.rid not in sampled:
+                    raise RuntimeError(f"step {plan.step_id}: the worker sampled no token for {req.rid}")
+                self._take_token(req, *sampled[req.rid], now)
+            if n > 1 and req.status is Status.RUNNING:
                 self.kv.cache_progress(req)
-            if rid not in sampled:
-                continue
-            tok, lp = sampled[rid]
-            req.output_ids.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            out = RequestOutput(rid, [tok], [lp], prompt_tokens=len(req.prompt_ids),
-                                completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
-            reason, matched = self._finish_reason(req, tok)
-            if reason:
-                self._finish(req, reason, matched, out)
-            self._outputs.append(out)
-        self._inflight = {}
         self.stats.steps += 1
         self._refresh_gauges()
         return self.take_outputs()
+
+    def _take_token(self, req: Request, tok: int, lp, now: float) -> None:
+        """A sampled token: append it, stream it, and end the request if it says so. The request
+        may have been retracted since the step was planned: it keeps the token for its recompute."""
+        req.unsampled -= 1
+        req.output_ids.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        out = RequestOutput(req.rid, [tok], [lp], prompt_tokens=len(req.prompt_ids),
+                            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
+        reason, matched = self._finish_reason(req, tok)
+        if reason:
+            self._finish(req, reason, matched, out)
+        self._outputs.append(out)
+
+    def step_failed(self) -> StepPlan | None:
+        """The oldest step in flight will never be answered (the worker failed it): undo
+        what planning it committed, so that ending its requests caches none of its KV.
+        Returns its plan (None when nothing was in flight)."""
+        if not self._sent:
+            return None
+        sent = self._sent.popleft()
+        self.hicache.completed(sent.plan.kv_copies, None)
+        for req, n, samples in sent.runs:
+            if req.status is Status.RUNNING:
+                req.computed -= n
+            req.unsampled -= samples
+        return sent.plan
 
     def _finish_reason(self, req: Request, tok: int) -> tuple[str | None, int | None]:
         sp, n_out = req.sampling, len(req.output_ids)
@@ -345,9 +414,13 @@ class Scheduler:
             self._finish(req, reason, matched, None)
 
     def _finish(self, req: Request, reason: str, matched, out: RequestOutput | None) -> None:
-        self.kv.release(req)
-        self.running.pop(req.rid, None)
+        if req.status is Status.WAITING:  # retracted (holds no KV) while its last token was sampled
+            self.waiting.remove(req)
+        else:
+            self.kv.release(req)
+            self.running.pop(req.rid, None)
         req.status, req.finish_reason, req.matched_stop = Status.FINISHED, reason, matched
+        req.unsampled = 0
         if req.worker_has_state:
             self._release.append(req.rid)
         if reason == "abort":
@@ -363,6 +436,7 @@ class Scheduler:
         aborts, self._aborts = self._aborts, set()
         for req in [r for r in self.waiting if r.rid in aborts]:
             self.waiting.remove(req)
+            req.status = Status.FINISHED
             self.stats.aborted += 1
             self._outputs.append(self._abort_output(req))
         for rid in aborts & self.running.keys():

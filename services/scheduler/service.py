@@ -5,7 +5,10 @@ validate and submit synchronously (so bad input fails the call at once with
 INVALID_ARGUMENT, a full queue with RESOURCE_EXHAUSTED), then read their
 outputs from a per-request queue. One loop task drives the worker: schedule()
 → write the plan → deliver the previous step's outputs while the worker
-computes → read the result → process(). Early finishes (stop strings found by
+computes → read the result → process(). Overlapped scheduling (on unless
+--disable-overlap-schedule): the next plan is built and written before the
+last one's result is read, so the worker finds it queued when it finishes a
+step (services/scheduler/scheduler.py says how the core plans ahead). Early finishes (stop strings found by
 the detokenizer) are applied between steps; aborts go through the core's own
 abort queue, which schedule() applies.
 
@@ -25,6 +28,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
@@ -40,6 +44,7 @@ from services.common.sampling_params import InvalidRequest
 from services.scheduler.convert import Usage, carry_counters, finish_proto, output_events, stats_proto
 from services.scheduler.outputs import QueueFull, RequestOutput
 from services.scheduler.scheduler import ModelLimits, Scheduler
+from services.scheduler.step_plan import StepPlan
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.worker.convert import plan_to_proto, result_from_proto
 
@@ -150,37 +155,54 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await self._connect(float("inf"))
 
     async def _drive(self, core: Scheduler, call) -> None:
+        """Plan, send, deliver, read, process. With overlap on, the next plan is sent
+        while the worker runs the last one (at most `depth` plans unanswered): the
+        worker never waits for this loop, which plans, processes and delivers while
+        it computes."""
+        depth = 1 if self.config.scheduler.disable_overlap_schedule else 2
+        sent: deque[tuple[StepPlan, float]] = deque()  # (plan, when written), oldest first
         pending: list[RequestOutput] = []
+        last_read = time.monotonic()
         while True:
             self._apply_early(core)
-            plan = core.schedule()
+            plan = core.schedule() if len(sent) < depth else None
             taken = core.take_outputs()
             self.telemetry.outputs(taken, time.monotonic())
             pending += taken
-            if plan is None:
-                self._deliver(pending)
-                pending = []
+            if plan is not None:
+                await call.write(self._plan_message(plan))
+                sent.append((plan, time.monotonic()))
+                if len(sent) < depth:
+                    self._deliver(pending)
+                    pending = []
+                    continue  # plan the next one while this one runs
+            self._deliver(pending)  # while the worker computes
+            pending = []
+            if not sent:
                 if core.has_work:
                     await asyncio.sleep(0.002)  # e.g. a prefill waits for a shared prefix
                 else:
                     await self._wake.wait()
                     self._wake.clear()
                 continue
-            msg = plan_to_proto(plan)
-            if tracing.enabled():
-                for spec in msg.new_requests:
-                    spec.traceparent = self.telemetry.traceparent(spec.rid)
-            t0 = time.monotonic()
-            await call.write(msg)
-            self._deliver(pending)  # while the worker computes
             msg = await call.read()
             if msg is grpc.aio.EOF:
                 raise ConnectionError("the worker closed the step stream")
-            t1 = time.monotonic()
+            now = time.monotonic()
+            done, written = sent.popleft()
             pending = core.process(result_from_proto(msg))
-            self.telemetry.step(plan, t0, t1, pending)
+            # The worker started it when it was written or when the one before ended.
+            self.telemetry.step(done, max(written, last_read), now, pending)
+            last_read = now
             if self.config.check_invariants:
                 core.check_invariants()
+
+    def _plan_message(self, plan: StepPlan) -> worker_pb2.StepPlan:
+        msg = plan_to_proto(plan)
+        if tracing.enabled():
+            for spec in msg.new_requests:
+                spec.traceparent = self.telemetry.traceparent(spec.rid)
+        return msg
 
     def _apply_early(self, core: Scheduler) -> None:
         early, self._early = self._early, []

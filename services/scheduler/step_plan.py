@@ -25,12 +25,17 @@ class NewRequestSpec:
     seed: int  # always set: drawn at admission when the user gave none
 
 
+# A decode item's input when the scheduler planned the step before it learned the
+# token (overlapped scheduling): "the token you sampled for this request last".
+LAST_SAMPLED = -1
+
+
 @dataclass
 class StepItem:
     """One request's share of a step."""
 
     rid: str
-    input_ids: list[int]  # tokens to run: a prefill chunk, or the last sampled token
+    input_ids: list[int]  # tokens to run: a prefill chunk, or the last sampled token ([LAST_SAMPLED])
     start_pos: int  # position of input_ids[0] == tokens of this request already in KV
     # Pages appended to the request's page table this step; with reset_pages the
     # table is replaced by these (first step, or after a prefix-cache match).

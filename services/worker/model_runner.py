@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.step_plan import NewRequestSpec, StepPlan, StepResult
+from services.scheduler.step_plan import LAST_SAMPLED, NewRequestSpec, StepPlan, StepResult
 from services.worker.attention.backend import create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
@@ -166,6 +166,8 @@ class ModelRunner:
         for req, item in zip(reqs, plan.items):
             if item.new_pages or item.reset_pages:
                 self._append_pages(req, item.new_pages, item.reset_pages)
+            if item.input_ids[0] == LAST_SAMPLED:
+                item.input_ids = [_last_sampled(item.rid, req, item.start_pos)]
         if self._runs_on_decode_stack(plan):
             return self._decode_stack_step(plan, reqs)
         q_lens = [len(item.input_ids) for item in plan.items]
@@ -200,6 +202,15 @@ class ModelRunner:
             i64([item.input_ids[0] for item in plan.items]), i64([item.start_pos for item in plan.items]),
             self.page_table, i64([r.row for r in reqs]), self.kv_spec.page_size, self.pool, i64(sampled))
         return logits, sampled
+
+
+def _last_sampled(rid: str, req: _Request, start_pos: int) -> int:
+    """The input of a decode planned before the scheduler knew it: the token this worker
+    sampled for the request last (overlapped scheduling; services/scheduler/scheduler.py)."""
+    if not req.output_ids or start_pos != len(req.prompt_ids) + len(req.output_ids) - 1:
+        raise ValueError(f"request {rid}: LAST_SAMPLED at position {start_pos}, but the worker's last sampled "
+                         f"token is at {len(req.prompt_ids) + len(req.output_ids) - 1}")
+    return req.output_ids[-1]
 
 
 def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

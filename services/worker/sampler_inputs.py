@@ -7,7 +7,7 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.scheduler.step_plan import TokenLogprobs
-from services.worker.sampling import SamplingBatch, pad_token_lists, sample, token_logprobs
+from services.worker.sampling import SamplingBatch, argmax_rows, pad_token_lists, sample, token_logprobs
 
 
 class _SampledRequest(Protocol):
@@ -21,6 +21,8 @@ def run_sampler(logits: torch.Tensor, reqs: list[_SampledRequest], eos_token_ids
                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits [B, V] for the rows of `reqs` → (next token ids, logprobs per row)."""
     params = [r.sampling for r in reqs]
+    if all(_plain_greedy(r, eos_token_ids) for r in reqs):  # the common case: skip the batch tensors
+        return argmax_rows(logits).tolist(), [None] * len(reqs)
     batch = SamplingBatch.build(
         params, [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
         [_suppressed(r, eos_token_ids) for r in reqs], logits.shape[-1], logits.device)
@@ -42,3 +44,10 @@ def _suppressed(req: _SampledRequest, eos_token_ids: tuple[int, ...]) -> list[in
     if not sp.ignore_eos:
         stops.extend(eos_token_ids)
     return stops
+
+
+def _plain_greedy(req: _SampledRequest, eos_token_ids: tuple[int, ...]) -> bool:
+    """Its token is the argmax of the raw logits: greedy, no penalty, no logprobs, nothing banned."""
+    sp = req.sampling
+    return (sp.is_greedy and not sp.logprobs and sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0
+            and sp.presence_penalty == 0.0 and not _suppressed(req, eos_token_ids))

@@ -3,7 +3,9 @@
 `Step` is the scheduler ↔ worker contract on the wire (protos/radixmesh/v1/
 worker.proto): a StepResult answers each StepPlan, in order. Each step runs on
 one dedicated thread, so the event loop keeps answering health checks and
-GetInfo while torch computes, and two steps never overlap.
+GetInfo while torch computes, and two steps never overlap. Plans are handed to
+that thread as they arrive, so a plan the scheduler sent ahead (overlapped
+scheduling) runs right after the current one, in order.
 
 One scheduler at a time: a new Step stream starts from an empty request table
 (the scheduler that opens it has no requests on this worker), so a scheduler
@@ -100,27 +102,41 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "another scheduler holds this worker's Step stream")
         loop = asyncio.get_running_loop()
+        # Plans go to the step thread as soon as they arrive: one queued behind the one
+        # running (overlapped scheduling) starts the moment that one ends, without a trip
+        # through this loop. Results leave in plan order.
+        steps: asyncio.Queue = asyncio.Queue()
+        reader = None
         try:
             await loop.run_in_executor(self._executor, self._reset)
             log.info("step stream opened", extra={"peer": context.peer()})
-            async for msg in request_iterator:
-                t0, span = time.monotonic(), self._step_span(msg) if tracing.enabled() else None
+            reader = asyncio.create_task(self._read_plans(request_iterator, steps, loop))
+            while (entry := await steps.get()) is not None:
+                step_id, future = entry
                 try:
-                    result = await loop.run_in_executor(self._executor, self._step, msg)
+                    result = await future
                 except Exception as exc:  # the scheduler fails the step's requests and reconnects
-                    log.exception("step %d failed", msg.step_id)
-                    if span is not None:
-                        span.record_exception(exc)
-                        span.end()
-                    await context.abort(grpc.StatusCode.INTERNAL, f"worker step {msg.step_id} failed: {exc}")
-                self._observe(msg, time.monotonic() - t0)
-                if span is not None:
-                    span.set_attribute("radixmesh.forward_seconds", result.forward_seconds)
-                    span.end()
+                    log.exception("step %d failed", step_id)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"worker step {step_id} failed: {exc}")
                 yield result
+            await reader  # its error, if the stream broke
             log.info("step stream closed by the scheduler")
         finally:
+            if reader is not None:
+                reader.cancel()
+            while not steps.empty():  # plans not started yet: never run them
+                entry = steps.get_nowait()
+                if entry is not None:
+                    entry[1].cancel()
             self._stream_lock.release()
+
+    async def _read_plans(self, request_iterator: AsyncIterator[pb.StepPlan], steps: asyncio.Queue, loop) -> None:
+        """Hand each plan to the step thread as it arrives; None after the last."""
+        try:
+            async for msg in request_iterator:
+                steps.put_nowait((msg.step_id, loop.run_in_executor(self._executor, self._step, msg)))
+        finally:
+            steps.put_nowait(None)
 
     def _step_span(self, msg: pb.StepPlan):
         traced, tracer = self._traced, tracing.tracer()
@@ -154,7 +170,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._batch.labels(model).observe(len(msg.items))
 
     def _step(self, msg: pb.StepPlan) -> pb.StepResult:
-        return result_to_proto(self.runner.execute(plan_from_proto(msg)))
+        """One plan, on the step thread: its span, the runner, its metrics."""
+        t0, span = time.monotonic(), self._step_span(msg) if tracing.enabled() else None
+        try:
+            result = result_to_proto(self.runner.execute(plan_from_proto(msg)))
+        except Exception as exc:
+            if span is not None:
+                span.record_exception(exc)
+                span.end()
+            raise
+        self._observe(msg, time.monotonic() - t0)
+        if span is not None:
+            span.set_attribute("radixmesh.forward_seconds", result.forward_seconds)
+            span.end()
+        return result
 
     def _reset(self) -> None:
         """Drop every request's state: a new stream's scheduler knows none of them."""

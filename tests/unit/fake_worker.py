@@ -7,7 +7,7 @@ that is a pure function of the sequence, so outputs can be checked exactly.
 """
 from __future__ import annotations
 
-from services.scheduler.step_plan import StepPlan, StepResult, TokenLogprobs
+from services.scheduler.step_plan import LAST_SAMPLED, StepPlan, StepResult, TokenLogprobs
 
 VOCAB = 50
 
@@ -35,9 +35,12 @@ class FakeWorker:
         self.tables: dict[str, list[int]] = {}
         self.seqs: dict[str, list[int]] = {}
         self.steps = 0
+        self.forward_steps = 0  # steps that ran tokens (not only releases or KV copies)
+        self.filled = 0  # LAST_SAMPLED inputs filled in (overlapped scheduling)
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.steps += 1
+        self.forward_steps += bool(plan.items)
         for rid in plan.released_rids:  # released first, as the model runner does
             assert rid in self.tables, f"released unknown request {rid}"
             self.tables.pop(rid)
@@ -54,6 +57,10 @@ class FakeWorker:
             else:
                 table.extend(item.new_pages)
             seq = self.seqs[item.rid]
+            if item.input_ids == [LAST_SAMPLED]:  # planned before the scheduler knew it: ours
+                assert item.start_pos == len(seq) - 1, f"{item.rid}: LAST_SAMPLED at {item.start_pos}, len {len(seq)}"
+                item.input_ids = [seq[-1]]
+                self.filled += 1
             assert seq[item.start_pos:item.start_pos + len(item.input_ids)] == item.input_ids, item.rid
             for pos in range(item.start_pos):  # the KV this step reads
                 got = self.slots[self._slot(table, pos)]

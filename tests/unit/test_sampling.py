@@ -298,3 +298,32 @@ def test_argmax_rows_is_torch_argmax_with_ties_infinities_nans_and_zeros():
     assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
     big = torch.randn(64, 49152, generator=g)
     assert torch.equal(argmax_rows(big), big.argmax(dim=-1))
+
+
+def test_run_sampler_takes_the_argmax_shortcut_only_when_nothing_else_applies() -> None:
+    from dataclasses import dataclass, field
+
+    from services.worker.sampler_inputs import run_sampler
+
+    @dataclass
+    class Req:
+        sampling: SP
+        prompt_ids: list = field(default_factory=lambda: [1, 2, 3])
+        output_ids: list = field(default_factory=lambda: [4])
+        seed: int = 7
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    top = logits.argmax(-1).tolist()
+    eos = (int(top[0]),)
+    greedy = [Req(SP(temperature=0.0)) for _ in range(3)]
+    tokens, lps = run_sampler(logits, greedy, ())
+    assert tokens == top and lps == [None] * 3
+    # Each of these changes the answer or its payload: the general path must run.
+    banned = Req(SP(temperature=0.0, min_new_tokens=5))  # eos banned before 5 tokens
+    assert run_sampler(logits[:1], [banned], eos)[0] != top[:1]
+    penalized = Req(SP(temperature=0.0, repetition_penalty=1e9), prompt_ids=[top[0]])
+    assert run_sampler(logits[:1], [penalized], ())[0] != top[:1]
+    with_lp = Req(SP(temperature=0.0, logprobs=True))
+    tokens, lps = run_sampler(logits[:1], [with_lp], ())
+    assert tokens == top[:1] and lps[0] is not None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +12,7 @@ from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.outputs import QueueFull
 from services.scheduler.scheduler import ModelLimits, Scheduler, common_prefix_len
+from services.scheduler.step_plan import LAST_SAMPLED
 from tests.unit.fake_worker import VOCAB, FakeWorker, reference_output
 
 EOS = 0
@@ -22,14 +24,20 @@ def make(num_pages=64, page_size=1, context=256, **cfg):
     return Scheduler(config, limits), FakeWorker(num_pages, page_size, config.max_running_requests)
 
 
-def run(sched: Scheduler, worker: FakeWorker, max_steps=5000, on_step=None) -> dict:
-    """Step until idle; returns rid -> (output tokens, finish reason, cached tokens)."""
+def run(sched: Scheduler, worker: FakeWorker, max_steps=5000, on_step=None, overlap=False) -> dict:
+    """Step until idle; returns rid -> (output tokens, finish reason, cached tokens).
+    overlap: plan the next step before processing the last one's result, as the
+    scheduler service does (the worker runs plans in order, one queued behind another)."""
     results: dict = {}
+    depth = 2 if overlap else 1
+    sent: deque = deque()  # plans the worker has not answered yet
     for _ in range(max_steps):
-        plan = sched.schedule()
+        plan = sched.schedule() if len(sent) < depth else None
         outs = sched.take_outputs()
         if plan is not None:
-            outs += sched.process(worker.execute(plan))
+            sent.append(plan)
+        if sent and (plan is None or len(sent) == depth):
+            outs += sched.process(worker.execute(sent.popleft()))
         for o in outs:
             entry = results.setdefault(o.rid, [[], None, 0])
             entry[0].extend(o.new_token_ids)
@@ -39,7 +47,8 @@ def run(sched: Scheduler, worker: FakeWorker, max_steps=5000, on_step=None) -> d
         sched.check_invariants()
         if on_step:
             on_step(sched)
-        if not sched.has_work:
+        if not sched.has_work and not sent:
+            assert sched.steps_in_flight == 0
             return results
     raise AssertionError("scheduler did not go idle: livelock or deadlock")
 
@@ -48,12 +57,13 @@ def sp(max_new=8, **kw):
     return SamplingParams(temperature=0.0, max_new_tokens=max_new, **kw)
 
 
-def test_batch_outputs_match_the_reference_and_release_everything():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_batch_outputs_match_the_reference_and_release_everything(overlap):
     sched, worker = make()
     prompts = {f"r{i}": [random.Random(i).randrange(1, VOCAB) for _ in range(5 + i)] for i in range(6)}
     for rid, p in prompts.items():
         sched.submit(rid, p, sp(ignore_eos=True), seed=0)
-    res = run(sched, worker)
+    res = run(sched, worker, overlap=overlap)
     for rid, p in prompts.items():
         assert res[rid][0] == reference_output(p, 8), rid
         assert res[rid][1] == "length"
@@ -61,29 +71,32 @@ def test_batch_outputs_match_the_reference_and_release_everything():
     assert sched.kv.cache.locked_pages == 0
 
 
-def test_prefix_cache_hit_and_shared_prefix_waits_for_the_first():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefix_cache_hit_and_shared_prefix_waits_for_the_first(overlap):
     sched, worker = make(num_pages=512, chunked_prefill_size=32)
     system = [1 + i % (VOCAB - 1) for i in range(100)]  # a 100-token shared prefix
     for i in range(4):  # arrive together: only the first computes the prefix
         sched.submit(f"q{i}", system + [i + 1, i + 2], sp(ignore_eos=True), seed=0)
-    res = run(sched, worker)
+    res = run(sched, worker, overlap=overlap)
     cached = sorted(res[f"q{i}"][2] for i in range(4))
     # All but the last partial chunk of the prefix is shared (recomputing 4 tokens beats waiting).
     assert cached[0] == 0 and all(c >= 96 for c in cached[1:]), cached
 
 
-def test_retraction_under_tiny_kv_never_deadlocks_and_outputs_stay_exact():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retraction_under_tiny_kv_never_deadlocks_and_outputs_stay_exact(overlap):
     sched, worker = make(num_pages=40, page_size=2)
     prompts = {f"r{i}": [1 + (i * 7 + j) % (VOCAB - 1) for j in range(10)] for i in range(8)}
     for rid, p in prompts.items():
         sched.submit(rid, p, sp(max_new=20, ignore_eos=True), seed=0)
-    res = run(sched, worker)
+    res = run(sched, worker, overlap=overlap)
     assert sched.stats.retracted > 0
     for rid, p in prompts.items():
         assert res[rid][0] == reference_output(p, 20), rid
 
 
-def test_abort_frees_kv_waiting_and_running():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_frees_kv_waiting_and_running(overlap):
     sched, worker = make()
     sched.submit("a", [1, 2, 3], sp(max_new=50, ignore_eos=True), seed=0)
     sched.submit("b", [4, 5, 6], sp(max_new=50, ignore_eos=True), seed=0)
@@ -91,19 +104,20 @@ def test_abort_frees_kv_waiting_and_running():
     sched.abort("a")
     sched.submit("c", [7, 8], sp(), seed=0)
     sched.abort("c")  # still waiting
-    res = run(sched, worker)
+    res = run(sched, worker, overlap=overlap)
     assert res["a"][1] == "abort" and res["c"][1] == "abort" and res["b"][1] == "length"
     assert sched.stats.aborted == 2
     assert sched.kv.cache.locked_pages == 0 and not sched.running
 
 
-def test_eos_min_new_tokens_and_stop_ids():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_eos_min_new_tokens_and_stop_ids(overlap):
     sched, worker = make()
     prompt = [3, 4, 5]
     ref = reference_output(prompt, 40)
     stop = ref[5]
     sched.submit("s", prompt, sp(max_new=40, stop_token_ids=[stop], ignore_eos=True), seed=0)
-    res = run(sched, worker)
+    res = run(sched, worker, overlap=overlap)
     assert res["s"][0] == ref[: ref.index(stop) + 1] and res["s"][1] == "stop"
 
 
@@ -153,12 +167,12 @@ requests_st = st.lists(st.tuples(
 ), min_size=1, max_size=12)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests_st, page_size=st.sampled_from([1, 2, 4]), chunk=st.sampled_from([-1, 3, 8]),
        num_pages=st.integers(20, 60), policy=st.sampled_from(["fcfs", "lpm"]),
-       cache_off=st.booleans(), seed=st.integers(0, 1000))
+       cache_off=st.booleans(), seed=st.integers(0, 1000), overlap=st.booleans())
 def test_random_workloads_keep_invariants_and_exact_outputs(reqs, page_size, chunk, num_pages, policy,
-                                                             cache_off, seed):
+                                                             cache_off, seed, overlap):
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(0, 14))] for _ in range(4)]
     sched, worker = make(num_pages=num_pages, page_size=page_size, chunked_prefill_size=chunk,
@@ -179,7 +193,7 @@ def test_random_workloads_keep_invariants_and_exact_outputs(reqs, page_size, chu
         if aborts and rng.random() < 0.3:
             s.abort(aborts.pop())
 
-    res = run(sched, worker, on_step=maybe_abort)
+    res = run(sched, worker, on_step=maybe_abort, overlap=overlap)
     for rid, (prompt, max_new) in prompts.items():
         out, reason, _ = res[rid]
         ref = reference_output(prompt, max_new, stop_ids=(EOS,))
@@ -189,3 +203,75 @@ def test_random_workloads_keep_invariants_and_exact_outputs(reqs, page_size, chu
             assert out == ref, rid
     assert not sched.running and sched.kv.cache.locked_pages == 0
     assert sched.kv.allocator.num_free + sched.kv.cache.cached_pages == num_pages
+
+
+# --- overlapped scheduling: the next plan is built while the worker runs the last one ---------
+
+def test_overlap_plans_decodes_ahead_with_last_sampled_and_wastes_no_step_on_length():
+    sched, worker = make()
+    prompt = [3, 4, 5, 6]
+    sched.submit("a", prompt, sp(max_new=8, ignore_eos=True), seed=0)
+    first = sched.schedule()  # the prompt
+    second = sched.schedule()  # planned before the first token is known
+    assert sched.steps_in_flight == 2
+    assert second.items[0].input_ids == [LAST_SAMPLED] and second.items[0].start_pos == len(prompt)
+    outs = sched.process(worker.execute(first))
+    assert [o.new_token_ids for o in outs] == [reference_output(prompt, 1)]
+    sched.process(worker.execute(second))
+    res = run(sched, worker, overlap=True)
+    assert res["a"] == [reference_output(prompt, 8)[2:], "length", 0]
+    # 1 prefill + 7 decodes: the step that samples the 8th token is the last one planned.
+    # Every decode was planned before its input was known but the third (planned by run()
+    # after both results above were processed).
+    assert worker.forward_steps == 8 and worker.filled == 6
+
+
+def test_overlap_a_stop_token_wastes_one_step_and_frees_everything():
+    sched, worker = make(num_pages=32, page_size=2)
+    prompt = [3, 4, 5]
+    ref = reference_output(prompt, 40)
+    stop = ref[5]
+    sched.submit("s", prompt, sp(max_new=40, stop_token_ids=[stop], ignore_eos=True), seed=0)
+    res = run(sched, worker, overlap=True)
+    n = ref.index(stop) + 1
+    assert res["s"][:2] == [ref[:n], "stop"]
+    assert worker.forward_steps == n + 1  # the step planned before the stop token came back ran for nothing
+    assert not worker.tables  # the worker was told to drop the request
+    assert sched.kv.cache.locked_pages == 0
+    assert sched.kv.allocator.num_free + sched.kv.cache.cached_pages == 32
+
+
+def test_overlap_abort_and_retraction_while_a_step_is_in_flight():
+    sched, worker = make(num_pages=24, page_size=2)
+    prompts = {f"r{i}": [1 + (i * 5 + j) % (VOCAB - 1) for j in range(8)] for i in range(5)}
+    for rid, p in prompts.items():
+        sched.submit(rid, p, sp(max_new=12, ignore_eos=True), seed=0)
+    in_flight = sched.schedule()
+    sched.abort("r0")  # applied by the next schedule(), while `in_flight` runs
+    ahead = sched.schedule()
+    assert sched.steps_in_flight == 2 and "r0" not in [it.rid for it in ahead.items]
+    early: dict[str, list[int]] = {}
+    for plan in (in_flight, ahead):
+        for o in sched.process(worker.execute(plan)):
+            assert o.rid != "r0" or (o.finished and o.finish_reason == "abort")
+            early.setdefault(o.rid, []).extend(o.new_token_ids)
+    res = run(sched, worker, overlap=True)
+    assert sched.stats.retracted > 0  # 24 pages cannot hold 5 x 20 tokens
+    for rid, p in prompts.items():
+        if rid != "r0":
+            assert early.get(rid, []) + res[rid][0] == reference_output(p, 12), rid
+    assert sched.kv.cache.locked_pages == 0
+    assert sched.kv.allocator.num_free + sched.kv.cache.cached_pages == 24
+
+
+def test_step_failed_undoes_the_plan_so_nothing_unwritten_is_cached():
+    sched, worker = make(num_pages=64, page_size=2, chunked_prefill_size=4)
+    prompt = list(range(1, 11))
+    sched.submit("a", prompt, sp(max_new=4, ignore_eos=True), seed=0)
+    sched.process(worker.execute(sched.schedule()))  # the first 4-token chunk: cached
+    failed = sched.schedule()
+    assert sched.step_failed() is failed and sched.steps_in_flight == 0
+    sched.abort("a")
+    run(sched, worker)
+    hit = sched.kv.cache.match_prefix(prompt, "")
+    assert hit.num_tokens == 4  # the failed chunk's tokens were never cached
