@@ -187,11 +187,12 @@ class InProcess:
 class Mesh:
     """`radixmesh up --http-port 0` as a child; its URL from the line it prints when ready."""
 
-    def __init__(self, args) -> None:
+    def __init__(self, args, extra_flags: list[str] = ()) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mesh_overhead-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0",
                "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-requests", str(args.max_requests),
                "--max-running-requests", str(args.max_running)] + (["--model", args.model] if args.model else [])
+        cmd += list(extra_flags)
         self.command = " ".join(cmd[2:])
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.url = None
