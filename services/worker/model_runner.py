@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -47,6 +48,9 @@ class _ForwardMeta:
 
 class ModelRunner:
     kv_transfer = None  # HiCache tiers (services/worker/host_pool.KVTransfer), attached by the engine/service
+    # Called once a step's inputs are ready, right before its compute (the worker service posts
+    # the previous step's result then: services/worker/step_loop.py). Must be cheap.
+    on_compute: Callable[[], None] | None = None
 
     def __init__(self, config: WorkerConfig, checkpoint: Checkpoint):
         if config.num_threads:
@@ -140,6 +144,7 @@ class ModelRunner:
             self._admit(spec)
         result = StepResult(step_id=plan.step_id)
         if plan.kv_copies:  # tier moves the forward may read: first
+            self._computing()
             result.kv_transfers = self.kv_transfer.run(plan.kv_copies)
         if plan.items:
             self._run_items(plan, result)
@@ -183,7 +188,12 @@ class ModelRunner:
         ends = torch.cumsum(layout.q_lens, 0) - 1
         logits_indices = ends[torch.tensor(sampled, dtype=torch.int64)]
         meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
+        self._computing()
         return self.model(input_ids, meta, logits_indices.to(self.device)), sampled
+
+    def _computing(self) -> None:
+        if self.on_compute is not None:
+            self.on_compute()
 
 
     def _runs_on_decode_stack(self, plan: StepPlan) -> bool:
@@ -198,9 +208,12 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.int64)
 
         sampled = [i for i, item in enumerate(plan.items) if item.sample]
-        logits = self.model.decode_step(
-            i64([item.input_ids[0] for item in plan.items]), i64([item.start_pos for item in plan.items]),
-            self.page_table, i64([r.row for r in reqs]), self.kv_spec.page_size, self.pool, i64(sampled))
+        token_ids = i64([item.input_ids[0] for item in plan.items])
+        positions = i64([item.start_pos for item in plan.items])
+        rows, logits_rows = i64([r.row for r in reqs]), i64(sampled)
+        self._computing()
+        logits = self.model.decode_step(token_ids, positions, self.page_table, rows, self.kv_spec.page_size,
+                                        self.pool, logits_rows)
         return logits, sampled
 
 

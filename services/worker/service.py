@@ -39,6 +39,7 @@ from services.common import tracing
 from services.common.model_path import resolve_model_path
 from services.worker.config import WorkerConfig
 from services.worker.convert import plan_from_proto, result_to_proto
+from services.worker.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -104,39 +105,37 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         # Plans go to the step thread as soon as they arrive: one queued behind the one
         # running (overlapped scheduling) starts the moment that one ends, without a trip
-        # through this loop. Results leave in plan order.
-        steps: asyncio.Queue = asyncio.Queue()
+        # through this loop. Results come back in plan order (services/worker/step_loop.py).
+        results: asyncio.Queue = asyncio.Queue()
+        steps = StepLoop(self.runner, self._step, lambda item: loop.call_soon_threadsafe(results.put_nowait, item))
         reader = None
         try:
             await loop.run_in_executor(self._executor, self._reset)
             log.info("step stream opened", extra={"peer": context.peer()})
-            reader = asyncio.create_task(self._read_plans(request_iterator, steps, loop))
-            while (entry := await steps.get()) is not None:
-                step_id, future = entry
-                try:
-                    result = await future
-                except Exception as exc:  # the scheduler fails the step's requests and reconnects
-                    log.exception("step %d failed", step_id)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"worker step {step_id} failed: {exc}")
+            loop.run_in_executor(self._executor, steps.run)  # the next stream's _reset queues behind it
+            reader = asyncio.create_task(self._read_plans(request_iterator, steps))
+            while (item := await results.get()) is not None:
+                step_id, result = item
+                if isinstance(result, Exception):  # the scheduler fails the step's requests and reconnects
+                    log.error("step %d failed", step_id, exc_info=result)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"worker step {step_id} failed: {result}")
                 yield result
             await reader  # its error, if the stream broke
             log.info("step stream closed by the scheduler")
         finally:
             if reader is not None:
                 reader.cancel()
-            while not steps.empty():  # plans not started yet: never run them
-                entry = steps.get_nowait()
-                if entry is not None:
-                    entry[1].cancel()
+            steps.close()
             self._stream_lock.release()
 
-    async def _read_plans(self, request_iterator: AsyncIterator[pb.StepPlan], steps: asyncio.Queue, loop) -> None:
-        """Hand each plan to the step thread as it arrives; None after the last."""
+    @staticmethod
+    async def _read_plans(request_iterator: AsyncIterator[pb.StepPlan], steps: StepLoop) -> None:
+        """Hand each plan to the step thread as it arrives."""
         try:
             async for msg in request_iterator:
-                steps.put_nowait((msg.step_id, loop.run_in_executor(self._executor, self._step, msg)))
+                steps.put(msg)
         finally:
-            steps.put_nowait(None)
+            steps.finish()
 
     def _step_span(self, msg: pb.StepPlan):
         traced, tracer = self._traced, tracing.tracer()
