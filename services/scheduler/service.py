@@ -8,9 +8,9 @@ outputs from a per-request queue. One loop task drives the worker: schedule()
 computes → read the result → process(). Overlapped scheduling (on unless
 --disable-overlap-schedule): the next plan is built and written before the
 last one's result is read, so the worker finds it queued when it finishes a
-step (services/scheduler/scheduler.py says how the core plans ahead). Early finishes (stop strings found by
-the detokenizer) are applied between steps; aborts go through the core's own
-abort queue, which schedule() applies.
+step (services/scheduler/scheduler.py says how the core plans ahead). Early
+finishes (stop strings found by the detokenizer) are applied between steps;
+aborts go through the core's own abort queue, which schedule() applies.
 
 Worker loss: when the Step stream breaks, every open request fails with an
 Error (UNAVAILABLE), the core is rebuilt empty (the worker's KV may be gone,
@@ -172,12 +172,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if plan is not None:
                 await call.write(self._plan_message(plan))
                 sent.append((plan, time.monotonic()))
-                if len(sent) < depth:
-                    self._deliver(pending)
-                    pending = []
-                    continue  # plan the next one while this one runs
             self._deliver(pending)  # while the worker computes
             pending = []
+            if plan is not None and len(sent) < depth:
+                continue  # plan the next one while this one runs
             if not sent:
                 if core.has_work:
                     await asyncio.sleep(0.002)  # e.g. a prefill waits for a shared prefix

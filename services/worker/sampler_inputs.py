@@ -21,11 +21,12 @@ def run_sampler(logits: torch.Tensor, reqs: list[_SampledRequest], eos_token_ids
                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits [B, V] for the rows of `reqs` → (next token ids, logprobs per row)."""
     params = [r.sampling for r in reqs]
-    if all(_plain_greedy(r, eos_token_ids) for r in reqs):  # the common case: skip the batch tensors
+    suppressed = [_suppressed(r, eos_token_ids) for r in reqs]
+    if not any(suppressed) and all(map(_plain_greedy, params)):  # the common case: skip the batch tensors
         return argmax_rows(logits).tolist(), [None] * len(reqs)
     batch = SamplingBatch.build(
         params, [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
-        [_suppressed(r, eos_token_ids) for r in reqs], logits.shape[-1], logits.device)
+        suppressed, logits.shape[-1], logits.device)
     prompt_tokens = output_tokens = None
     if batch.any_penalties:
         prompt_tokens = pad_token_lists([r.prompt_ids for r in reqs], logits.device)
@@ -46,8 +47,7 @@ def _suppressed(req: _SampledRequest, eos_token_ids: tuple[int, ...]) -> list[in
     return stops
 
 
-def _plain_greedy(req: _SampledRequest, eos_token_ids: tuple[int, ...]) -> bool:
-    """Its token is the argmax of the raw logits: greedy, no penalty, no logprobs, nothing banned."""
-    sp = req.sampling
+def _plain_greedy(sp: SamplingParams) -> bool:
+    """Its token is the argmax of the raw logits (nothing banned aside): greedy, no penalty, no logprobs."""
     return (sp.is_greedy and not sp.logprobs and sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0
-            and sp.presence_penalty == 0.0 and not _suppressed(req, eos_token_ids))
+            and sp.presence_penalty == 0.0)
