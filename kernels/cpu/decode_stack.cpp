@@ -22,7 +22,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -30,6 +32,7 @@
 #include "layer_ops.h"
 #include "paged_attention.h"
 #include "quant_gemv.h"
+#include "step_team.h"
 
 namespace {
 
@@ -52,10 +55,12 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
 
 class DecodeStack {
  public:
+  // team_spin_us < 0: the step's loops run on OpenMP (parallel.h) instead of a StepTeam whose
+  // idle helpers poll that long before they sleep.
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-              torch::Tensor cos, torch::Tensor sin)
+              torch::Tensor cos, torch::Tensor sin, int64_t team_spin_us)
       : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)),
-        scale_(static_cast<float>(scale)), cos_(cos.contiguous()), sin_(sin.contiguous()) {
+        scale_(static_cast<float>(scale)), cos_(cos.contiguous()), sin_(sin.contiguous()), team_spin_us_(team_spin_us) {
     TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && D_ % 2 == 0, "bad head layout");
     TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.sizes() == sin_.sizes() && cos_.dim() == 2 &&
                     cos_.size(1) == D_,
@@ -140,7 +145,11 @@ class DecodeStack {
     const int64_t num_pages = k_pool.size(1) / page_size, P = page_table.size(1);
     int64_t Lk = 0;
     for (int64_t b = 0; b < B; ++b) Lk = std::max(Lk, pos[b] + 1);
-    std::vector<int64_t> slots(B * Lk), lens(B), new_slots(B);
+    std::lock_guard<std::mutex> hold(busy_);  // the reused buffers: one step at a time
+    begin_step(B, k_pool, v_pool);
+    int64_t* slots = persistent(slots_, B * Lk);  // the attention's helpers read these
+    int64_t* lens = persistent(lens_, B);
+    std::vector<int64_t> new_slots(B);
     for (int64_t b = 0; b < B; ++b) {
       lens[b] = pos[b] + 1;
       for (int64_t j = 0; j < Lk; ++j) {
@@ -153,8 +162,7 @@ class DecodeStack {
     }
     auto logits = torch::empty({logits_rows.size(0), linears_[lm_head_].N}, embed_.options().dtype(at::kFloat));
     if (B == 0) return logits;
-    std::lock_guard<std::mutex> hold(busy_);  // the reused buffers: one step at a time
-    Step step{input_ids.data_ptr<int64_t>(), pos, slots.data(), lens.data(), new_slots.data(), Lk, B,
+    Step step{input_ids.data_ptr<int64_t>(), pos, slots, lens, new_slots.data(), Lk, B,
               logits_rows.data_ptr<int64_t>(), logits_rows.size(0)};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, embed_.scalar_type(), "decode_stack", [&] {
       run<scalar_t>(step, k_pool, v_pool, logits);
@@ -169,6 +177,7 @@ class DecodeStack {
     TORCH_CHECK(embed_.defined(), "set_head first");
     TORCH_CHECK(B >= 1 && B <= 64, "1 to 64 rows");
     std::lock_guard<std::mutex> hold(busy_);
+    begin_step(B, torch::Tensor(), torch::Tensor());
     int64_t widest = 0;
     for (const QuantLinear& w : linears_) widest = std::max({widest, w.K, w.N});
     std::vector<float> x(B * widest, 0.f), y(B * widest);
@@ -179,10 +188,51 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Chunks the lead computed itself because a helper had not finished them (step_team.h).
+  int64_t team_recomputed() const { return team_ ? team_->recomputed() : 0; }
+  int64_t team_helpers() const { return team_ ? team_->helpers() : 0; }
+  // Tests: the helpers sleep this long in every chunk, as if preempted (the lead must not wait).
+  void slow_helpers(int64_t us) {
+    helper_delay_us_ = us;
+    if (team_) team_->set_helper_delay_us(us);
+  }
+
  private:
   static void check_indices(const torch::Tensor& t, int64_t bound, const char* what) {
     const int64_t* p = t.data_ptr<int64_t>();
     for (int64_t i = 0; i < t.numel(); ++i) TORCH_CHECK(p[i] >= 0 && p[i] < bound, what, " out of range: ", p[i]);
+  }
+
+  // `buf` with room for n items, grown only once no helper can be reading it.
+  template <typename T>
+  T* persistent(std::vector<T>& buf, int64_t n) {
+    if (static_cast<int64_t>(buf.size()) < n) {
+      if (team_) team_->quiesce();
+      buf.resize(n);
+    }
+    return buf.data();
+  }
+
+  // The team for a step of B rows (made or remade when the thread count or the scratch a
+  // chunk set needs grew), and the pools it may read until the next step.
+  void begin_step(int64_t B, const torch::Tensor& k_pool, const torch::Tensor& v_pool) {
+    if (team_spin_us_ < 0) return;
+    int64_t scratch = B * H_ * D_ * static_cast<int64_t>(sizeof(float));  // the attention's, in any dtype
+    for (const QuantLinear& w : linears_) {
+      const int64_t rows = radixmesh::qgemv::rows_per_chunk(w.N);
+      scratch = std::max(scratch, (w.N + rows - 1) / rows * rows * B * static_cast<int64_t>(sizeof(float)));
+    }
+    const int helpers = std::max(0, at::get_num_threads() - 1);
+    if (!team_ || team_->helpers() != helpers || team_->scratch_bytes() < scratch) {
+      team_.reset();  // joins its helpers
+      team_ = std::make_unique<radixmesh::StepTeam>(helpers, scratch, team_spin_us_);
+      team_->set_helper_delay_us(helper_delay_us_);
+    }
+    if (!k_held_.is_same(k_pool) || !v_held_.is_same(v_pool)) {
+      team_->quiesce();
+      k_held_ = k_pool;
+      v_held_ = v_pool;
+    }
   }
 
   // y [B, N] (dtype S, or float when S is float) = x [B, K] @ W^T + bias, float32 math,
@@ -196,14 +246,25 @@ class DecodeStack {
 
   template <typename S>
   float* linear_float(const QuantLinear& w, const S* x, int64_t B, float* out = nullptr) {
-    xf_.resize(B * w.K);
-    for (int64_t i = 0; i < B * w.K; ++i) xf_[i] = to_float(x[i]);
+    using namespace radixmesh::qgemv;
+    float* xf = persistent(xf_, B * w.K);  // the matmul's helpers read it
+    for (int64_t i = 0; i < B * w.K; ++i) xf[i] = to_float(x[i]);
     if (out == nullptr) {
       yf_.resize(B * w.N);
       out = yf_.data();
     }
-    radixmesh::qgemv::quant_matmul(w.qtype, w.qs.data_ptr<uint8_t>(), w.d.data_ptr<float>(),
-                                   w.m.defined() ? w.m.data_ptr<float>() : nullptr, xf_.data(), B, w.K, w.N, out);
+    const float* m = w.m.defined() ? w.m.data_ptr<float>() : nullptr;
+    if (team_) {
+      float* xsum = nullptr;
+      if (w.qtype == kQ4_1) {
+        xsum = persistent(xsum_, B * (w.K / kBlock));
+        block_sums(xf, B, w.K, xsum);
+      }
+      team_->run(MatmulTask{w.qtype, w.qs.data_ptr<uint8_t>(), w.d.data_ptr<float>(), m, xf, xsum, out, B, w.K,
+                            w.N, rows_per_chunk(w.N)});
+    } else {
+      quant_matmul(w.qtype, w.qs.data_ptr<uint8_t>(), w.d.data_ptr<float>(), m, xf, B, w.K, w.N, out);
+    }
     if (w.bias.defined()) {
       const float* bias = w.bias.data_ptr<float>();
       for (int64_t b = 0; b < B; ++b)
@@ -216,6 +277,7 @@ class DecodeStack {
   void attend(const S* q, int64_t q_stride, const S* k, const S* v, const int64_t* slots, const int64_t* lens,
               int64_t B, int64_t Lk, S* out) {
     using namespace radixmesh::attn;
+    if (team_) return team_->run(AttentionTask<S>{q, q_stride, k, v, slots, lens, B, H_, Hkv_, D_, Lk, scale_, out});
 #ifdef RADIXMESH_AVX512_BF16
     if constexpr (std::is_same_v<S, c10::BFloat16>) {
       if (bf16_fast_path(D_)) return run_bf16(q, q_stride, k, v, slots, lens, B, H_, Hkv_, D_, Lk, scale_, out);
@@ -237,7 +299,8 @@ class DecodeStack {
     const int64_t B = st.B, Hd = embed_.size(1), W = (H_ + 2 * Hkv_) * D_;
     const int64_t I = linears_[layers_[0].down].K, S_slots = k_pool.size(1);
     const int64_t kv_row = Hkv_ * D_, half = D_ / 2;
-    std::vector<S> x(B * Hd), residual(B * Hd), h(B * Hd), qkv(B * W), attn(B * H_ * D_), gu(B * 2 * I), act(B * I);
+    std::vector<S> x(B * Hd), residual(B * Hd), h(B * Hd), attn(B * H_ * D_), gu(B * 2 * I), act(B * I);
+    S* qkv = reinterpret_cast<S*>(persistent(qkv_, B * W * static_cast<int64_t>(sizeof(S))));  // attention reads it
     std::vector<float> tmp(Hd);
     const int64_t *ids = st.ids, *pos = st.pos, *ns = st.new_slots;
     const S* embed = embed_.data_ptr<S>();
@@ -250,7 +313,7 @@ class DecodeStack {
         add_row(&residual[b * Hd], &x[b * Hd], Hd, l == 0);
         norm_row(&residual[b * Hd], layer.input_norm.data_ptr<S>(), &h[b * Hd], Hd, eps_, tmp.data());
       }
-      linear(layer.qkv, h.data(), B, qkv.data());
+      linear(layer.qkv, h.data(), B, qkv);
       for (int64_t b = 0; b < B; ++b)
         for (int64_t head = 0; head < H_ + Hkv_; ++head)
           rope_head(&qkv[b * W + head * D_], cos + pos[b] * D_, sin + pos[b] * D_, half);
@@ -260,7 +323,7 @@ class DecodeStack {
         std::memcpy(k + ns[b] * kv_row, &qkv[b * W + H_ * D_], kv_row * sizeof(S));
         std::memcpy(v + ns[b] * kv_row, &qkv[b * W + (H_ + Hkv_) * D_], kv_row * sizeof(S));
       }
-      attend<S>(qkv.data(), W, k, v, st.slots, st.lens, B, st.Lk, attn.data());
+      attend<S>(qkv, W, k, v, st.slots, st.lens, B, st.Lk, attn.data());
       linear(layer.o, attn.data(), B, x.data());
       for (int64_t b = 0; b < B; ++b) {
         add_row(&residual[b * Hd], &x[b * Hd], Hd, false);
@@ -287,17 +350,26 @@ class DecodeStack {
   int64_t lm_head_ = -1;
   std::vector<QuantLinear> linears_;
   std::vector<Layer> layers_;
-  std::vector<float> xf_, yf_;  // the linears' float32 input and output, reused across calls
+  const int64_t team_spin_us_;
+  int64_t helper_delay_us_ = 0;
+  std::vector<float> yf_;  // the linears' float32 output (the lead's alone), reused across calls
+  // What the team's helpers read: a late helper may still read a buffer after its loop
+  // ended, so these are grown only while the team is quiet and never freed before it.
+  std::vector<float> xf_, xsum_;  // a linear's float32 input and its Q4_1 block sums
+  std::vector<unsigned char> qkv_;
+  std::vector<int64_t> slots_, lens_;
+  torch::Tensor k_held_, v_held_;  // the pools the last step attended over
   std::mutex busy_;
+  std::unique_ptr<radixmesh::StepTeam> team_;  // last: destroyed (helpers joined) first
 };
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor>(),
+      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, int64_t>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
-           py::arg("cos"), py::arg("sin"))
+           py::arg("cos"), py::arg("sin"), py::arg("team_spin_us") = 100)
       .def("add_linear", &DecodeStack::add_linear, py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("qtype"),
            py::arg("bias") = py::none())
       .def("add_layer", &DecodeStack::add_layer)
@@ -306,5 +378,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())  // the worker's event loop runs meanwhile
       .def("linears_only", &DecodeStack::linears_only, "time the step's matmuls alone on B rows",
            py::arg("rows"), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("slow_helpers", &DecodeStack::slow_helpers, "tests: helpers sleep this long in every chunk",
+           py::arg("us"))
+      .def_property_readonly("team_recomputed", &DecodeStack::team_recomputed)
+      .def_property_readonly("team_helpers", &DecodeStack::team_helpers);
 }

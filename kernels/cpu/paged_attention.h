@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -83,28 +84,35 @@ void attend_portable(const float* __restrict__ q, const kv_t* __restrict__ k, co
   }
 }
 
+// Item i = (request b, KV head h) of a step: out [group, D] for the query heads sharing h.
+template <typename q_t, typename kv_t>
+void item_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
+                   const int64_t* lens, int64_t i, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
+                   q_t* orow) {
+  const int64_t group = H / Hkv, b = i / Hkv, h = i % Hkv;
+  thread_local std::vector<float> scores, qf, of;
+  qf.resize(group * D);
+  of.resize(group * D);
+  const q_t* qr = qp + b * q_row_stride + h * group * D;
+  for (int64_t e = 0; e < group * D; ++e) qf[e] = to_float(qr[e]);
+  auto call = [&](auto fn) {
+    fn(qf.data(), kp + h * D, vp + h * D, sp + b * L, lens[b], group, D, Hkv * D, scale, of.data(), scores);
+  };
+  if (D == 64) call(attend_portable<kv_t, 64>);
+  else if (D == 128) call(attend_portable<kv_t, 128>);
+  else call(attend_portable<kv_t, 0>);
+  for (int64_t e = 0; e < group * D; ++e) orow[e] = from_float<q_t>(of[e]);
+}
+
 template <typename q_t, typename kv_t>
 void run_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
                   const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
                   q_t* op) {
   const int64_t group = H / Hkv;
   radixmesh::parallel_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {  // (request, KV head) items
-    thread_local std::vector<float> scores, qf, of;
-    qf.resize(group * D);
-    of.resize(group * D);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hkv, h = i % Hkv;
-      const q_t* qr = qp + b * q_row_stride + h * group * D;
-      for (int64_t e = 0; e < group * D; ++e) qf[e] = to_float(qr[e]);
-      auto call = [&](auto fn) {
-        fn(qf.data(), kp + h * D, vp + h * D, sp + b * L, lens[b], group, D, Hkv * D, scale, of.data(), scores);
-      };
-      if (D == 64) call(attend_portable<kv_t, 64>);
-      else if (D == 128) call(attend_portable<kv_t, 128>);
-      else call(attend_portable<kv_t, 0>);
-      q_t* orow = op + (b * H + h * group) * D;
-      for (int64_t e = 0; e < group * D; ++e) orow[e] = from_float<q_t>(of[e]);
-    }
+    for (int64_t i = begin; i < end; ++i)
+      item_portable(qp, q_row_stride, kp, vp, sp, lens, i, H, Hkv, D, L, scale,
+                    op + (i / Hkv * H + i % Hkv * group) * D);
   });
 }
 
@@ -265,23 +273,56 @@ inline BlockFn block_fn(int64_t D, int64_t gb) {
 
 inline bool bf16_fast_path(int64_t D) { return D == 64 || D == 128; }
 
-inline void run_bf16(const bf16* qp, int64_t q_row_stride, const bf16* kp, const bf16* vp, const int64_t* sp,
-              const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
-              bf16* op) {
+inline void item_bf16(const bf16* qp, int64_t q_row_stride, const bf16* kp, const bf16* vp, const int64_t* sp,
+                      const int64_t* lens, int64_t i, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
+                      bf16* orow) {
   const int64_t group = H / Hkv, max_block = D == 64 ? 4 : 2;
+  const int64_t b = i / Hkv, h = i % Hkv, len = lens[b], ld = (len + 15) / 16 * 16;
+  thread_local std::vector<float> scores;
+  scores.resize(max_block * ld);
+  for (int64_t g0 = 0; g0 < group; g0 += max_block) {
+    const int64_t gb = std::min(max_block, group - g0), head = h * group + g0;
+    block_fn(D, gb)(qp + b * q_row_stride + head * D, kp + h * D, vp + h * D, sp + b * L, len, Hkv * D, scale,
+                    orow + g0 * D, scores.data(), ld);
+  }
+}
+
+inline void run_bf16(const bf16* qp, int64_t q_row_stride, const bf16* kp, const bf16* vp, const int64_t* sp,
+                     const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
+                     bf16* op) {
+  const int64_t group = H / Hkv;
   radixmesh::parallel_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {  // (request, KV head) items
-    thread_local std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hkv, h = i % Hkv, len = lens[b], ld = (len + 15) / 16 * 16;
-      scores.resize(max_block * ld);
-      for (int64_t g0 = 0; g0 < group; g0 += max_block) {
-        const int64_t gb = std::min(max_block, group - g0), head = h * group + g0;
-        block_fn(D, gb)(qp + b * q_row_stride + head * D, kp + h * D, vp + h * D, sp + b * L, len, Hkv * D,
-                        scale, op + (b * H + head) * D, scores.data(), ld);
-      }
-    }
+    for (int64_t i = begin; i < end; ++i)
+      item_bf16(qp, q_row_stride, kp, vp, sp, lens, i, H, Hkv, D, L, scale, op + (i / Hkv * H + i % Hkv * group) * D);
   });
 }
 #endif  // RADIXMESH_AVX512_BF16
+
+// One step's attention as a StepTeam kernel (step_team.h), items as above; q_t = kv_t = S.
+// Everything it points at must outlive the team's late helpers.
+template <typename S>
+struct AttentionTask {
+  const S* q;
+  int64_t q_stride;
+  const S *k, *v;
+  const int64_t *slots, *lens;
+  int64_t B, H, Hkv, D, L;
+  float scale;
+  S* out;
+
+  int64_t chunks() const { return B * Hkv; }
+  int64_t out_bytes() const { return H / Hkv * D * static_cast<int64_t>(sizeof(S)); }
+  void compute(int64_t i, void* o) const {
+#ifdef RADIXMESH_AVX512_BF16
+    if constexpr (std::is_same_v<S, bf16>) {
+      if (bf16_fast_path(D)) return item_bf16(q, q_stride, k, v, slots, lens, i, H, Hkv, D, L, scale, static_cast<S*>(o));
+    }
+#endif
+    item_portable<S, S>(q, q_stride, k, v, slots, lens, i, H, Hkv, D, L, scale, static_cast<S*>(o));
+  }
+  void publish(int64_t i, const void* o) const {
+    std::memcpy(out + (i / Hkv * H + i % Hkv * (H / Hkv)) * D, o, out_bytes());
+  }
+};
 
 }  // namespace radixmesh::attn

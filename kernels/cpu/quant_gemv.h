@@ -82,10 +82,11 @@ inline void widen(const uint8_t* q, __m512& w0, __m512& w1) {
   }
 }
 
-// qs/d point at the first of NR consecutive output rows; y [NR, R].
+// qs/d/m point at the first of NR consecutive output rows; y [NR, R]. For Q4_1 the m terms
+// (m [NR, nb] . xsum [R, nb]) join the accumulators before their one reduction.
 template <int64_t QT, int R, int NR>
-void rows_avx512(const uint8_t* __restrict__ qs, const float* __restrict__ d, const float* __restrict__ x,
-                 int64_t K, float* __restrict__ y) {
+void rows_avx512(const uint8_t* __restrict__ qs, const float* __restrict__ d, const float* __restrict__ m,
+                 const float* __restrict__ x, const float* __restrict__ xsum, int64_t K, float* __restrict__ y) {
   const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
   __m512 acc[NR][R];
   for (int n = 0; n < NR; ++n)
@@ -104,71 +105,142 @@ void rows_avx512(const uint8_t* __restrict__ qs, const float* __restrict__ d, co
       }
     }
   }
+  if constexpr (QT == kQ4_1) {
+    for (int64_t b = 0; b < nb; b += 16) {
+      const __mmask16 keep = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1u);
+      for (int n = 0; n < NR; ++n) {
+        const __m512 mv = _mm512_maskz_loadu_ps(keep, m + n * nb + b);
+        for (int r = 0; r < R; ++r) acc[n][r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(keep, xsum + r * nb + b), acc[n][r]);
+      }
+    }
+  }
   for (int n = 0; n < NR; ++n)
     for (int r = 0; r < R; ++r) y[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
 // Output rows [begin, end) for R x rows: groups of 4 (R = 1), 2 (R = 2) or 1.
 template <int64_t QT, int R>
-void span_avx512(const uint8_t* qs, const float* d, const float* x, int64_t K, int64_t begin, int64_t end,
-                 float* y /* [rows, R] from begin */) {
+void span_avx512(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t K,
+                 int64_t begin, int64_t end, float* y /* [rows, R] from begin */) {
   constexpr int NR = R == 1 ? 4 : (R == 2 ? 2 : 1);
   const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
   int64_t n = begin;
   for (; n + NR <= end; n += NR)
-    rows_avx512<QT, R, NR>(qs + n * row_bytes, d + n * nb, x, K, y + (n - begin) * R);
-  for (; n < end; ++n) rows_avx512<QT, R, 1>(qs + n * row_bytes, d + n * nb, x, K, y + (n - begin) * R);
+    rows_avx512<QT, R, NR>(qs + n * row_bytes, d + n * nb, m + n * nb, x, xsum, K, y + (n - begin) * R);
+  for (; n < end; ++n)
+    rows_avx512<QT, R, 1>(qs + n * row_bytes, d + n * nb, m + n * nb, x, xsum, K, y + (n - begin) * R);
 }
 
+// Output rows [begin, end) for R (<= kMaxRows) x rows, m terms included: y [rows, R].
 template <int64_t QT>
-void span(const uint8_t* qs, const float* d, const float* x, int64_t R, int64_t K, int64_t begin, int64_t end,
-          float* y) {
+void span(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t R, int64_t K,
+          int64_t begin, int64_t end, float* y) {
+  if (QT == kQ8_0) m = d;  // unread: keeps the row offsets defined
   switch (R) {
-    case 1: return span_avx512<QT, 1>(qs, d, x, K, begin, end, y);
-    case 2: return span_avx512<QT, 2>(qs, d, x, K, begin, end, y);
-    case 3: return span_avx512<QT, 3>(qs, d, x, K, begin, end, y);
-    case 4: return span_avx512<QT, 4>(qs, d, x, K, begin, end, y);
-    case 5: return span_avx512<QT, 5>(qs, d, x, K, begin, end, y);
-    case 6: return span_avx512<QT, 6>(qs, d, x, K, begin, end, y);
-    case 7: return span_avx512<QT, 7>(qs, d, x, K, begin, end, y);
-    default: return span_avx512<QT, 8>(qs, d, x, K, begin, end, y);
+    case 1: return span_avx512<QT, 1>(qs, d, m, x, xsum, K, begin, end, y);
+    case 2: return span_avx512<QT, 2>(qs, d, m, x, xsum, K, begin, end, y);
+    case 3: return span_avx512<QT, 3>(qs, d, m, x, xsum, K, begin, end, y);
+    case 4: return span_avx512<QT, 4>(qs, d, m, x, xsum, K, begin, end, y);
+    case 5: return span_avx512<QT, 5>(qs, d, m, x, xsum, K, begin, end, y);
+    case 6: return span_avx512<QT, 6>(qs, d, m, x, xsum, K, begin, end, y);
+    case 7: return span_avx512<QT, 7>(qs, d, m, x, xsum, K, begin, end, y);
+    default: return span_avx512<QT, 8>(qs, d, m, x, xsum, K, begin, end, y);
   }
 }
 #else
 template <int64_t QT>
-void span(const uint8_t* qs, const float* d, const float* x, int64_t R, int64_t K, int64_t begin, int64_t end,
-          float* y) {
+void span(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t R, int64_t K,
+          int64_t begin, int64_t end, float* y) {
   const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
-  for (int64_t n = begin; n < end; ++n) row_portable<QT>(qs + n * row_bytes, d + n * nb, x, R, K, y + (n - begin) * R);
+  for (int64_t n = begin; n < end; ++n) {
+    row_portable<QT>(qs + n * row_bytes, d + n * nb, x, R, K, y + (n - begin) * R);
+    if (QT == kQ4_1) add_m_terms(m + n * nb, xsum, R, nb, y + (n - begin) * R);
+  }
 }
 #endif
+
+// The Q4_1 m terms' block sums of x [T, K]: xsum [T, K/32].
+inline void block_sums(const float* x, int64_t T, int64_t K, float* xsum) {
+  const int64_t nb = K / kBlock;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) s += x[t * K + b * kBlock + i];
+      xsum[t * nb + b] = s;
+    }
+}
+
+// Output rows [begin, end) of x [T, K] @ W^T into out [end - begin, T] (by output row);
+// xsum: block_sums(x) for Q4_1, unused for Q8_0.
+template <int64_t QT>
+void compute_rows(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t T,
+                  int64_t K, int64_t begin, int64_t end, float* out) {
+  const int64_t nb = K / kBlock, rows = end - begin;
+  thread_local std::vector<float> part;
+  part.resize(rows * kMaxRows);
+  for (int64_t t0 = 0; t0 < T; t0 += kMaxRows) {
+    const int64_t R = std::min(kMaxRows, T - t0);
+    float* o = T == R ? out : part.data();  // [rows, R]
+    span<QT>(qs, d, m, x + t0 * K, QT == kQ4_1 ? xsum + t0 * nb : nullptr, R, K, begin, end, o);
+    if (o != out)
+      for (int64_t n = 0; n < rows; ++n)
+        for (int64_t r = 0; r < R; ++r) out[n * T + t0 + r] = o[n * R + r];
+  }
+}
+
+inline void compute_rows(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const float* x,
+                         const float* xsum, int64_t T, int64_t K, int64_t begin, int64_t end, float* out) {
+  if (qtype == kQ8_0) compute_rows<kQ8_0>(qs, d, m, x, xsum, T, K, begin, end, out);
+  else compute_rows<kQ4_1>(qs, d, m, x, xsum, T, K, begin, end, out);
+}
+
+// out [rows, T] of output rows [begin, end) -> y [T, N].
+inline void scatter_rows(const float* out, int64_t T, int64_t N, int64_t begin, int64_t end, float* y) {
+  if (T == 1) {
+    std::memcpy(y + begin, out, (end - begin) * sizeof(float));
+    return;
+  }
+  for (int64_t n = begin; n < end; ++n)
+    for (int64_t t = 0; t < T; ++t) y[t * N + n] = out[(n - begin) * T + t];
+}
+
+// Rows in chunks taken dynamically (parallel.h): ~8 per thread, whole 4-row groups.
+inline int64_t rows_per_chunk(int64_t N) { return radixmesh::chunk_for(N, 8, 16, 4); }
 
 template <int64_t QT>
 void run(const uint8_t* qs, const float* d, const float* m, const float* x, int64_t T, int64_t K, int64_t N,
          float* y /* [T, N] */) {
-  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
   std::vector<float> xsum;
   if (QT == kQ4_1) {
-    xsum.assign(T * nb, 0.f);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t b = 0; b < nb; ++b)
-        for (int64_t i = 0; i < kBlock; ++i) xsum[t * nb + b] += x[t * K + b * kBlock + i];
+    xsum.resize(T * (K / kBlock));
+    block_sums(x, T, K, xsum.data());
   }
-  // Rows in chunks taken dynamically (parallel.h): ~8 per thread, whole 4-row groups.
-  radixmesh::parallel_chunks(N, radixmesh::chunk_for(N, 8, 16, 4), [&](int64_t begin, int64_t end) {
+  radixmesh::parallel_chunks(N, rows_per_chunk(N), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> out;
-    out.resize((end - begin) * kMaxRows);  // [rows, R]
-    for (int64_t t0 = 0; t0 < T; t0 += kMaxRows) {
-      const int64_t R = std::min(kMaxRows, T - t0);
-      span<QT>(qs, d, x + t0 * K, R, K, begin, end, out.data());
-      for (int64_t n = begin; n < end; ++n) {
-        float* o = out.data() + (n - begin) * R;
-        if (QT == kQ4_1) add_m_terms(m + n * nb, xsum.data() + t0 * nb, R, nb, o);
-        for (int64_t r = 0; r < R; ++r) y[(t0 + r) * N + n] = o[r];
-      }
-    }
+    out.resize((end - begin) * T);
+    compute_rows<QT>(qs, d, m, x, xsum.data(), T, K, begin, end, out.data());
+    scatter_rows(out.data(), T, N, begin, end, y);
   });
 }
+
+// The same matmul as a StepTeam kernel (step_team.h): everything it points at must outlive
+// the team's late helpers (x and xsum in the caller's persistent buffers).
+struct MatmulTask {
+  int64_t qtype;
+  const uint8_t* qs;
+  const float *d, *m, *x, *xsum;
+  float* y;
+  int64_t T, K, N, rows;  // rows: output rows per chunk
+
+  int64_t chunks() const { return (N + rows - 1) / rows; }
+  int64_t out_bytes() const { return rows * T * static_cast<int64_t>(sizeof(float)); }
+  void compute(int64_t c, void* out) const {
+    compute_rows(qtype, qs, d, m, x, xsum, T, K, c * rows, std::min(N, (c + 1) * rows), static_cast<float*>(out));
+  }
+  void publish(int64_t c, const void* out) const {
+    scatter_rows(static_cast<const float*>(out), T, N, c * rows, std::min(N, (c + 1) * rows), y);
+  }
+};
 
 // y [T, N] float32 = x [T, K] float32 @ W^T for a split GGUF weight (see the file comment).
 inline void quant_matmul(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const float* x,

@@ -35,6 +35,10 @@ class WorkerConfig:
     decode_stack: bool = field(default=True, metadata={
         "help": "CPU: run pure-decode steps of at most --quant-max-rows tokens as one C++ call (embedding, all "
                 "layers, LM head; same logits as op by op, without ~600 Python-dispatched ops a step)"})
+    step_team_spin_us: int = field(default=100, metadata={
+        "help": "CPU, one-call decode steps: their parallel loops run on a team whose lead never waits for a "
+                "preempted helper (kernels/cpu/step_team.h); an idle helper polls this long for the next loop, "
+                "then sleeps. -1: run them on OpenMP instead"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
 
     def __post_init__(self) -> None:
@@ -44,6 +48,8 @@ class WorkerConfig:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_requests < 1:
             raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
+        if self.step_team_spin_us < -1:
+            raise ValueError(f"--step-team-spin-us must be >= -1, got {self.step_team_spin_us}")
         if self.quant_max_rows < 0:
             raise ValueError(f"--quant-max-rows must be >= 0, got {self.quant_max_rows}")
 

@@ -103,7 +103,7 @@ class ModelRunner:
                 and self.config.attention_backend == "cpu"):
             return False
         from kernels import decode_stack
-        return self.model.use_decode_stack(decode_stack.load())
+        return self.model.use_decode_stack(decode_stack.load(), self.config.step_team_spin_us)
 
     # --- request state -------------------------------------------------------------
     def _admit(self, spec: NewRequestSpec) -> None:

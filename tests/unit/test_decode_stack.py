@@ -18,14 +18,15 @@ PAGES = {"a": [0, 1, 2], "b": [3, 4, 5]}
 
 @pytest.fixture(scope="module")
 def runners(checkpoint):
-    """(dtype, stack) -> a ModelRunner, built once for the module; tests reset() them."""
-    built: dict[tuple[str, bool], ModelRunner] = {}
+    """(dtype, stack, team spin) -> a ModelRunner, built once for the module; tests reset() them."""
+    built: dict[tuple[str, bool, int], ModelRunner] = {}
 
-    def get(dtype: str, stack: bool) -> ModelRunner:
-        if (dtype, stack) not in built:
-            built[dtype, stack] = ModelRunner(WorkerConfig(
-                dtype=dtype, kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2, decode_stack=stack), checkpoint)
-        runner = built[dtype, stack]
+    def get(dtype: str, stack: bool, spin_us: int = 100) -> ModelRunner:
+        if (dtype, stack, spin_us) not in built:
+            built[dtype, stack, spin_us] = ModelRunner(WorkerConfig(
+                dtype=dtype, kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2, decode_stack=stack,
+                step_team_spin_us=spin_us), checkpoint)
+        runner = built[dtype, stack, spin_us]
         runner.reset()
         return runner
     return get
@@ -62,6 +63,43 @@ def test_stack_logits_and_kv_are_bit_identical_to_op_by_op(runners, dtype):
             assert g.dtype == torch.float32 and torch.equal(g, w)
         assert torch.equal(stacked.pool.k, plain.pool.k) and torch.equal(stacked.pool.v, plain.pool.v)
         assert stacked.requests[rids[-1]].output_ids == plain.requests[rids[-1]].output_ids
+
+
+def test_openmp_loops_give_the_same_logits(runners):
+    """--step-team-spin-us -1 runs the step's loops on OpenMP: the same chunks, the same bits."""
+    team, omp = runners("bfloat16", True), runners("bfloat16", True, -1)
+    got, want = _decode(team, ["a", "b"], 4), _decode(omp, ["a", "b"], 4)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert omp.model.decode_stack.team_helpers == 0
+
+
+def test_a_stalled_helper_never_holds_up_the_step_or_changes_it(runners):
+    """Helpers that sleep 2 ms in every chunk (as if preempted there): the lead computes their
+    chunks itself, and their late results, computed from inputs that changed under them, are
+    never used: logits and KV stay bit-identical to the op-by-op path, before and after."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: the team has no helpers")
+    stacked, plain = runners("bfloat16", True), runners("bfloat16", False)
+    for r in (stacked, plain):  # earlier tests' KV is still in the pools
+        r.pool.k.zero_()
+        r.pool.v.zero_()
+    stack = stacked.model.decode_stack
+    _decode(stacked, ["a"], 1)
+    assert stack.team_helpers == torch.get_num_threads() - 1
+    before = stack.team_recomputed
+    stack.slow_helpers(2000)
+    try:
+        stacked.reset()
+        slow = _decode(stacked, ["a", "b"], 3)
+    finally:
+        stack.slow_helpers(0)
+    assert stack.team_recomputed > before  # the lead did take over
+    stacked.reset()
+    fast = _decode(stacked, ["a", "b"], 3)  # prompt fast helpers, their stale chunks still landing
+    plain.reset()
+    want = _decode(plain, ["a", "b"], 3)
+    assert all(torch.equal(s, w) and torch.equal(f, w) for s, f, w in zip(slow, fast, want))
+    assert torch.equal(stacked.pool.k, plain.pool.k) and torch.equal(stacked.pool.v, plain.pool.v)
 
 
 def test_stack_runs_only_small_pure_decode_steps(runners, monkeypatch):

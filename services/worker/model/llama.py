@@ -137,12 +137,14 @@ class LlamaForCausalLM(nn.Module):
         return [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
-    def use_decode_stack(self, kernel) -> bool:
+    def use_decode_stack(self, kernel, team_spin_us: int = 100) -> bool:
         """Run pure-decode steps of at most quant_max_rows rows as one C++ call
         (kernels/decode_stack.py: the same row kernels as the fused ops, the paged decode
         attention and the quantized linears, with no Python between them). Needs every
         linear, the LM head included, on quantized blocks (use_quantized); False otherwise.
-        The stack reads the weights it was built from: call again after changing them."""
+        The stack reads the weights it was built from: call again after changing them.
+        team_spin_us: the step's loops run on a StepTeam whose idle helpers poll that long
+        before sleeping (kernels/cpu/step_team.h); -1: on OpenMP."""
         from kernels.quant_gemv import QTYPES
         self.decode_stack, self.decode_stack_rows = None, 0
         blocks = self.step_linears() + [self.lm_head]
@@ -150,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
             return False
         c = self.config
         stack = kernel.DecodeStack(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
-                                   c.head_dim ** -0.5, self.rope.cos, self.rope.sin)
+                                   c.head_dim ** -0.5, self.rope.cos, self.rope.sin, team_spin_us)
 
         def add(lin: Linear) -> int:
             q = lin.quant
