@@ -192,6 +192,15 @@ class DecodeStack {
   int64_t team_recomputed() const { return team_ ? team_->recomputed() : 0; }
   int64_t team_helpers() const { return team_ ? team_->helpers() : 0; }
   // Tests: the helpers sleep this long in every chunk, as if preempted (the lead must not wait).
+  // The CPUs the team's helpers run on (empty: wherever the step's thread may); takes effect
+  // for the next step.
+  void set_helper_cpus(std::vector<int64_t> cpus) {
+    std::lock_guard<std::mutex> hold(busy_);
+    for (int64_t cpu : cpus) TORCH_CHECK(cpu >= 0 && cpu < CPU_SETSIZE, "bad CPU ", cpu);
+    helper_cpus_ = std::move(cpus);
+    team_.reset();  // joins its helpers; the next step makes a team with the new placement
+  }
+
   void slow_helpers(int64_t us) {
     helper_delay_us_ = us;
     if (team_) team_->set_helper_delay_us(us);
@@ -225,7 +234,7 @@ class DecodeStack {
     const int helpers = std::max(0, at::get_num_threads() - 1);
     if (!team_ || team_->helpers() != helpers || team_->scratch_bytes() < scratch) {
       team_.reset();  // joins its helpers
-      team_ = std::make_unique<radixmesh::StepTeam>(helpers, scratch, team_spin_us_);
+      team_ = std::make_unique<radixmesh::StepTeam>(helpers, scratch, team_spin_us_, helper_cpus_);
       team_->set_helper_delay_us(helper_delay_us_);
     }
     if (!k_held_.is_same(k_pool) || !v_held_.is_same(v_pool)) {
@@ -352,6 +361,7 @@ class DecodeStack {
   std::vector<Layer> layers_;
   const int64_t team_spin_us_;
   int64_t helper_delay_us_ = 0;
+  std::vector<int64_t> helper_cpus_;
   std::vector<float> yf_;  // the linears' float32 output (the lead's alone), reused across calls
   // What the team's helpers read: a late helper may still read a buffer after its loop
   // ended, so these are grown only while the team is quiet and never freed before it.
@@ -379,6 +389,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("linears_only", &DecodeStack::linears_only, "time the step's matmuls alone on B rows",
            py::arg("rows"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("set_helper_cpus", &DecodeStack::set_helper_cpus, "the CPUs the step team's helpers run on",
+           py::arg("cpus"))
       .def("slow_helpers", &DecodeStack::slow_helpers, "tests: helpers sleep this long in every chunk",
            py::arg("us"))
       .def_property_readonly("team_recomputed", &DecodeStack::team_recomputed)

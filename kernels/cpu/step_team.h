@@ -35,6 +35,7 @@
 
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -73,8 +74,10 @@ class StepTeam {
   // chunks need more runs on the lead alone); spin_us: how long an idle helper polls for the
   // next loop before it sleeps (loops within a step follow each other within microseconds;
   // between steps the helper sleeps and leaves its core to others).
-  StepTeam(int helpers, int64_t scratch_bytes, int64_t spin_us)
-      : scratch_bytes_(scratch_bytes), spin_(std::chrono::microseconds(spin_us)), done_(kMaxChunks) {
+  // helper_cpus: where the helpers may run (empty: where the creating thread may).
+  StepTeam(int helpers, int64_t scratch_bytes, int64_t spin_us, std::vector<int64_t> helper_cpus = {})
+      : scratch_bytes_(scratch_bytes), spin_(std::chrono::microseconds(spin_us)), helper_cpus_(std::move(helper_cpus)),
+        done_(kMaxChunks) {
     for (auto& d : done_) d.store(0, std::memory_order_relaxed);
     lead_scratch_.reset(new (std::align_val_t(64)) unsigned char[scratch_bytes_]);
     for (int h = 0; h < helpers; ++h) {
@@ -218,6 +221,12 @@ class StepTeam {
 
   void helper(int h) {
     pthread_setname_np(pthread_self(), ("rm-team-" + std::to_string(h + 1)).c_str());
+    if (!helper_cpus_.empty()) {  // threads inherit their creator's CPUs: the lead may be pinned
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int64_t cpu : helper_cpus_) CPU_SET(static_cast<int>(cpu), &set);
+      pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    }
     unsigned char* scratch = scratch_[h].get();
     std::atomic<bool>& working = *working_[h];
     uint64_t last = 0;
@@ -278,6 +287,7 @@ class StepTeam {
 
   const int64_t scratch_bytes_;
   const std::chrono::microseconds spin_;
+  const std::vector<int64_t> helper_cpus_;
   uint64_t gen_ = 0;  // the lead's
   std::vector<bool> mine_;
   std::unique_ptr<unsigned char[], AlignedFree> lead_scratch_;

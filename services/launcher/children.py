@@ -32,18 +32,20 @@ PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(services.__file__
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
-def _die_with_parent(parent_pid: int):
+def _die_with_parent(parent_pid: int, cpus: set[int] | None = None):
     def preexec() -> None:  # runs in the child between fork and exec
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent_pid:  # the launcher died before prctl took effect
             os._exit(1)
+        if cpus:  # before any of its threads exist: they all inherit it
+            os.sched_setaffinity(0, cpus)
     return preexec
 
 
 class Child:
     def __init__(self, name: str, argv: list[str], log_to: IO[str], tail_lines: int = 40,
-                 service: str | None = None) -> None:
-        self.name, self.argv = name, argv
+                 service: str | None = None, cpus: set[int] | None = None) -> None:
+        self.name, self.argv, self.cpus = name, argv, cpus  # cpus: where it may run (None: anywhere)
         self.service = service or name  # what `radixmesh serve` runs; name is unique per child (worker-1)
         self.proc: asyncio.subprocess.Process | None = None
         self.port: int | None = None
@@ -67,7 +69,7 @@ class Child:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.cli", "serve", self.service, *self.argv,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, preexec_fn=_die_with_parent(os.getpid()), env=env, limit=1 << 20)
+            start_new_session=True, preexec_fn=_die_with_parent(os.getpid(), self.cpus), env=env, limit=1 << 20)
         self._reader = asyncio.create_task(self._read(), name=f"{self.name}-stderr")
 
     async def _read(self) -> None:

@@ -119,6 +119,11 @@ class UpConfig:
         "help": "start a kvstore and wire every replica's worker to it, so a prefix one replica computed serves "
                 "the others (its flags, e.g. --kvstore-disk-dir, are forwarded); default: on when --replicas > 1"})
 
+    pin_lead_cpu: int | None = field(default=None, metadata={
+        "help": "keep this CPU for the worker's decode-step lead thread: the worker gets --lead-cpu and every "
+                "other service starts on the other CPUs (one replica; for machines with as few cores as the step "
+                "has threads: services/worker/lead_cpu.py); default: no pinning"})
+
     @property
     def use_kvstore(self) -> bool:
         return self.replicas > 1 if self.kvstore is None else self.kvstore
@@ -130,6 +135,11 @@ class UpConfig:
             raise ValueError("--drain-timeout-s and --kill-grace-s must be >= 0, --start-timeout-s > 0")
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.pin_lead_cpu is not None:
+            if self.replicas != 1:
+                raise ValueError("--pin-lead-cpu serves one replica")
+            from services.worker.lead_cpu import other_cpus
+            other_cpus(self.pin_lead_cpu)
 
 
 class ChildDied(Exception):
@@ -236,11 +246,20 @@ class Mesh:
         if name in TAKES_MODEL and cfg.model:
             argv += ["--model", cfg.model]
         routed = self.routed.get(name, [])
+        if name == "worker" and cfg.pin_lead_cpu is not None:
+            argv += ["--lead-cpu", str(cfg.pin_lead_cpu)]
         if name == "worker" and cfg.replicas > 1 and "--num-threads" not in routed:
             # N workers on one machine: split the cores instead of oversubscribing them
             # (each OpenMP team spinning on all cores slows every worker several-fold).
             argv += ["--num-threads", str(worker_threads(cfg.replicas))]
         return argv + routed
+
+    def _cpus(self, service: str) -> set[int] | None:
+        """With --pin-lead-cpu every service but the worker runs off the lead CPU."""
+        if self.config.pin_lead_cpu is None or service == "worker":
+            return None
+        from services.worker.lead_cpu import other_cpus
+        return other_cpus(self.config.pin_lead_cpu)
 
     async def start(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -249,7 +268,8 @@ class Mesh:
                 for peer in names:
                     await self.race(self.children[peer].listening.wait(), deadline - time.monotonic(),
                                     f"{peer} listening")
-            child = Child(p.name, self._argv(p.service, p.peers), sys.stderr, service=p.service)
+            child = Child(p.name, self._argv(p.service, p.peers), sys.stderr, service=p.service,
+                          cpus=self._cpus(p.service))
             await child.spawn()
             self.children[p.name] = child
             self.exits[p.name] = asyncio.create_task(child.wait())

@@ -39,6 +39,11 @@ class WorkerConfig:
         "help": "CPU, one-call decode steps: their parallel loops run on a team whose lead never waits for a "
                 "preempted helper (kernels/cpu/step_team.h); an idle helper polls this long for the next loop, "
                 "then sleeps. -1: run them on OpenMP instead"})
+    lead_cpu: int | None = field(default=None, metadata={
+        "help": "CPU: run one-call decode steps' lead thread on this CPU and keep the worker's other threads "
+                "(event loop, gRPC, the step team's helpers) off it, for machines with as few cores as the "
+                "step has threads (services/worker/lead_cpu.py; radixmesh up --pin-lead-cpu also keeps the other "
+                "services off it); default: no pinning"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
 
     def __post_init__(self) -> None:
@@ -48,6 +53,9 @@ class WorkerConfig:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_requests < 1:
             raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
+        if self.lead_cpu is not None:
+            from services.worker.lead_cpu import other_cpus
+            other_cpus(self.lead_cpu)  # a CPU of this process's, and not its only one
         if self.step_team_spin_us < -1:
             raise ValueError(f"--step-team-spin-us must be >= -1, got {self.step_team_spin_us}")
         if self.quant_max_rows < 0:

@@ -6,6 +6,7 @@ runs one forward for the whole batch and samples every row at once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -21,6 +22,7 @@ from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
 from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.kv_pool import KVPool, KVPoolSpec
+from services.worker.lead_cpu import LeadCpu
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
 from services.worker.model.layer_ops import create_layer_ops
@@ -68,6 +70,9 @@ class ModelRunner:
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
         self.quantized_weights = self._use_quantized(checkpoint)
         self.decode_stack = self._use_decode_stack()
+        self.lead_cpu = LeadCpu(config.lead_cpu) if config.lead_cpu is not None else None
+        if self.lead_cpu and self.decode_stack:
+            self.model.decode_stack.set_helper_cpus(sorted(self.lead_cpu.others))
         self.kv_spec = KVPoolSpec.from_budget(
             mc, config.page_size, config.torch_dtype,
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
@@ -212,8 +217,9 @@ class ModelRunner:
         positions = i64([item.start_pos for item in plan.items])
         rows, logits_rows = i64([r.row for r in reqs]), i64(sampled)
         self._computing()
-        logits = self.model.decode_step(token_ids, positions, self.page_table, rows, self.kv_spec.page_size,
-                                        self.pool, logits_rows)
+        with self.lead_cpu.leading() if self.lead_cpu else contextlib.nullcontext():
+            logits = self.model.decode_step(token_ids, positions, self.page_table, rows, self.kv_spec.page_size,
+                                            self.pool, logits_rows)
         return logits, sampled
 
 

@@ -1,0 +1,76 @@
+"""--lead-cpu / radixmesh up --pin-lead-cpu (services/worker/lead_cpu.py): the decode step's
+lead thread on its CPU during the step only, the step team's helpers and the other services
+off it, and clear errors for CPUs this process cannot use."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from services.launcher.children import _die_with_parent
+from services.launcher.up import Mesh, UpConfig
+from services.worker.config import WorkerConfig
+from services.worker.lead_cpu import other_cpus
+from services.worker.model_runner import ModelRunner
+from tests.unit.test_decode_stack import _decode
+
+ALLOWED = os.sched_getaffinity(0)
+needs_two = pytest.mark.skipif(len(ALLOWED) < 2 or torch.get_num_threads() < 2, reason="needs 2 CPUs and threads")
+
+
+def test_other_cpus_and_bad_choices():
+    assert other_cpus(0, {0, 1, 2}) == {1, 2}
+    with pytest.raises(ValueError, match="not one of this process's CPUs"):
+        other_cpus(5, {0, 1})
+    with pytest.raises(ValueError, match="at least 2 CPUs"):
+        other_cpus(0, {0})
+    with pytest.raises(ValueError, match="not one of"):
+        WorkerConfig(lead_cpu=max(ALLOWED) + 1)
+    with pytest.raises(ValueError, match="one replica"):
+        UpConfig(pin_lead_cpu=min(ALLOWED), replicas=2)
+
+
+@needs_two
+def test_the_launcher_starts_every_service_but_the_worker_off_the_lead_cpu():
+    lead = min(ALLOWED)
+    mesh = Mesh(UpConfig(pin_lead_cpu=lead), {"worker": []})
+    assert mesh._cpus("worker") is None
+    assert mesh._cpus("tokenizer") == mesh._cpus("gateway") == ALLOWED - {lead}
+    assert "--lead-cpu" in mesh._argv("worker", []) and mesh._argv("worker", [])[-1] == str(lead)
+    assert Mesh(UpConfig(), {"worker": []})._cpus("tokenizer") is None
+    # The child's own affinity, set between fork and exec (its threads all inherit it).
+    out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                         preexec_fn=_die_with_parent(os.getpid(), ALLOWED - {lead}), capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == str(sorted(ALLOWED - {lead}))
+
+
+def _thread_cpus() -> dict[int, tuple[str, set[int]]]:
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            out[int(tid)] = (f.read().strip(), os.sched_getaffinity(int(tid)))
+    return out
+
+
+@needs_two
+def test_the_step_runs_on_the_lead_cpu_and_its_helpers_elsewhere(checkpoint, monkeypatch):
+    lead = min(ALLOWED)
+    before = set(_thread_cpus())
+    runner = ModelRunner(WorkerConfig(dtype="bfloat16", kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2,
+                                      lead_cpu=lead), checkpoint)
+    seen, real = [], runner.model.decode_step
+
+    def spy(*args):
+        seen.append(os.sched_getaffinity(0))
+        return real(*args)
+
+    monkeypatch.setattr(runner.model, "decode_step", spy)
+    _decode(runner, ["a"], 2)  # a prefill (not pinned), then two one-call decode steps
+    assert seen == [{lead}, {lead}]
+    assert os.sched_getaffinity(0) == ALLOWED  # every CPU again after the step
+    helpers = [cpus for tid, (name, cpus) in _thread_cpus().items() if tid not in before and name == "rm-team-1"]
+    assert helpers == [ALLOWED - {lead}]
