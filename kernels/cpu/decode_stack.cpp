@@ -231,7 +231,7 @@ class DecodeStack {
       const int64_t rows = radixmesh::qgemv::rows_per_chunk(w.N);
       scratch = std::max(scratch, (w.N + rows - 1) / rows * rows * B * static_cast<int64_t>(sizeof(float)));
     }
-    const int helpers = std::max(0, at::get_num_threads() - 1);
+    const int helpers = std::clamp(at::get_num_threads() - 1, 0, radixmesh::StepTeam::kMaxHelpers);
     if (!team_ || team_->helpers() != helpers || team_->scratch_bytes() < scratch) {
       team_.reset();  // joins its helpers
       team_ = std::make_unique<radixmesh::StepTeam>(helpers, scratch, team_spin_us_, helper_cpus_);

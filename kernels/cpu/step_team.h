@@ -69,6 +69,7 @@ class StepTeam {
   static constexpr int kTaskWords = 24;          // a kernel struct: at most 192 bytes
   static constexpr int64_t kMaxChunks = 4096;    // per loop
   static constexpr int kChunkBits = 20;          // claim word: generation << 20 | next chunk
+  static constexpr int kMaxHelpers = 62;         // done tags keep the helper in 6 bits
 
   // helpers: threads besides the caller; scratch_bytes: each helper's scratch (a loop whose
   // chunks need more runs on the lead alone); spin_us: how long an idle helper polls for the
@@ -78,6 +79,7 @@ class StepTeam {
   StepTeam(int helpers, int64_t scratch_bytes, int64_t spin_us, std::vector<int64_t> helper_cpus = {})
       : scratch_bytes_(scratch_bytes), spin_(std::chrono::microseconds(spin_us)), helper_cpus_(std::move(helper_cpus)),
         done_(kMaxChunks) {
+    helpers = std::clamp(helpers, 0, kMaxHelpers);
     for (auto& d : done_) d.store(0, std::memory_order_relaxed);
     lead_scratch_.reset(new (std::align_val_t(64)) unsigned char[scratch_bytes_]);
     for (int h = 0; h < helpers; ++h) {
