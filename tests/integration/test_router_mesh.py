@@ -3,9 +3,11 @@ Affinity with the real prefix cache, /admin over HTTP, and a clean stop that lea
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
-from protos.radixmesh.v1 import router_pb2, router_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from protos.radixmesh.v1 import (kvstore_pb2, kvstore_pb2_grpc, router_pb2, router_pb2_grpc, tokenizer_pb2,
+                                 tokenizer_pb2_grpc)
 from tests.integration.mesh_harness import SMALL_MESH, Mesh, collect, greedy
 
 SYSTEM = ("You are the support assistant of a small bakery. You answer questions about bread, opening "
@@ -73,7 +75,15 @@ def test_round_robin_replicas_reuse_each_others_prefixes_through_the_kvstore():
         mesh.wait_ready()
         assert "kvstore" in mesh.addresses
         stub = tokenizer_pb2_grpc.TokenizerStub(mesh.channel("router"))
-        first, second = (ask(stub, f"Question {i}: when do you open?")[0] for i in range(2))
+        first = ask(stub, "Question 0: when do you open?")[0]
+        # Write-through is asynchronous (the worker's put_nowait): a request that arrives while
+        # the last pages are still on their way finds fewer. Wait for the prompt's full pages.
+        store = kvstore_pb2_grpc.KVStoreStub(mesh.channel("kvstore"))
+        deadline = time.monotonic() + 30
+        while store.Stats(kvstore_pb2.KVStoreStatsRequest(), timeout=5).pages_stored < first["usage"][0] // 16:
+            assert time.monotonic() < deadline, "replica A's pages never reached the store"
+            time.sleep(0.05)
+        second = ask(stub, "Question 1: when do you open?")[0]
         admin = router_pb2_grpc.RouterStub(mesh.channel("router"))
         routed = [r.routed for r in admin.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5).replicas]
         assert routed == [1, 1]  # one request each: the second replica saw the prompt first here
