@@ -191,7 +191,6 @@ class DecodeStack {
   // Chunks the lead computed itself because a helper had not finished them (step_team.h).
   int64_t team_recomputed() const { return team_ ? team_->recomputed() : 0; }
   int64_t team_helpers() const { return team_ ? team_->helpers() : 0; }
-  // Tests: the helpers sleep this long in every chunk, as if preempted (the lead must not wait).
   // The CPUs the team's helpers run on (empty: wherever the step's thread may); takes effect
   // for the next step.
   void set_helper_cpus(std::vector<int64_t> cpus) {
@@ -201,6 +200,7 @@ class DecodeStack {
     team_.reset();  // joins its helpers; the next step makes a team with the new placement
   }
 
+  // Tests: the helpers sleep this long in every chunk, as if preempted (the lead must not wait).
   void slow_helpers(int64_t us) {
     helper_delay_us_ = us;
     if (team_) team_->set_helper_delay_us(us);
