@@ -44,6 +44,11 @@ class WorkerConfig:
                 "(event loop, gRPC, the step team's helpers) off it, for machines with as few cores as the "
                 "step has threads (services/worker/lead_cpu.py; radixmesh up --pin-lead-cpu also keeps the other "
                 "services off it); default: no pinning"})
+    lead_nice: int = field(default=-10, metadata={
+        "help": "CPU: the nice value of the thread running a one-call decode step, during the step only "
+                "(negative: the mesh's other threads rarely preempt it, and a preempted step-team helper "
+                "costs about half as much as a preempted lead; needs CAP_SYS_NICE, else ignored with a "
+                "warning); 0: leave it"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
 
     def __post_init__(self) -> None:
@@ -56,6 +61,8 @@ class WorkerConfig:
         if self.lead_cpu is not None:
             from services.worker.lead_cpu import other_cpus
             other_cpus(self.lead_cpu)  # a CPU of this process's, and not its only one
+        if not -20 <= self.lead_nice <= 0:
+            raise ValueError(f"--lead-nice must be in [-20, 0], got {self.lead_nice}")
         if self.step_team_spin_us < -1:
             raise ValueError(f"--step-team-spin-us must be >= -1, got {self.step_team_spin_us}")
         if self.quant_max_rows < 0:

@@ -1,4 +1,5 @@
-"""One CPU kept for the thread that leads the one-call decode steps (`--lead-cpu`).
+"""The thread that leads the one-call decode steps: its own CPU (`--lead-cpu`, opt-in) and a
+higher priority during the steps (`--lead-nice`, on by default where permitted).
 
 On a machine with as few cores as the step has threads, every other thread that runs
 on the lead's core stops the whole step: the lead runs the step's serial parts and
@@ -61,3 +62,39 @@ def thread_ids() -> set[int]:
 
 def current_thread_id() -> int:
     return threading.get_native_id()
+
+
+class LeadPriority:
+    """The step's thread at a higher priority (a negative nice value) during one-call decode
+    steps only, so the scheduler rarely preempts it for the mesh's other threads; batched
+    steps keep the ordinary priority. Raising a priority needs CAP_SYS_NICE (or RLIMIT_NICE):
+    without it `usable` is False and the steps run as they are."""
+
+    def __init__(self, nice: int) -> None:
+        self.nice = nice
+        self.usable = nice < 0 and self._try()
+
+    def _try(self) -> bool:
+        tid = current_thread_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, self.nice)
+        except PermissionError:
+            log.warning("--lead-nice %d needs CAP_SYS_NICE: decode steps keep the ordinary priority", self.nice)
+            return False
+        os.setpriority(os.PRIO_PROCESS, tid, before)
+        return True
+
+    @contextlib.contextmanager
+    def leading(self) -> Iterator[None]:
+        """The calling thread at the lead's nice value for the block, at its own after it."""
+        if not self.usable:
+            yield
+            return
+        tid = current_thread_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, self.nice)
+        try:
+            yield
+        finally:
+            os.setpriority(os.PRIO_PROCESS, tid, before)

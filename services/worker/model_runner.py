@@ -22,7 +22,7 @@ from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
 from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.kv_pool import KVPool, KVPoolSpec
-from services.worker.lead_cpu import LeadCpu
+from services.worker.lead_cpu import LeadCpu, LeadPriority
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
 from services.worker.model.layer_ops import create_layer_ops
@@ -71,6 +71,7 @@ class ModelRunner:
         self.quantized_weights = self._use_quantized(checkpoint)
         self.decode_stack = self._use_decode_stack()
         self.lead_cpu = LeadCpu(config.lead_cpu) if config.lead_cpu is not None else None
+        self.lead_priority = LeadPriority(config.lead_nice) if self.decode_stack else None
         if self.lead_cpu and self.decode_stack:
             self.model.decode_stack.set_helper_cpus(sorted(self.lead_cpu.others))
         self.kv_spec = KVPoolSpec.from_budget(
@@ -217,7 +218,8 @@ class ModelRunner:
         positions = i64([item.start_pos for item in plan.items])
         rows, logits_rows = i64([r.row for r in reqs]), i64(sampled)
         self._computing()
-        with self.lead_cpu.leading() if self.lead_cpu else contextlib.nullcontext():
+        pinned = self.lead_cpu.leading() if self.lead_cpu else contextlib.nullcontext()
+        with pinned, self.lead_priority.leading():
             logits = self.model.decode_step(token_ids, positions, self.page_table, rows, self.kv_spec.page_size,
                                             self.pool, logits_rows)
         return logits, sampled

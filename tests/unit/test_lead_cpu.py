@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -74,3 +75,24 @@ def test_the_step_runs_on_the_lead_cpu_and_its_helpers_elsewhere(checkpoint, mon
     assert os.sched_getaffinity(0) == ALLOWED  # every CPU again after the step
     helpers = [cpus for tid, (name, cpus) in _thread_cpus().items() if tid not in before and name == "rm-team-1"]
     assert helpers == [ALLOWED - {lead}]
+
+
+def test_the_step_runs_at_the_lead_priority_and_gives_it_back(checkpoint, monkeypatch):
+    """--lead-nice: a higher priority during one-call decode steps only (where permitted)."""
+    runner = ModelRunner(WorkerConfig(dtype="bfloat16", kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2,
+                                      lead_nice=-5), checkpoint)
+    if not runner.lead_priority.usable:
+        pytest.skip("no CAP_SYS_NICE here")
+    tid = threading.get_native_id()
+    own = os.getpriority(os.PRIO_PROCESS, tid)
+    seen, real = [], runner.model.decode_step
+
+    def spy(*args):
+        seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+        return real(*args)
+
+    monkeypatch.setattr(runner.model, "decode_step", spy)
+    _decode(runner, ["a"], 2)
+    assert seen == [-5, -5] and os.getpriority(os.PRIO_PROCESS, tid) == own
+    with pytest.raises(ValueError, match="lead-nice"):
+        WorkerConfig(lead_nice=5)
