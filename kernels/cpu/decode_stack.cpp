@@ -226,12 +226,17 @@ class DecodeStack {
   // chunk set needs grew), and the pools it may read until the next step.
   void begin_step(int64_t B, const torch::Tensor& k_pool, const torch::Tensor& v_pool) {
     if (team_spin_us_ < 0) return;
-    int64_t scratch = B * H_ * D_ * static_cast<int64_t>(sizeof(float));  // the attention's, in any dtype
-    for (const QuantLinear& w : linears_) {
-      const int64_t rows = radixmesh::qgemv::rows_per_chunk(w.N);
-      scratch = std::max(scratch, (w.N + rows - 1) / rows * rows * B * static_cast<int64_t>(sizeof(float)));
+    const int threads = at::get_num_threads();
+    if (threads != chunked_rows_threads_) {  // the chunking follows the thread count
+      chunked_rows_ = 0;
+      for (const QuantLinear& w : linears_) {
+        const int64_t rows = radixmesh::qgemv::rows_per_chunk(w.N);
+        chunked_rows_ = std::max(chunked_rows_, (w.N + rows - 1) / rows * rows);
+      }
+      chunked_rows_threads_ = threads;
     }
-    const int helpers = std::clamp(at::get_num_threads() - 1, 0, radixmesh::StepTeam::kMaxHelpers);
+    const int64_t scratch = std::max(B * H_ * D_, chunked_rows_ * B) * static_cast<int64_t>(sizeof(float));
+    const int helpers = std::clamp(threads - 1, 0, radixmesh::StepTeam::kMaxHelpers);
     if (!team_ || team_->helpers() != helpers || team_->scratch_bytes() < scratch) {
       team_.reset();  // joins its helpers
       team_ = std::make_unique<radixmesh::StepTeam>(helpers, scratch, team_spin_us_, helper_cpus_);
@@ -361,6 +366,8 @@ class DecodeStack {
   std::vector<Layer> layers_;
   const int64_t team_spin_us_;
   int64_t helper_delay_us_ = 0;
+  int64_t chunked_rows_ = 0;  // the most output rows a linear's chunks cover, for chunked_rows_threads_
+  int chunked_rows_threads_ = -1;
   std::vector<int64_t> helper_cpus_;
   std::vector<float> yf_;  // the linears' float32 output (the lead's alone), reused across calls
   // What the team's helpers read: a late helper may still read a buffer after its loop

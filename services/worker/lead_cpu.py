@@ -60,9 +60,6 @@ def thread_ids() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def current_thread_id() -> int:
-    return threading.get_native_id()
-
 
 class LeadPriority:
     """The step's thread at a higher priority (a negative nice value) during one-call decode
@@ -75,7 +72,7 @@ class LeadPriority:
         self.usable = nice < 0 and self._try()
 
     def _try(self) -> bool:
-        tid = current_thread_id()
+        tid = threading.get_native_id()
         before = os.getpriority(os.PRIO_PROCESS, tid)
         try:
             os.setpriority(os.PRIO_PROCESS, tid, self.nice)
@@ -91,7 +88,7 @@ class LeadPriority:
         if not self.usable:
             yield
             return
-        tid = current_thread_id()
+        tid = threading.get_native_id()
         before = os.getpriority(os.PRIO_PROCESS, tid)
         os.setpriority(os.PRIO_PROCESS, tid, self.nice)
         try:

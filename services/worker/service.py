@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
@@ -84,9 +85,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         from services.worker.loader.checkpoint import load_checkpoint
         from services.worker.model_runner import ModelRunner
 
-        from services.worker.lead_cpu import current_thread_id, thread_ids
+        from services.worker.lead_cpu import thread_ids
 
-        before = thread_ids() - {current_thread_id()}  # the event loop's and gRPC's threads
+        before = thread_ids() - {threading.get_native_id()}  # the event loop's and gRPC's threads
         path = resolve_model_path(self.config.model)
         checkpoint = load_checkpoint(path)
         runner = ModelRunner(self.config, checkpoint)
