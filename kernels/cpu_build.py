@@ -1,5 +1,5 @@
-"""Builds a C++ CPU kernel file into a torch extension on first use (cached by
-torch under ~/.cache/torch_extensions), or reports that it cannot."""
+"""Builds a C++ CPU kernel file into a torch extension on first use (cached under
+`build_root()`, rebuilt when a source, a header or the CPU changes), or reports why it cannot."""
 from __future__ import annotations
 
 import glob
@@ -9,15 +9,29 @@ import os
 import threading
 from types import ModuleType
 
+from kernels import cpu_isa
+
 log = logging.getLogger(__name__)
-_lock = threading.Lock()
+_locks: dict[str, threading.Lock] = {}  # one per kernel: several kernels may build at once
+_locks_lock = threading.Lock()
 _built: dict[str, ModuleType | None] = {}
+unavailable: dict[str, str] = {}  # kernel name -> why it could not be built (for the worker's start-up log)
 CPU_DIR = os.path.join(os.path.dirname(__file__), "cpu")
-# Each checkout builds into its own folder (torch's shared ~/.cache/torch_extensions would make
-# two checkouts rebuild over each other); RADIXMESH_KERNEL_BUILD_DIR moves it.
-BUILD_DIR = os.environ.get("RADIXMESH_KERNEL_BUILD_DIR") or os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".build", "kernels")
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]  # plus kernels.cpu_isa.compile_flags(): -march, the CPU's flags
+
+
+def build_root() -> str:
+    """Where compiled kernels go. A checkout builds into its own .build/kernels (torch's shared
+    ~/.cache/torch_extensions would make two checkouts rebuild over each other); an installed
+    package, whose folder may not be writable, into ~/.cache/radixmesh/kernels.
+    RADIXMESH_KERNEL_BUILD_DIR moves it. One subfolder per RADIXMESH_CPU_ISA choice."""
+    root = os.environ.get("RADIXMESH_KERNEL_BUILD_DIR")
+    if not root:
+        project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        in_checkout = os.path.exists(os.path.join(project, "pyproject.toml"))
+        root = (os.path.join(project, ".build", "kernels") if in_checkout else
+                os.path.join(os.path.expanduser("~"), ".cache", "radixmesh", "kernels"))
+    return os.path.join(root, cpu_isa.build_tag())
 
 
 def _headers_digest() -> str:
@@ -29,19 +43,29 @@ def _headers_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def _reason(exc: Exception) -> str:
+    """The last line of a build error (the compiler's or ninja's verdict), with its type."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
+
+
 def load_cpu_extension(name: str, source: str) -> ModuleType | None:
     """The compiled module `radixmesh_<name>` of kernels/cpu/<source>, or None when
     it cannot be built here (no compiler or headers; logged once) — callers fall back to torch."""
-    with _lock:
+    with _locks_lock:
+        lock = _locks.setdefault(name, threading.Lock())
+    with lock:
         if name not in _built:
             _built[name] = None
             try:
                 from torch.utils.cpp_extension import load as build
-                build_dir = os.path.join(BUILD_DIR, name)
+                build_dir = os.path.join(build_root(), name)
                 os.makedirs(build_dir, exist_ok=True)
-                _built[name] = build(f"radixmesh_{name}", [os.path.join(CPU_DIR, source)],
-                                     extra_cflags=[*CFLAGS, f"-DRADIXMESH_HEADERS={_headers_digest()}"],
+                flags = [*CFLAGS, *cpu_isa.compile_flags(), f"-DRADIXMESH_HEADERS={_headers_digest()}"]
+                _built[name] = build(f"radixmesh_{name}", [os.path.join(CPU_DIR, source)], extra_cflags=flags,
                                      extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
             except Exception as exc:  # the torch path still works
-                log.warning("CPU kernel %s unavailable (%s); using plain torch", name, exc)
+                unavailable[name] = _reason(exc)
+                log.warning("CPU kernel %s unavailable (%s); using the slower plain-torch path", name,
+                            unavailable[name])
         return _built[name]

@@ -46,7 +46,16 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, s
   return float_out || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+bool has_avx512_path() {
+#ifdef RADIXMESH_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ (d * q [+ m])^T for GGUF Q8_0/Q4_1 weights (CPU)", py::arg("x"),
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("float_out") = false);
+  m.def("has_avx512_path", &has_avx512_path, "whether the AVX-512 matmul was compiled in (else the portable loop)");
 }

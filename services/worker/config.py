@@ -1,10 +1,11 @@
 """The worker's configuration: model, dtype, KV pool, attention backend."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
+
+from kernels import cpu_isa
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,22 +74,10 @@ class WorkerConfig:
         """The dtype name `auto` stands for on this machine."""
         if self.dtype != "auto":
             return self.dtype
-        if self.device.startswith("cuda") or cpu_has_fast_bf16():
+        if self.device.startswith("cuda") or cpu_isa.has_fast_bf16():
             return "bfloat16"
         return "float32"
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.resolved_dtype]
-
-
-@functools.cache
-def cpu_has_fast_bf16() -> bool:
-    """AMX-BF16 or AVX-512 BF16 (Linux /proc/cpuinfo flags): bfloat16 matmuls run
-    natively, ~5x float32's throughput on this project's CPU (bench/ceilings.py)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags

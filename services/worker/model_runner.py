@@ -21,6 +21,7 @@ from services.worker.attention.backend import create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
 from services.worker.cpu_tuning import keep_freed_memory
+from services.worker.fallbacks import warn_cpu_fallbacks
 from services.worker.kv_pool import KVPool, KVPoolSpec
 from services.worker.lead_cpu import LeadCpu, LeadPriority
 from services.worker.loader.checkpoint import Checkpoint
@@ -70,6 +71,7 @@ class ModelRunner:
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
         self.quantized_weights = self._use_quantized(checkpoint)
         self.decode_stack = self._use_decode_stack()
+        self.cpu_fallbacks = warn_cpu_fallbacks(config, self.prepacked)
         self.lead_cpu = LeadCpu(config.lead_cpu) if config.lead_cpu is not None else None
         self.lead_priority = LeadPriority(config.lead_nice) if self.decode_stack else None
         if self.lead_cpu and self.decode_stack:

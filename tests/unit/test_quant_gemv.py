@@ -116,3 +116,10 @@ def test_default_model_decodes_the_same_on_blocks_and_dense_weights():
         logits[rows] = out[0]
     torch.testing.assert_close(logits[2], logits[0], atol=2e-3, rtol=1e-4)
     assert int(logits[2].argmax()) == int(logits[0].argmax())
+
+
+def test_avx512_matmul_is_compiled_in_exactly_where_the_cpu_has_it(kernel):
+    """The AVX-512 matmul where the CPU (as RADIXMESH_CPU_ISA lets it be seen) has AVX-512,
+    the portable loop elsewhere: an AVX2-only CPU must never get AVX-512 instructions."""
+    from kernels import cpu_isa
+    assert kernel.has_avx512_path() == cpu_isa.has("avx512f")

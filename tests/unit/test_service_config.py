@@ -118,13 +118,15 @@ def test_json_log_lines_carry_service_request_id_and_extras() -> None:
 
 
 def test_worker_dtype_auto_resolves_by_cpu_features(monkeypatch):
-    from services.worker import config as worker_config
+    from kernels import cpu_isa
     from services.worker.config import WorkerConfig
 
     assert WorkerConfig(dtype="float16").resolved_dtype == "float16"
-    monkeypatch.setattr(worker_config, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.delenv(cpu_isa.ENV, raising=False)
+    monkeypatch.setattr(cpu_isa, "_proc_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw", "avx512vl",
+                                                                    "avx512dq", "avx512_bf16"}))
     assert WorkerConfig().resolved_dtype == "bfloat16"
-    monkeypatch.setattr(worker_config, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(cpu_isa, "_proc_flags", lambda: frozenset({"avx2", "fma"}))
     assert WorkerConfig().resolved_dtype == "float32"
     assert WorkerConfig(device="cuda").resolved_dtype == "bfloat16"
     with pytest.raises(ValueError, match="--dtype must be auto or one of"):

@@ -9,7 +9,10 @@ half the time at batch 1 and 0.7x at batch 64. The results are bit-identical
 to `F.linear` and do not depend on the batch size (tests/unit/test_linear.py).
 
 Only bfloat16 and float16 weights are packed: float32 goes through MKL's
-sgemm, which prepacking does not beat at small batches.
+sgemm, which prepacking does not beat at small batches. Whether this CPU can
+pack a dtype is decided at run time (`prepack_refusal`): oneDNN's bf16 path
+needs AVX-512 or AMX, its fp16 path AVX512-FP16 or AVX-NE-CONVERT (an AMD
+EPYC has the first, not the second); elsewhere the layer runs `F.linear`.
 
 A Linear can also hold the checkpoint's own quantized blocks (GGUF Q8_0/Q4_1,
 kernels/quant_gemv.py). Calls with at most `quant_max_rows` rows then run on
@@ -19,19 +22,45 @@ weights, so this path is closer to the float32 reference than bfloat16 is.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_isa
 from kernels.quant_gemv import quant_linear
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """True when oneDNN can prepack this weight here (CPU, half precision, oneDNN built in)."""
-    return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
-            and torch.backends.mkldnn.is_available())
+    """True when oneDNN can prepack this weight here (CPU, half precision, oneDNN built in,
+    the CPU has the instructions the dtype's packed kernel needs)."""
+    return weight.device.type == "cpu" and prepack_refusal(weight.dtype) is None
+
+
+@functools.cache
+def prepack_refusal(dtype: torch.dtype) -> str | None:
+    """Why `dtype` weights are not prepacked on this CPU, or None when they are: the CPU's
+    flags first (kernels.cpu_isa), then one small packed matmul checked against F.linear,
+    so a CPU or hypervisor that reports a flag it cannot honour falls back too."""
+    if dtype not in PACKABLE_DTYPES:
+        return f"{dtype} weights are not prepacked"
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN"
+    missing = cpu_isa.prepack_missing(str(dtype).removeprefix("torch."))
+    if missing:
+        return missing
+    try:
+        weight = torch.randn(24, 32).to(dtype)
+        x = torch.randn(3, 32).to(dtype)
+        with torch.inference_mode():
+            if torch.equal(packed_linear(x, prepack(weight), None), F.linear(x, weight)):
+                return None
+        return "oneDNN's packed matmul disagreed with F.linear on a probe"
+    except RuntimeError as exc:
+        return f"oneDNN refused: {str(exc).strip().splitlines()[0]}"
 
 
 def prepack(weight: torch.Tensor, batch_hint: int | None = None) -> torch.Tensor:
