@@ -198,7 +198,7 @@ def test_n_logprobs_and_stop_through_the_mesh(client, model):
     assert cut.finish_reason == "stop" and stop not in cut.text and free.text.startswith(cut.text)
 
 
-def test_32_concurrent_streams_all_complete(mesh, model, expected):
+async def test_32_concurrent_streams_all_complete(mesh, model, expected):
     flush(mesh)
 
     async def one(c: openai.AsyncOpenAI, i: int) -> tuple[int, str, str | None]:
@@ -215,7 +215,7 @@ def test_32_concurrent_streams_all_complete(mesh, model, expected):
         async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=600) as c:
             return await asyncio.gather(*(one(c, i) for i in range(32)))
 
-    results = asyncio.run(all_of_them())
+    results = await all_of_them()
     assert len(results) == 32
     for p, text, reason in results:
         assert text == expected["text", p].text, PROMPTS[p]
@@ -293,7 +293,7 @@ def test_bad_input_gets_its_status_and_the_mesh_keeps_serving(mesh, client, mode
     assert client.completions.create(model=model, prompt="ok", max_tokens=1).choices[0].finish_reason == "length"
 
 
-def test_a_full_queue_is_a_503_with_retry_after(mesh, model):
+async def test_a_full_queue_is_a_503_with_retry_after(mesh, model):
     async def flood():
         body = {"model": model, "prompt": " ".join(PROMPTS), "max_tokens": 4, "temperature": 0}
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -302,13 +302,13 @@ def test_a_full_queue_is_a_503_with_retry_after(mesh, model):
                     return r.status, r.headers.get("Retry-After"), await r.json()
             return await asyncio.gather(*(one() for _ in range(160)))
 
-    results = asyncio.run(flood())
+    results = await flood()
     statuses = [r[0] for r in results]
     assert set(statuses) <= {200, 503}
     refused = [r for r in results if r[0] == 503]
     assert refused, "the flood never filled the queue"
     assert all(r[1] and r[2]["error"]["code"] == "resource_exhausted" for r in refused)
-    time.sleep(0.5)
+    await asyncio.sleep(0.5)
     assert http(mesh, "GET", "/ready")[0] == 200
 
 

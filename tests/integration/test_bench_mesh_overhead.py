@@ -2,6 +2,7 @@
 ITL / TTFT / TPOT / throughput, the ratios and the table."""
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import math
@@ -79,9 +80,7 @@ def test_summary_ratios_and_table():
     assert "c=16: mesh ITL mean 1.250x in-process (MISSES <= 1.15x)" in table
 
 
-def test_run_concurrent_bounds_the_requests_in_flight():
-    import asyncio
-
+async def test_run_concurrent_bounds_the_requests_in_flight():
     live, peak = 0, 0
 
     async def one(ids):
@@ -92,5 +91,5 @@ def test_run_concurrent_bounds_the_requests_in_flight():
         live -= 1
         return bench.RequestRecord(sent=0.0, tokens=len(ids))
 
-    records, wall = asyncio.run(bench.run_concurrent([[1]] * 10 + [[1, 2]], 3, one))
+    records, wall = await bench.run_concurrent([[1]] * 10 + [[1, 2]], 3, one)
     assert peak == 3 and wall > 0 and [r.tokens for r in records] == [1] * 10 + [2]

@@ -80,7 +80,7 @@ def test_stop_strings_and_logprobs(engine):
         assert math.isclose(entry.top[0][1], entry.logprob, abs_tol=1e-5)
 
 
-def test_cancelled_stream_aborts_and_frees_kv(engine):
+async def test_cancelled_stream_aborts_and_frees_kv(engine):
     sched = engine.scheduler
     baseline = sched.kv.allocator.num_free + sched.kv.cache.evictable_pages
 
@@ -96,11 +96,11 @@ def test_cancelled_stream_aborts_and_frees_kv(engine):
         return n
 
     aborted_before = sched.stats.aborted
-    assert asyncio.run(consume_some()) >= 5
+    assert await consume_some() >= 5
     for _ in range(200):
         if sched.stats.aborted > aborted_before and not sched.running:
             break
-        asyncio.run(asyncio.sleep(0.05))
+        await asyncio.sleep(0.05)
     assert sched.stats.aborted == aborted_before + 1
     assert sched.kv.allocator.num_free + sched.kv.cache.evictable_pages == baseline
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import uvloop
 
 from protos.radixmesh.v1 import kvstore_pb2_grpc
 from services.common.sampling_params import SamplingParams
@@ -37,7 +38,7 @@ class StoreServer:
         self.config = StoreConfig(memory_bytes=memory_bytes, disk_dir=str(disk_dir), disk_bytes=1 << 30)
         self.port = port or free_port()
         self.store: KVStore | None = None
-        self._loop = asyncio.new_event_loop()
+        self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._server = None

@@ -51,84 +51,80 @@ def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return a is not None and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_batched_and_streamed_put_get_exists_clear(tmp_path: Path) -> None:
-    async def run() -> None:
-        store = KVStore(StoreConfig(memory_bytes=8 * SPEC.nbytes, disk_dir=str(tmp_path), disk_bytes=1 << 20))
-        server, port = await start_server(store)
-        unary = KVStoreClient(f"127.0.0.1:{port}", SPEC)
-        streamed = KVStoreClient(f"127.0.0.1:{port}", SPEC, max_batch_bytes=3 * SPEC.nbytes)  # forces streams
-        try:
-            ids, keys, pages = chain(20)
-            assert await unary.exists(keys) == 0
-            assert await unary.put(keys[:10], pages[:10]) == 10
-            assert await streamed.put(keys, pages) == 10  # the first 10 are skipped
-            assert await unary.stored_prefix_tokens(HASHER, ids + [1, 2]) == 80
-            for client in (unary, streamed):
-                got = await client.get(keys)
-                assert all(same(g, p) for g, p in zip(got, pages))
-                assert torch.equal(await client.get_prefix(keys), pages)
-            # A gap: stop_at_miss cuts the chain there, unless asked not to.
-            other_ids, other_keys, other_pages = chain(3, first=1000)
-            mixed = keys[:2] + other_keys[:1] + keys[2:4]
-            assert [g is not None for g in await streamed.get(mixed)] == [True, True, False, False, False]
-            assert [g is not None for g in await streamed.get(mixed, stop_at_miss=False)] == \
-                [True, True, False, True, True]
-            assert (await unary.get_prefix(other_keys)).shape == (0, *SPEC.shape)
-            # GetStream batches by bytes: one page per message at a one-page limit.
-            stub = kvstore_pb2_grpc.KVStoreStub(unary._channel)
-            msgs = [m async for m in stub.GetStream(pb.GetPagesRequest(keys=keys[:5], max_batch_bytes=SPEC.nbytes))]
-            assert [len(m.pages) for m in msgs] == [1] * 5 and [m.pages[0].index for m in msgs] == list(range(5))
-            # A payload of another layout under a key reads as a miss, not as garbage.
-            await stub.Put(pb.PutPagesRequest(pages=[pb.Page(key=other_keys[0], data=b"x" * 10)]))
-            assert await unary.get(other_keys[:1]) == [None] and unary.counters.bad_pages == 1
-            st = await unary.stats()
-            assert st.disk_enabled and st.memory_pages == 8 and st.disk_pages >= 12
-            assert st.pages_stored == 21 and st.pages_skipped == 10 and st.hits_disk > 0
-            assert await unary.clear() == 21
-            assert await unary.exists(keys) == 0
-            assert unary.counters.failures == streamed.counters.failures == 0
-        finally:
-            await unary.close()
-            await streamed.close()
-            await server.stop(None)
-    asyncio.run(run())
-
-
-def test_client_answers_misses_while_down_and_recovers(tmp_path: Path) -> None:
-    async def run() -> None:
-        port = free_port()
-        client = KVStoreClient(f"127.0.0.1:{port}", SPEC, timeout_s=0.5, retry_interval_s=0.2)
-        ids, keys, pages = chain(4)
-        try:
-            # Nothing listening: misses and no-ops, never an exception.
-            assert await client.put(keys, pages) == 0
-            assert await client.exists(keys) == 0
-            assert await client.get(keys) == [None] * 4
-            assert await client.clear() is None and await client.stats() is None
-            assert not client.available and client.counters.failures == 1 and client.counters.skipped >= 3
-            store = KVStore(StoreConfig(memory_bytes=1 << 20, disk_dir=str(tmp_path), disk_bytes=1 << 20))
-            server, _ = await start_server(store, port)
-            for _ in range(100):  # back within a few retry intervals
-                if await client.put(keys, pages) == 4:
-                    break
-                await asyncio.sleep(0.05)
-            assert client.available and await client.exists(keys) == 4
-            await server.stop(None)
-            assert await client.get(keys) == [None] * 4  # down again: misses
-            server, _ = await start_server(store, port)
-            for _ in range(100):
-                got = await client.get(keys)
-                if got[0] is not None:
-                    break
-                await asyncio.sleep(0.05)
+async def test_batched_and_streamed_put_get_exists_clear(tmp_path: Path) -> None:
+    store = KVStore(StoreConfig(memory_bytes=8 * SPEC.nbytes, disk_dir=str(tmp_path), disk_bytes=1 << 20))
+    server, port = await start_server(store)
+    unary = KVStoreClient(f"127.0.0.1:{port}", SPEC)
+    streamed = KVStoreClient(f"127.0.0.1:{port}", SPEC, max_batch_bytes=3 * SPEC.nbytes)  # forces streams
+    try:
+        ids, keys, pages = chain(20)
+        assert await unary.exists(keys) == 0
+        assert await unary.put(keys[:10], pages[:10]) == 10
+        assert await streamed.put(keys, pages) == 10  # the first 10 are skipped
+        assert await unary.stored_prefix_tokens(HASHER, ids + [1, 2]) == 80
+        for client in (unary, streamed):
+            got = await client.get(keys)
             assert all(same(g, p) for g, p in zip(got, pages))
-            await server.stop(None)
-        finally:
-            await client.close()
-    asyncio.run(run())
+            assert torch.equal(await client.get_prefix(keys), pages)
+        # A gap: stop_at_miss cuts the chain there, unless asked not to.
+        other_ids, other_keys, other_pages = chain(3, first=1000)
+        mixed = keys[:2] + other_keys[:1] + keys[2:4]
+        assert [g is not None for g in await streamed.get(mixed)] == [True, True, False, False, False]
+        assert [g is not None for g in await streamed.get(mixed, stop_at_miss=False)] == \
+            [True, True, False, True, True]
+        assert (await unary.get_prefix(other_keys)).shape == (0, *SPEC.shape)
+        # GetStream batches by bytes: one page per message at a one-page limit.
+        stub = kvstore_pb2_grpc.KVStoreStub(unary._channel)
+        msgs = [m async for m in stub.GetStream(pb.GetPagesRequest(keys=keys[:5], max_batch_bytes=SPEC.nbytes))]
+        assert [len(m.pages) for m in msgs] == [1] * 5 and [m.pages[0].index for m in msgs] == list(range(5))
+        # A payload of another layout under a key reads as a miss, not as garbage.
+        await stub.Put(pb.PutPagesRequest(pages=[pb.Page(key=other_keys[0], data=b"x" * 10)]))
+        assert await unary.get(other_keys[:1]) == [None] and unary.counters.bad_pages == 1
+        st = await unary.stats()
+        assert st.disk_enabled and st.memory_pages == 8 and st.disk_pages >= 12
+        assert st.pages_stored == 21 and st.pages_skipped == 10 and st.hits_disk > 0
+        assert await unary.clear() == 21
+        assert await unary.exists(keys) == 0
+        assert unary.counters.failures == streamed.counters.failures == 0
+    finally:
+        await unary.close()
+        await streamed.close()
+        await server.stop(None)
 
 
-def test_serve_kvstore_survives_sigkill_with_its_disk_tier(tmp_path: Path) -> None:
+async def test_client_answers_misses_while_down_and_recovers(tmp_path: Path) -> None:
+    port = free_port()
+    client = KVStoreClient(f"127.0.0.1:{port}", SPEC, timeout_s=0.5, retry_interval_s=0.2)
+    ids, keys, pages = chain(4)
+    try:
+        # Nothing listening: misses and no-ops, never an exception.
+        assert await client.put(keys, pages) == 0
+        assert await client.exists(keys) == 0
+        assert await client.get(keys) == [None] * 4
+        assert await client.clear() is None and await client.stats() is None
+        assert not client.available and client.counters.failures == 1 and client.counters.skipped >= 3
+        store = KVStore(StoreConfig(memory_bytes=1 << 20, disk_dir=str(tmp_path), disk_bytes=1 << 20))
+        server, _ = await start_server(store, port)
+        for _ in range(100):  # back within a few retry intervals
+            if await client.put(keys, pages) == 4:
+                break
+            await asyncio.sleep(0.05)
+        assert client.available and await client.exists(keys) == 4
+        await server.stop(None)
+        assert await client.get(keys) == [None] * 4  # down again: misses
+        server, _ = await start_server(store, port)
+        for _ in range(100):
+            got = await client.get(keys)
+            if got[0] is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert all(same(g, p) for g, p in zip(got, pages))
+        await server.stop(None)
+    finally:
+        await client.close()
+
+
+async def test_serve_kvstore_survives_sigkill_with_its_disk_tier(tmp_path: Path) -> None:
     port = free_port()
     flags = ("--kvstore-disk-dir", str(tmp_path), "--kvstore-memory-bytes", str(2 * SPEC.nbytes))
     ids, keys, pages = chain(6)
@@ -139,9 +135,10 @@ def test_serve_kvstore_survives_sigkill_with_its_disk_tier(tmp_path: Path) -> No
         assert (await client.stats()).disk_pages == 4  # 2 fit in memory
         await client.close()
 
-    svc = Service("kvstore", *flags, "--metrics-port", "0", listen=f"127.0.0.1:{port}").wait_serving(60)
+    svc = await asyncio.to_thread(
+        lambda: Service("kvstore", *flags, "--metrics-port", "0", listen=f"127.0.0.1:{port}").wait_serving(60))
     try:
-        asyncio.run(put_and_check(svc.address))
+        await put_and_check(svc.address)
         listening = next(json.loads(x) for x in svc.lines if '"listening"' in x)
         with urllib.request.urlopen(f"http://127.0.0.1:{listening['metrics_port']}/metrics", timeout=10) as r:
             text = r.read().decode()
@@ -173,7 +170,7 @@ def test_serve_kvstore_survives_sigkill_with_its_disk_tier(tmp_path: Path) -> No
             svc2.stop(signal.SIGKILL)
             await client.close()
 
-    asyncio.run(across_restart())
+    await across_restart()
 
 
 class _SlowService(KVStoreService):
@@ -182,26 +179,24 @@ class _SlowService(KVStoreService):
         return await super().Get(request, context)
 
 
-def test_a_slow_store_times_out_into_misses() -> None:
-    async def run() -> None:
-        store = KVStore(StoreConfig(memory_bytes=1 << 20))
-        server = grpc.aio.server()
-        kvstore_pb2_grpc.add_KVStoreServicer_to_server(_SlowService(store), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        client = KVStoreClient(f"127.0.0.1:{port}", SPEC, timeout_s=0.3, retry_interval_s=5)
-        try:
-            ids, keys, pages = chain(2)
-            assert await client.put(keys, pages) == 2
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            assert await client.get(keys) == [None, None]
-            assert loop.time() - t0 < 1.5
-            assert client.counters.failures == 1
-            t0 = loop.time()
-            assert await client.exists(keys) == 0  # backing off: answered at once
-            assert loop.time() - t0 < 0.1 and client.counters.skipped == 1
-        finally:
-            await client.close()
-            await server.stop(None)
-    asyncio.run(run())
+async def test_a_slow_store_times_out_into_misses() -> None:
+    store = KVStore(StoreConfig(memory_bytes=1 << 20))
+    server = grpc.aio.server()
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(_SlowService(store), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = KVStoreClient(f"127.0.0.1:{port}", SPEC, timeout_s=0.3, retry_interval_s=5)
+    try:
+        ids, keys, pages = chain(2)
+        assert await client.put(keys, pages) == 2
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await client.get(keys) == [None, None]
+        assert loop.time() - t0 < 1.5
+        assert client.counters.failures == 1
+        t0 = loop.time()
+        assert await client.exists(keys) == 0  # backing off: answered at once
+        assert loop.time() - t0 < 0.1 and client.counters.skipped == 1
+    finally:
+        await client.close()
+        await server.stop(None)

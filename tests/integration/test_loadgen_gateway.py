@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from services.gateway.fake_backend import FakeBackend
-from services.gateway.testing import GatewayThread
 from services.loadgen.cli import main, run_bench
 from services.loadgen.config import BenchConfig
 from services.loadgen.words import FALLBACK_WORDS, WordPool
+from tests.doubles.fake_backend import FakeBackend
+from tests.doubles.gateway_thread import GatewayThread
 
 POOL = WordPool(tuple(FALLBACK_WORDS), False, "none")
 SMALL = dict(input_len=20, output_len=6, gsp_groups=2, gsp_prompts_per_group=3, gsp_system_prompt_len=30,

@@ -1,4 +1,4 @@
-"""The router as a real process in front of model-free replicas (services/router/fake_replica.py,
+"""The router as a real process in front of model-free replicas (tests/doubles/fake_replica.py,
 each its own process): affinity, balance, faults (SIGKILL, breaker, retry bound), drain, /admin."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from protos.radixmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from protos.radixmesh.v1 import tokenizer_pb2 as pb
 from protos.radixmesh.v1 import tokenizer_pb2_grpc
-from services.router.testing import Proc
+from tests.doubles.procs import Proc
 
 FAST = ["--health-interval-s", "0.2", "--health-timeout-s", "0.5", "--load-interval-s", "0.2", "--metrics-port", "0"]
 

@@ -19,9 +19,9 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from services.gateway.fake_backend import FakeBackend
 from services.gateway.openapi import document
-from services.gateway.testing import GatewayThread
+from tests.doubles.fake_backend import FakeBackend
+from tests.doubles.gateway_thread import GatewayThread
 
 MAX_EXAMPLES = 30
 SCHEMA = schemathesis.openapi.from_dict(document("fake-model"))

@@ -87,21 +87,19 @@ async def stub_server(serving: bool = True):
         await server.stop(0)
 
 
-def test_request_conversion_and_events():
-    async def go():
-        async with stub_server() as (stub, backend, _):
-            sp = SamplingParams(max_new_tokens=3, temperature=0.0, stop=["###"], seed=4, logprobs=True, top_logprobs=1)
-            calls = [GenerateCall("r1", sp, n=2, text="hello"),
-                     GenerateCall("r2", sp, messages=[{"role": "user", "content": "hi", "name": "bob"}]),
-                     GenerateCall("r3", sp, input_ids=[1, 2, 3], include_stop_str_in_output=True),
-                     GenerateCall("r4", sp, text="no max_tokens", fill_context=True),
-                     GenerateCall("r5", sp, text="no max_tokens, capped", fill_context=True, fill_cap=7)]
-            events = []
-            for c in calls:
-                events.append([e async for e in backend.generate(c)])
-            return stub.requests, events, await backend.info()
-    requests, events, info = asyncio.run(go())
-    text, chat, ids, fill, capped = requests
+async def test_request_conversion_and_events():
+    async with stub_server() as (stub, backend, _):
+        sp = SamplingParams(max_new_tokens=3, temperature=0.0, stop=["###"], seed=4, logprobs=True, top_logprobs=1)
+        calls = [GenerateCall("r1", sp, n=2, text="hello"),
+                 GenerateCall("r2", sp, messages=[{"role": "user", "content": "hi", "name": "bob"}]),
+                 GenerateCall("r3", sp, input_ids=[1, 2, 3], include_stop_str_in_output=True),
+                 GenerateCall("r4", sp, text="no max_tokens", fill_context=True),
+                 GenerateCall("r5", sp, text="no max_tokens, capped", fill_context=True, fill_cap=7)]
+        events = []
+        for c in calls:
+            events.append([e async for e in backend.generate(c)])
+        info = await backend.info()
+    text, chat, ids, fill, capped = stub.requests
     assert text.sampling.HasField("max_new_tokens") and not text.HasField("default_max_new_tokens")
     assert not fill.sampling.HasField("max_new_tokens") and not fill.HasField("default_max_new_tokens")
     assert fill.sampling.temperature == 0.0 and fill.sampling.seed == 4  # the rest is still sent
@@ -124,59 +122,49 @@ def test_request_conversion_and_events():
 
 @pytest.mark.parametrize("mode,code", [("invalid", "INVALID_ARGUMENT"), ("full", "RESOURCE_EXHAUSTED"),
                                        ("error_event", "INTERNAL")])
-def test_failures_become_backend_errors(mode, code):
-    async def go():
-        async with stub_server() as (stub, backend, _):
-            stub.mode = mode
-            with pytest.raises(BackendError) as e:
-                async for _ in backend.generate(GenerateCall("r", SamplingParams(), text="x")):
-                    pass
-            return e.value
-    assert asyncio.run(go()).code == code
-
-
-def test_readiness_reasons():
-    async def go():
-        out = []
-        async with stub_server(serving=False) as (stub, backend, health_servicer):
-            out.append(await backend.not_ready())
-            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-            out.append(await backend.not_ready())
-            stub.ready = False
-            out.append(await backend.not_ready())
-        down = GrpcBackend("127.0.0.1:1", probe_timeout_s=1)
-        out.append(await down.not_ready())
+async def test_failures_become_backend_errors(mode, code):
+    async with stub_server() as (stub, backend, _):
+        stub.mode = mode
         with pytest.raises(BackendError) as e:
-            async for _ in down.generate(GenerateCall("r", SamplingParams(), text="x")):
+            async for _ in backend.generate(GenerateCall("r", SamplingParams(), text="x")):
                 pass
-        out.append(e.value.code)
-        await down.close()
-        return out
-    not_serving, ok, stage_down, unreachable, code = asyncio.run(go())
+    assert e.value.code == code
+
+
+async def test_readiness_reasons():
+    async with stub_server(serving=False) as (stub, backend, health_servicer):
+        not_serving = await backend.not_ready()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        ok = await backend.not_ready()
+        stub.ready = False
+        stage_down = await backend.not_ready()
+    down = GrpcBackend("127.0.0.1:1", probe_timeout_s=1)
+    unreachable = await down.not_ready()
+    with pytest.raises(BackendError) as e:
+        async for _ in down.generate(GenerateCall("r", SamplingParams(), text="x")):
+            pass
+    await down.close()
     assert "not serving" in not_serving and ok is None
     assert "scheduler at x:1: worker not connected" in stage_down
-    assert "does not answer: UNAVAILABLE" in unreachable and code == "UNAVAILABLE"
+    assert "does not answer: UNAVAILABLE" in unreachable and e.value.code == "UNAVAILABLE"
 
 
-def test_gateway_maps_grpc_statuses_and_cancels_on_disconnect():
-    async def go():
-        async with stub_server() as (stub, backend, _):
-            app = build_app(GatewayConfig(), backend, monitor_backend=False)
-            async with TestClient(TestServer(app)) as client:
-                body = {"model": "stub", "prompt": "x", "max_tokens": 4}
-                statuses = {}
-                for mode in ("invalid", "full", "ok"):
-                    stub.mode = mode
-                    r = await client.post("/v1/completions", json=body)
-                    statuses[mode] = (r.status, r.headers.get("Retry-After"), (await r.json()))
-                stub.mode = "slow"
-                with pytest.raises(asyncio.TimeoutError):
-                    async with client.post("/v1/completions", json={**body, "stream": True},
-                                           timeout=aiohttp.ClientTimeout(total=0.4)) as r:
-                        await r.read()
-                await asyncio.wait_for(stub.cancelled.wait(), 5)
-                return statuses
-    statuses = asyncio.run(go())
+async def test_gateway_maps_grpc_statuses_and_cancels_on_disconnect():
+    async with stub_server() as (stub, backend, _):
+        app = build_app(GatewayConfig(), backend, monitor_backend=False)
+        async with TestClient(TestServer(app)) as client:
+            body = {"model": "stub", "prompt": "x", "max_tokens": 4}
+            statuses = {}
+            for mode in ("invalid", "full", "ok"):
+                stub.mode = mode
+                r = await client.post("/v1/completions", json=body)
+                statuses[mode] = (r.status, r.headers.get("Retry-After"), (await r.json()))
+            stub.mode = "slow"
+            with pytest.raises(asyncio.TimeoutError):
+                async with client.post("/v1/completions", json={**body, "stream": True},
+                                       timeout=aiohttp.ClientTimeout(total=0.4)) as r:
+                    await r.read()
+            await asyncio.wait_for(stub.cancelled.wait(), 5)
     assert statuses["invalid"][0] == 400 and "exceeds the context" in statuses["invalid"][2]["error"]["message"]
     assert statuses["full"][:2] == (503, "1")
     ok = statuses["ok"][2]
@@ -185,18 +173,15 @@ def test_gateway_maps_grpc_statuses_and_cancels_on_disconnect():
                            "prompt_tokens_details": {"cached_tokens": 2}}
 
 
-def test_logprob_token_strings_reach_both_openai_shapes():
-    async def go():
-        async with stub_server() as (_, backend, _):
-            app = build_app(GatewayConfig(), backend, monitor_backend=False)
-            async with TestClient(TestServer(app)) as client:
-                chat = await client.post("/v1/chat/completions", json={
-                    "model": "stub", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
-                    "logprobs": True, "top_logprobs": 3})
-                comp = await client.post("/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 3,
-                                                                   "logprobs": 3})
-                return await chat.json(), await comp.json()
-    chat, comp = asyncio.run(go())
+async def test_logprob_token_strings_reach_both_openai_shapes():
+    async with stub_server() as (_, backend, _):
+        app = build_app(GatewayConfig(), backend, monitor_backend=False)
+        async with TestClient(TestServer(app)) as client:
+            chat = await (await client.post("/v1/chat/completions", json={
+                "model": "stub", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                "logprobs": True, "top_logprobs": 3})).json()
+            comp = await (await client.post("/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 3,
+                                                                      "logprobs": 3})).json()
     first = chat["choices"][0]["logprobs"]["content"][0]
     assert first["token"] == " t0" and first["bytes"] == list(b" t0")
     assert [(t["token"], t["bytes"]) for t in first["top_logprobs"]] == [

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.radixmesh.v1 import tokenizer_pb2_grpc
@@ -32,7 +33,7 @@ class StubThread:
     """The stub tokenizer (health NOT_SERVING until `serve()`), on a loop in a thread."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.port = self.run(self._start())
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from services.gateway.fake_backend import FakeBackend
-from services.gateway.testing import GatewayThread
+from tests.doubles.fake_backend import FakeBackend
+from tests.doubles.gateway_thread import GatewayThread
 
 MSGS = [{"role": "user", "content": "say something"}]
 

@@ -1,11 +1,10 @@
 """Gateway request validation: each bad input → its status, OpenAI error envelope and message.
 
 Through aiohttp's test client against the app with the in-process FakeBackend
-(context length 256, vocabulary of len(WORDS) tokens); plain asyncio.
+(context length 256, vocabulary of len(WORDS) tokens); async tests on pytest-asyncio.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -13,8 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from services.gateway.app import build_app
 from services.gateway.config import GatewayConfig
-from services.gateway.fake_backend import WORDS, FakeBackend
 from services.gateway.schemas import SchemaError, check
+from tests.doubles.fake_backend import WORDS, FakeBackend
 
 MODEL = "fake-model"
 V = len(WORDS)
@@ -23,20 +22,18 @@ COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "hello there"}]
 
 
-def request(method: str, path: str, body=None, *, raw: bytes | None = None, backend: FakeBackend | None = None,
-            config: GatewayConfig | None = None):
+async def request(method: str, path: str, body=None, *, raw: bytes | None = None,
+                  backend: FakeBackend | None = None, config: GatewayConfig | None = None):
     """One request against a fresh app; returns (status, headers, parsed JSON or text)."""
-    async def go():
-        app = build_app(config or GatewayConfig(), backend or FakeBackend(), monitor_backend=False)
-        async with TestClient(TestServer(app)) as client:
-            data = raw if raw is not None else (json.dumps(body) if body is not None else None)
-            r = await client.request(method, path, data=data)
-            text = await r.text()
-            try:
-                return r.status, r.headers, json.loads(text)
-            except ValueError:
-                return r.status, r.headers, text
-    return asyncio.run(go())
+    app = build_app(config or GatewayConfig(), backend or FakeBackend(), monitor_backend=False)
+    async with TestClient(TestServer(app)) as client:
+        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+        r = await client.request(method, path, data=data)
+        text = await r.text()
+        try:
+            return r.status, r.headers, json.loads(text)
+        except ValueError:
+            return r.status, r.headers, text
 
 
 def comp(**kw):
@@ -126,8 +123,8 @@ BAD_400 = [
 
 
 @pytest.mark.parametrize("path,body,message,param", BAD_400, ids=[f"{i}-{b[2][:30]}" for i, b in enumerate(BAD_400)])
-def test_bad_input_is_a_400_with_an_actionable_message(path, body, message, param):
-    status, _, out = request("POST", path, body)
+async def test_bad_input_is_a_400_with_an_actionable_message(path, body, message, param):
+    status, _, out = await request("POST", path, body)
     assert status == 400, out
     err = out["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -146,43 +143,43 @@ def test_bad_input_is_a_400_with_an_actionable_message(path, body, message, para
     (b'{"model": "fake-model", "prompt": "a\\udc00"}', "a lone UTF-16 surrogate"),
     (b"[" * 100000 + b"]" * 100000, "not valid JSON"),
 ])
-def test_malformed_json_is_a_400(raw, message):
-    status, _, out = request("POST", COMP, raw=raw)
+async def test_malformed_json_is_a_400(raw, message):
+    status, _, out = await request("POST", COMP, raw=raw)
     assert status == 400
     assert message in out["error"]["message"]
 
 
-def test_unknown_route_is_a_404_and_wrong_method_a_405_in_the_envelope():
-    status, _, out = request("GET", "/v1/nope")
+async def test_unknown_route_is_a_404_and_wrong_method_a_405_in_the_envelope():
+    status, _, out = await request("GET", "/v1/nope")
     assert status == 404 and out["error"]["code"] == "unknown_route"
-    status, headers, out = request("GET", COMP)
+    status, headers, out = await request("GET", COMP)
     assert status == 405 and "POST" in headers["Allow"] and out["error"]["type"] == "invalid_request_error"
 
 
-def test_body_over_the_limit_is_a_413():
-    status, _, out = request("POST", COMP, comp(prompt="a " * 2000), config=GatewayConfig(max_request_bytes=2048))
+async def test_body_over_the_limit_is_a_413():
+    status, _, out = await request("POST", COMP, comp(prompt="a " * 2000), config=GatewayConfig(max_request_bytes=2048))
     assert status == 413
     assert "--max-request-bytes (2048 bytes)" in out["error"]["message"]
 
 
-def test_queue_full_is_a_503_with_retry_after():
-    status, headers, out = request("POST", CHAT, chat(), backend=FakeBackend(queue_full=True),
-                                   config=GatewayConfig(retry_after_s=3))
+async def test_queue_full_is_a_503_with_retry_after():
+    status, headers, out = await request("POST", CHAT, chat(), backend=FakeBackend(queue_full=True),
+                                         config=GatewayConfig(retry_after_s=3))
     assert status == 503 and headers["Retry-After"] == "3"
     assert out["error"]["code"] == "resource_exhausted" and "waiting" in out["error"]["message"]
-    status, headers, _ = request("POST", CHAT, chat(stream=True), backend=FakeBackend(queue_full=True))
+    status, headers, _ = await request("POST", CHAT, chat(stream=True), backend=FakeBackend(queue_full=True))
     assert status == 503 and "Retry-After" in headers  # refused before the stream starts
 
 
-def test_backend_down_is_a_503_with_retry_after():
-    status, headers, out = request("POST", COMP, comp(), backend=FakeBackend(is_serving=False))
+async def test_backend_down_is_a_503_with_retry_after():
+    status, headers, out = await request("POST", COMP, comp(), backend=FakeBackend(is_serving=False))
     assert status == 503 and headers["Retry-After"] == "1"
     assert out["error"]["code"] == "not_ready"
-    status, headers, _ = request("GET", "/v1/models", backend=FakeBackend(is_serving=False))
+    status, headers, _ = await request("GET", "/v1/models", backend=FakeBackend(is_serving=False))
     assert status == 503 and "Retry-After" in headers
 
 
-def test_good_variants_are_accepted():
+async def test_good_variants_are_accepted():
     for path, body in [
         (COMP, comp(prompt=["a b", "c"], n=2, stop="x", seed=3, temperature=0.7, top_k=5, min_p=0.1,
                     repetition_penalty=1.1, ignore_eos=True, min_tokens=1, stop_token_ids=[1], user="u",
@@ -195,17 +192,17 @@ def test_good_variants_are_accepted():
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": 0, "n": 2},
                        "return_logprob": True, "top_logprobs_num": 2, "rid": "abc"}),
     ]:
-        status, _, out = request("POST", path, body)
+        status, _, out = await request("POST", path, body)
         assert status == 200, (path, out)
 
 
-def test_parsed_values_reach_the_backend():
+async def test_parsed_values_reach_the_backend():
     backend = FakeBackend()
-    request("POST", CHAT, chat(max_tokens=9, max_completion_tokens=5, temperature=0, stop="end", seed=7, n=2,
-                               top_k=3, min_tokens=1, stop_token_ids=[2], ignore_eos=True,
-                               messages=[{"role": "developer", "content": [{"type": "text", "text": "a"},
-                                                                            {"type": "text", "text": "b"}]}]),
-            backend=backend)
+    await request("POST", CHAT, chat(max_tokens=9, max_completion_tokens=5, temperature=0, stop="end", seed=7, n=2,
+                                     top_k=3, min_tokens=1, stop_token_ids=[2], ignore_eos=True,
+                                     messages=[{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                                  {"type": "text", "text": "b"}]}]),
+                  backend=backend)
     (call,) = backend.calls
     sp = call.sampling
     assert (sp.max_new_tokens, sp.temperature, sp.stop, sp.seed, sp.top_k, sp.min_new_tokens) == (5, 0.0, ["end"], 7, 3, 1)
@@ -214,17 +211,17 @@ def test_parsed_values_reach_the_backend():
     assert call.rid.startswith("chatcmpl-")
 
 
-def test_default_max_tokens_from_config():
+async def test_default_max_tokens_from_config():
     backend = FakeBackend()
     config = GatewayConfig(default_max_tokens=7)
-    request("POST", COMP, {"model": MODEL, "prompt": "x"}, backend=backend, config=config)
+    await request("POST", COMP, {"model": MODEL, "prompt": "x"}, backend=backend, config=config)
     assert (backend.calls[0].fill_context, backend.calls[0].fill_cap) == (True, 7)
     assert backend.calls[0].sampling.max_new_tokens == 7
     # a cap, not a fixed length: a prompt near the context still fits (254 + 2)
-    status, _, out = request("POST", COMP, {"model": MODEL, "prompt": [1] * 254, "temperature": 0,
-                                            "ignore_eos": True}, backend=backend, config=config)
+    status, _, out = await request("POST", COMP, {"model": MODEL, "prompt": [1] * 254, "temperature": 0,
+                                                  "ignore_eos": True}, backend=backend, config=config)
     assert status == 200 and out["usage"]["completion_tokens"] == 2, out
-    request("POST", "/generate", {"text": "x"}, backend=backend, config=config)  # SGLang's: a fixed default
+    await request("POST", "/generate", {"text": "x"}, backend=backend, config=config)  # SGLang's: a fixed default
     assert not backend.calls[-1].fill_context and backend.calls[-1].sampling.max_new_tokens == 7
 
 
@@ -236,38 +233,38 @@ def test_schema_checker_follows_json_semantics():
             check(schema, value)
 
 
-def test_no_max_tokens_fills_what_the_context_leaves():
+async def test_no_max_tokens_fills_what_the_context_leaves():
     """OpenAI's default: a prompt 100 tokens short of the context (256) with no max_tokens
     runs to the context's end instead of a 400 for prompt + a fixed default; the gateway
     leaves max_tokens to the backend (fill_context), capped by --default-max-tokens."""
     backend = FakeBackend()
     long_prompt = " ".join(["hello"] * 156)
-    status, _, out = request("POST", COMP, {"model": MODEL, "prompt": long_prompt, "temperature": 0,
-                                            "ignore_eos": True}, backend=backend)
+    status, _, out = await request("POST", COMP, {"model": MODEL, "prompt": long_prompt, "temperature": 0,
+                                                  "ignore_eos": True}, backend=backend)
     assert status == 200, out
     assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 100
     (call,) = backend.calls
     assert call.fill_context and call.fill_cap is None
-    status, _, out = request("POST", CHAT, {"model": MODEL, "messages": MSGS, "min_tokens": 300}, backend=backend)
+    status, _, out = await request("POST", CHAT, {"model": MODEL, "messages": MSGS, "min_tokens": 300}, backend=backend)
     assert status == 400 and "must be <= max_tokens, which defaults to what the context leaves" in \
         out["error"]["message"], out
-    status, _, out = request("POST", COMP, {"model": MODEL, "prompt": [1] * 256}, backend=backend)
+    status, _, out = await request("POST", COMP, {"model": MODEL, "prompt": [1] * 256}, backend=backend)
     assert status == 400 and "leaves no room for output" in out["error"]["message"], out
     # An explicit max_tokens is sent as given, and the whole of prompt + max_tokens must fit.
-    status, _, out = request("POST", COMP, {"model": MODEL, "prompt": long_prompt, "max_tokens": 128},
-                             backend=backend)
+    status, _, out = await request("POST", COMP, {"model": MODEL, "prompt": long_prompt, "max_tokens": 128},
+                                   backend=backend)
     assert status == 400 and "exceeds the model's context length" in out["error"]["message"], out
     assert not backend.calls[-1].fill_context
 
 
-def test_completions_honour_max_completion_tokens_too():
+async def test_completions_honour_max_completion_tokens_too():
     """The shared schema accepts the newer name on both routes; /v1/completions once ignored it
     and generated to the end of the context (found by the real-mesh fuzz test)."""
     backend = FakeBackend()
-    request("POST", COMP, {"model": MODEL, "prompt": "x", "max_completion_tokens": 3}, backend=backend)
-    request("POST", COMP, {"model": MODEL, "prompt": "x", "max_tokens": 9, "max_completion_tokens": 4},
-            backend=backend)
+    await request("POST", COMP, {"model": MODEL, "prompt": "x", "max_completion_tokens": 3}, backend=backend)
+    await request("POST", COMP, {"model": MODEL, "prompt": "x", "max_tokens": 9, "max_completion_tokens": 4},
+                  backend=backend)
     assert [c.sampling.max_new_tokens for c in backend.calls] == [3, 4]
     assert not backend.calls[0].fill_context
-    status, _, out = request("POST", COMP, {"model": MODEL, "prompt": "x", "max_completion_tokens": 0})
+    status, _, out = await request("POST", COMP, {"model": MODEL, "prompt": "x", "max_completion_tokens": 0})
     assert status == 400 and out["error"]["param"] == "max_completion_tokens"

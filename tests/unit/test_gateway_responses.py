@@ -1,6 +1,6 @@
 """Gateway responses: OpenAI shapes, SSE framing, usage, failures mid-stream,
 client disconnects aborting the backend call, readiness. FakeBackend, aiohttp
-test client, plain asyncio."""
+test client; async tests on pytest-asyncio."""
 from __future__ import annotations
 
 import asyncio
@@ -14,10 +14,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from services.gateway.app import build_app
 from services.gateway.backend import Chunk, Finish, GenerateCall
 from services.gateway.config import GatewayConfig
-from services.gateway.fake_backend import FakeBackend
 from services.gateway.sse import DONE, frame
 from services.gateway.state import STATE
 from services.common.sampling_params import SamplingParams
+from tests.doubles.fake_backend import FakeBackend
 
 MODEL = "fake-model"
 MSGS = [{"role": "user", "content": "tell me a story"}]
@@ -28,10 +28,6 @@ async def client_for(backend: FakeBackend, config: GatewayConfig | None = None, 
     app = build_app(config or GatewayConfig(), backend, monitor_backend=monitor)
     async with TestClient(TestServer(app)) as client:
         yield client
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 async def post(client, path, body):
@@ -62,14 +58,11 @@ def test_sse_frame_is_one_data_line():
     assert DONE == b"data: [DONE]\n\n"
 
 
-def test_completion_shape_usage_and_cached_tokens():
-    async def go():
-        async with client_for(FakeBackend()) as c:
-            body = {"model": MODEL, "prompt": "one two three", "max_tokens": 5, "temperature": 0}
-            status, first = await post(c, "/v1/completions", body)
-            _, again = await post(c, "/v1/completions", body)
-            return status, first, again
-    status, first, again = run(go())
+async def test_completion_shape_usage_and_cached_tokens():
+    async with client_for(FakeBackend()) as c:
+        body = {"model": MODEL, "prompt": "one two three", "max_tokens": 5, "temperature": 0}
+        status, first = await post(c, "/v1/completions", body)
+        _, again = await post(c, "/v1/completions", body)
     assert status == 200
     assert first["object"] == "text_completion" and first["model"] == MODEL and first["id"].startswith("cmpl-")
     (choice,) = first["choices"]
@@ -84,15 +77,11 @@ def test_completion_shape_usage_and_cached_tokens():
     ("/v1/completions", {"prompt": "once upon a time"}),
     ("/v1/chat/completions", {"messages": MSGS}),
 ])
-def test_streamed_deltas_concatenate_to_the_full_text(path, body):
+async def test_streamed_deltas_concatenate_to_the_full_text(path, body):
     body = {"model": MODEL, "max_tokens": 12, "temperature": 0, **body}
-
-    async def go():
-        async with client_for(FakeBackend()) as c:
-            _, whole = await post(c, path, body)
-            events = await stream(c, path, {**body, "stream_options": {"include_usage": True}})
-            return whole, events
-    whole, events = run(go())
+    async with client_for(FakeBackend()) as c:
+        _, whole = await post(c, path, body)
+        events = await stream(c, path, {**body, "stream_options": {"include_usage": True}})
     chat = path.endswith("chat/completions")
     *chunks, usage = events
     assert usage["choices"] == []
@@ -111,22 +100,18 @@ def test_streamed_deltas_concatenate_to_the_full_text(path, body):
         assert all("role" not in e["choices"][0]["delta"] for e in chunks[1:])
 
 
-def test_stream_without_include_usage_has_no_usage_key():
-    async def go():
-        async with client_for(FakeBackend()) as c:
-            return await stream(c, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 3})
-    assert all("usage" not in e for e in run(go()))
+async def test_stream_without_include_usage_has_no_usage_key():
+    async with client_for(FakeBackend()) as c:
+        events = await stream(c, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 3})
+    assert all("usage" not in e for e in events)
 
 
-def test_n_sequences_and_batched_prompts_index_choices():
-    async def go():
-        async with client_for(FakeBackend()) as c:
-            _, whole = await post(c, "/v1/completions", {"model": MODEL, "prompt": ["a b", "c d e"], "n": 2,
-                                                         "max_tokens": 3, "temperature": 1, "seed": 1})
-            events = await stream(c, "/v1/completions", {"model": MODEL, "prompt": ["a b", "c d e"], "n": 2,
-                                                         "max_tokens": 3, "temperature": 1, "seed": 1})
-            return whole, events
-    whole, events = run(go())
+async def test_n_sequences_and_batched_prompts_index_choices():
+    async with client_for(FakeBackend()) as c:
+        _, whole = await post(c, "/v1/completions", {"model": MODEL, "prompt": ["a b", "c d e"], "n": 2,
+                                                     "max_tokens": 3, "temperature": 1, "seed": 1})
+        events = await stream(c, "/v1/completions", {"model": MODEL, "prompt": ["a b", "c d e"], "n": 2,
+                                                     "max_tokens": 3, "temperature": 1, "seed": 1})
     assert [ch["index"] for ch in whole["choices"]] == [0, 1, 2, 3]
     assert whole["usage"]["prompt_tokens"] == 5 and whole["usage"]["completion_tokens"] == 12
     by_index: dict[int, str] = {}
@@ -137,19 +122,16 @@ def test_n_sequences_and_batched_prompts_index_choices():
     assert len({ch["text"] for ch in whole["choices"]}) == 4  # sequences differ
 
 
-def test_stop_string_cuts_the_text_and_reports_the_match():
-    async def go():
-        async with client_for(FakeBackend()) as c:
-            _, free = await post(c, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8,
-                                                        "temperature": 0})
-            text = free["choices"][0]["text"]
-            stop = text.split()[2][:3]  # starts inside the third word
-            _, cut = await post(c, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8,
-                                                       "temperature": 0, "stop": [stop]})
-            events = await stream(c, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8,
-                                                         "temperature": 0, "stop": stop})
-            return text, stop, cut, events
-    text, stop, cut, events = run(go())
+async def test_stop_string_cuts_the_text_and_reports_the_match():
+    async with client_for(FakeBackend()) as c:
+        _, free = await post(c, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8,
+                                                    "temperature": 0})
+        text = free["choices"][0]["text"]
+        stop = text.split()[2][:3]  # starts inside the third word
+        _, cut = await post(c, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8,
+                                                   "temperature": 0, "stop": [stop]})
+        events = await stream(c, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8,
+                                                     "temperature": 0, "stop": stop})
     choice = cut["choices"][0]
     assert choice["text"] == text[:text.index(stop)]
     assert choice["finish_reason"] == "stop" and choice["matched_stop"] == stop
@@ -157,17 +139,14 @@ def test_stop_string_cuts_the_text_and_reports_the_match():
     assert events[-1]["choices"][0]["matched_stop"] == stop
 
 
-def test_logprobs_in_openai_shapes():
-    async def go():
-        async with client_for(FakeBackend()) as c:
-            _, comp = await post(c, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3,
-                                                        "logprobs": 2})
-            _, chat = await post(c, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 3,
-                                                             "logprobs": True, "top_logprobs": 2})
-            events = await stream(c, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 3,
-                                                              "logprobs": True})
-            return comp, chat, events
-    comp, chat, events = run(go())
+async def test_logprobs_in_openai_shapes():
+    async with client_for(FakeBackend()) as c:
+        _, comp = await post(c, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3,
+                                                    "logprobs": 2})
+        _, chat = await post(c, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 3,
+                                                         "logprobs": True, "top_logprobs": 2})
+        events = await stream(c, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 3,
+                                                          "logprobs": True})
     lp = comp["choices"][0]["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert "".join(lp["tokens"]) == comp["choices"][0]["text"]
@@ -183,16 +162,13 @@ def test_logprobs_in_openai_shapes():
     assert len(streamed) == 3 and all(t["top_logprobs"] == [] for t in streamed)
 
 
-def test_native_generate_whole_and_streamed():
-    async def go():
-        async with client_for(FakeBackend()) as c:
-            body = {"text": "hello there", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-            _, whole = await post(c, "/generate", body)
-            events = await stream(c, "/generate", body)
-            _, many = await post(c, "/generate", {"input_ids": [1, 2, 3], "return_logprob": True,
-                                                  "sampling_params": {"max_new_tokens": 2, "n": 2}})
-            return whole, events, many
-    whole, events, many = run(go())
+async def test_native_generate_whole_and_streamed():
+    async with client_for(FakeBackend()) as c:
+        body = {"text": "hello there", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        _, whole = await post(c, "/generate", body)
+        events = await stream(c, "/generate", body)
+        _, many = await post(c, "/generate", {"input_ids": [1, 2, 3], "return_logprob": True,
+                                              "sampling_params": {"max_new_tokens": 2, "n": 2}})
     assert len(whole["output_ids"]) == 4 and whole["meta_info"]["finish_reason"] == {"type": "length", "matched": None}
     assert whole["meta_info"]["prompt_tokens"] == 2 and whole["meta_info"]["completion_tokens"] == 4
     assert events[-1]["text"] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
@@ -201,80 +177,64 @@ def test_native_generate_whole_and_streamed():
     assert len(many[0]["meta_info"]["output_token_logprobs"]) == 2
 
 
-def test_failure_mid_stream_is_an_error_event_before_done():
-    async def go():
-        async with client_for(FakeBackend(fail_after_tokens=2)) as c:
-            events = await stream(c, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 8})
-            status, whole = await post(c, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 8})
-            return events, status, whole
-    events, status, whole = run(go())
+async def test_failure_mid_stream_is_an_error_event_before_done():
+    async with client_for(FakeBackend(fail_after_tokens=2)) as c:
+        events = await stream(c, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 8})
+        status, whole = await post(c, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 8})
     assert "choices" in events[0] and events[-1]["error"]["message"] == "worker error: injected failure"
     assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
     assert status == 500 and whole["error"]["type"] == "server_error"
 
 
 @pytest.mark.parametrize("streaming", [True, False])
-def test_client_disconnect_aborts_the_backend_call(streaming):
+async def test_client_disconnect_aborts_the_backend_call(streaming):
     backend = FakeBackend(token_delay_s=0.05)
-
-    async def go():
-        async with client_for(backend) as c:
-            body = {"model": MODEL, "messages": MSGS, "max_tokens": 200, "stream": streaming}
-            with pytest.raises(asyncio.TimeoutError):
-                async with c.post("/v1/chat/completions", json=body,
-                                  timeout=aiohttp.ClientTimeout(total=0.5)) as r:
-                    await r.read()
-            for _ in range(100):
-                if backend.aborted:
-                    break
-                await asyncio.sleep(0.02)
-    run(go())
+    async with client_for(backend) as c:
+        body = {"model": MODEL, "messages": MSGS, "max_tokens": 200, "stream": streaming}
+        with pytest.raises(asyncio.TimeoutError):
+            async with c.post("/v1/chat/completions", json=body,
+                              timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                await r.read()
+        for _ in range(100):
+            if backend.aborted:
+                break
+            await asyncio.sleep(0.02)
     assert backend.aborted == [backend.calls[0].rid] and not backend.active
 
 
-def test_readiness_follows_the_backend():
+async def test_readiness_follows_the_backend():
     backend = FakeBackend()
-
-    async def go():
-        async with client_for(backend, GatewayConfig(ready_interval_s=0.05), monitor=True) as c:
-            seen = []
-            for serving in (True, False, True):
-                backend.is_serving = serving
-                await asyncio.sleep(0.3)
-                r = await c.get("/ready")
-                seen.append((r.status, r.headers.get("Retry-After"), (await c.get("/health")).status))
-            return seen
-    assert run(go()) == [(200, None, 200), (503, "1", 200), (200, None, 200)]
-
-
-def test_ready_is_503_before_the_first_check():
-    async def go():
-        async with client_for(FakeBackend()) as c:
+    seen = []
+    async with client_for(backend, GatewayConfig(ready_interval_s=0.05), monitor=True) as c:
+        for serving in (True, False, True):
+            backend.is_serving = serving
+            await asyncio.sleep(0.3)
             r = await c.get("/ready")
-            return r.status, await r.json()
-    status, body = run(go())
+            seen.append((r.status, r.headers.get("Retry-After"), (await c.get("/health")).status))
+    assert seen == [(200, None, 200), (503, "1", 200), (200, None, 200)]
+
+
+async def test_ready_is_503_before_the_first_check():
+    async with client_for(FakeBackend()) as c:
+        r = await c.get("/ready")
+        status, body = r.status, await r.json()
     assert status == 503 and "not been checked" in body["error"]["message"]
 
 
-def test_models_route_and_model_name_override():
-    async def go():
-        async with client_for(FakeBackend(), GatewayConfig(model_name="org/alias")) as c:
-            models = await (await c.get("/v1/models")).json()
-            one = await c.get("/v1/models/org/alias")
-            missing = await c.get("/v1/models/other")
-            status, _ = await post(c, "/v1/completions", {"model": "fake-model", "prompt": "x"})
-            return models, one.status, missing.status, status
-    models, one, missing, status = run(go())
+async def test_models_route_and_model_name_override():
+    async with client_for(FakeBackend(), GatewayConfig(model_name="org/alias")) as c:
+        models = await (await c.get("/v1/models")).json()
+        one = await c.get("/v1/models/org/alias")
+        missing = await c.get("/v1/models/other")
+        status, _ = await post(c, "/v1/completions", {"model": "fake-model", "prompt": "x"})
     assert models["data"][0]["id"] == "org/alias" and models["data"][0]["max_model_len"] == 256
-    assert (one, missing, status) == (200, 404, 400)
+    assert (one.status, missing.status, status) == (200, 404, 400)
 
 
-def test_fake_backend_contract():
+async def test_fake_backend_contract():
     """One Finish per index, counters cumulative: what the gateway relies on."""
-    async def go():
-        call = GenerateCall("r", SamplingParams(max_new_tokens=3), n=2, text="a b")
-        return [e async for e in FakeBackend().generate(call)]
-    events = run(go())
+    call = GenerateCall("r", SamplingParams(max_new_tokens=3), n=2, text="a b")
+    events = [e async for e in FakeBackend().generate(call)]
     assert sorted(e.index for e in events if isinstance(e, Finish)) == [0, 1]
     counts = [e.completion_tokens for e in events if isinstance(e, Chunk)]
     assert counts == sorted(counts) and counts[-1] == 6

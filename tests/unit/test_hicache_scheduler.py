@@ -1,6 +1,6 @@
 """HiCache in the scheduler core, against a model-free worker with a host pool and a store.
 
-The fake worker's KV holds token ids (tests/unit/fake_worker.py checks every read),
+The fake worker's KV holds token ids (tests/doubles/fake_worker.py checks every read),
 so a page demoted, loaded, prefetched or written back to the wrong place, or a
 page reused while a copy still needs it, shows up as a wrong token.
 """
@@ -15,7 +15,7 @@ from services.common.sampling_params import SamplingParams
 from services.scheduler.config import HiCacheConfig, SchedulerConfig
 from services.scheduler.scheduler import ModelLimits, Scheduler
 from services.scheduler.step_plan import DEVICE, HOST, STORE, KVTransferStat, StepPlan, StepResult
-from tests.unit.fake_worker import VOCAB, FakeWorker, reference_output
+from tests.doubles.fake_worker import VOCAB, FakeWorker, reference_output
 
 EOS = 0
 

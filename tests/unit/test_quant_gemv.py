@@ -91,18 +91,16 @@ def test_linear_uses_blocks_only_up_to_max_rows(kernel):
         layer.set_quant(_quantized(24, 32, "Q8_0")[0], 2, kernel)
 
 
-def test_default_model_decodes_the_same_on_blocks_and_dense_weights():
+def test_default_model_decodes_the_same_on_blocks_and_dense_weights(checkpoint):
     """The real SmolLM2 file (Q4_1 projections, Q8_0 tied embedding): every one of its 211
     quantized weights is used, and a batch-1 decode step's float32 logits equal the dense
     float32 weights' within summation-order noise, with the same greedy token."""
-    from services.common.model_path import default_model_path
     from services.common.sampling_params import SamplingParams
     from services.scheduler.step_plan import NewRequestSpec, StepItem, StepPlan
     from services.worker.config import WorkerConfig
-    from services.worker.loader.checkpoint import load_checkpoint
     from services.worker.model_runner import ModelRunner
 
-    ckpt = load_checkpoint(default_model_path())
+    ckpt = checkpoint
     assert len(ckpt.quantized) == 211
     prompt = [1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 198, 1, 4093, 198]
     logits = {}

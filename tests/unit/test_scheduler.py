@@ -13,7 +13,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.outputs import QueueFull
 from services.scheduler.scheduler import ModelLimits, Scheduler, common_prefix_len
 from services.scheduler.step_plan import LAST_SAMPLED
-from tests.unit.fake_worker import VOCAB, FakeWorker, reference_output
+from tests.doubles.fake_worker import VOCAB, FakeWorker, reference_output
 
 EOS = 0
 

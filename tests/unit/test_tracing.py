@@ -96,8 +96,8 @@ async def _detokenize_through_a_server(traced: bool) -> None:
         await server.stop(0)
 
 
-def test_context_travels_in_grpc_metadata(spans):
-    asyncio.run(_detokenize_through_a_server(traced=True))
+async def test_context_travels_in_grpc_metadata(spans):
+    await _detokenize_through_a_server(traced=True)
     got = spans.get_finished_spans()
     client = next(s for s in got if s.kind == trace.SpanKind.CLIENT)
     server = next(s for s in got if s.kind == trace.SpanKind.SERVER)
@@ -111,8 +111,8 @@ def test_context_travels_in_grpc_metadata(spans):
     assert client.attributes["rpc.grpc.status_code"] == 0 and inner.attributes["radixmesh.tokens"] == 2
 
 
-def test_a_call_outside_a_request_starts_only_a_server_trace(spans):
-    asyncio.run(_detokenize_through_a_server(traced=False))
+async def test_a_call_outside_a_request_starts_only_a_server_trace(spans):
+    await _detokenize_through_a_server(traced=False)
     got = spans.get_finished_spans()
     assert sorted(s.kind.name for s in got) == ["INTERNAL", "SERVER"]
     server = next(s for s in got if s.kind == trace.SpanKind.SERVER)

@@ -1,6 +1,6 @@
 """A model-free replica for router tests: the Tokenizer surface with a simulated prefix cache.
 
-    python -m services.router.fake_replica --listen 127.0.0.1:0 --name a [--fail always]
+    python -m tests.doubles.fake_replica --listen 127.0.0.1:0 --name a [--fail always]
 
 Generate streams `max_new_tokens` (default 8) one-token chunks, `--token-delay-s` apart, after
 a prefill delay of `--prefill-s` × the share of the prompt not found in its cache. The cache

@@ -1,4 +1,4 @@
-"""Router and fake replicas as real processes, for tests and benchmarks.
+"""Router and fake replicas (fake_replica.py) as real processes, for tests.
 
     with Proc.fake_replica("a") as a, Proc.router([a.address]) as router:
         stub = tokenizer_pb2_grpc.TokenizerStub(grpc.insecure_channel(router.address))
@@ -105,7 +105,7 @@ class Proc:
 
     @classmethod
     def fake_replica(cls, name: str, *flags: str) -> "Proc":
-        return cls(["-m", "services.router.fake_replica", "--listen", "127.0.0.1:0", "--name", name,
+        return cls(["-m", "tests.doubles.fake_replica", "--listen", "127.0.0.1:0", "--name", name,
                     "--drain-timeout-s", "5", *flags], f"replica {name}")
 
     @classmethod
