@@ -5,8 +5,15 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
 HTTP_PORT ?= 8000
 PYTEST_ARGS ?=
+# The AVX2 baseline, forced on any CPU (kernels/cpu_isa.py): our kernels built for x86-64-v3,
+# every optional ISA path off, and torch's own dispatch held to AVX2 too.
+AVX2_ENV := RADIXMESH_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# The kernel and model tests, rerun on that baseline.
+AVX2_TESTS := tests/unit/test_cpu_isa.py tests/unit/test_kernels_cpu.py tests/unit/test_quant_gemv.py \
+	tests/unit/test_decode_stack.py tests/unit/test_layer_ops.py tests/unit/test_linear.py \
+	tests/unit/test_sampling.py tests/unit/test_model_tiny_configs.py tests/integration/test_engine_reference.py
 
-.PHONY: setup test serve protos bench clean
+.PHONY: setup test test-fast test-avx2 serve protos bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +27,15 @@ setup: $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-avx2
+
+# The transport-free core, no model load, no mesh (tests marked slow are left out: tests/conftest.py).
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+
+test-avx2: setup
+	$(AVX2_ENV) $(PY) -m kernels.build_all
+	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider $(AVX2_TESTS)
 
 serve: setup
 	$(VENV)/bin/radixmesh up --http-port $(HTTP_PORT)

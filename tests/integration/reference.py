@@ -1,9 +1,20 @@
 """Greedy reference continuations from transformers, and the comparison rule."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+# Computed references are kept here between runs: `make test` runs the reference tests twice
+# (natively, then on the forced AVX2 baseline), and transformers' float32 decode of the
+# default model is the slowest part of either run.
+CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                         ".build", "reference")
 
 NEAR_TIE = 1e-3
 
@@ -55,6 +66,35 @@ def greedy_reference(hf_model, ids: list[int], max_new_tokens: int) -> Reference
         out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
         past, logits = out.past_key_values, out.logits[0, -1]
     return Reference(tokens, gaps)
+
+
+def _cache_key(model_path: str, prompts: list[list[int]], max_new_tokens: int) -> str:
+    """Everything the references depend on: the model file's bytes, the prompts, the length,
+    and the versions of transformers and torch that computed them."""
+    import transformers
+    h = hashlib.sha256()
+    with open(model_path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    h.update(json.dumps([prompts, max_new_tokens, transformers.__version__, torch.__version__]).encode())
+    return h.hexdigest()[:24]
+
+
+def cached_references(model_path: str, prompts: list[list[int]], max_new_tokens: int,
+                      hf_model: Callable[[], object]) -> list[Reference]:
+    """greedy_reference for every prompt, computed once per cache key (hf_model() is only
+    called, and the transformers model only loaded, when the key is new)."""
+    path = os.path.join(CACHE_DIR, _cache_key(model_path, prompts, max_new_tokens) + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return [Reference(**r) for r in json.load(f)]
+    model = hf_model()
+    refs = [greedy_reference(model, ids, max_new_tokens) for ids in prompts]
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump([dataclasses.asdict(r) for r in refs], f)
+    os.replace(path + ".tmp", path)
+    return refs
 
 
 def assert_matches(ours: list[int], ref: Reference, label: str) -> None:

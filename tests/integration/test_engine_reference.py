@@ -11,7 +11,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
-from tests.integration.reference import assert_matches, greedy_reference, prompt_ids
+from tests.integration.reference import assert_matches, cached_references, prompt_ids
 
 NEW_TOKENS = 64
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -25,8 +25,8 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def references(hf_model, prompts):
-    return [greedy_reference(hf_model, ids, NEW_TOKENS) for ids in prompts]
+def references(request, model_path, prompts):
+    return cached_references(model_path, prompts, NEW_TOKENS, lambda: request.getfixturevalue("hf_model"))
 
 
 def make_engine(checkpoint, tokenizer, *, page_size=1, kv_bytes=256 << 20, **sched) -> Engine:

@@ -2,7 +2,10 @@
 choice (kernel flags, --dtype auto, prepacking per dtype, the start-up warnings) follows them."""
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -96,7 +99,6 @@ def test_forced_avx2_reaches_torch_in_child_processes(cpu, monkeypatch):
     for key in cpu_isa.TORCH_ENV:
         monkeypatch.delenv(key, raising=False)
     cpu_isa.apply_to_torch_env()
-    import os
     assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2" and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
 
 
@@ -114,3 +116,10 @@ def test_every_kernel_builds_for_this_cpu():
     for module in (paged_decode_cpu, fused_cpu, quant_gemv, decode_stack):
         assert module.load() is not None, cpu_build.unavailable
     assert cpu_build.unavailable == {}
+
+
+def test_the_cli_refuses_an_unknown_isa_before_starting_anything():
+    env = {**os.environ, cpu_isa.ENV: "avx9"}
+    run = subprocess.run([sys.executable, "-m", "services.cli", "generate", "hi"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "RADIXMESH_CPU_ISA must be one of" in run.stderr
