@@ -97,18 +97,8 @@ async def serve(registry: CollectorRegistry, host: str, port: int) -> tuple[web.
 
 
 def model_name_of(path: str | None) -> str:
-    """The name the worker reports for the model at `path` (GGUF `general.name`, else the
-    file or directory name), for services that load no weights but label metrics by model.
-    Reads the GGUF header: a second or so for a large vocabulary; call it off the loop."""
-    import os
+    """The name the worker reports for the model at `path` (`model_path.model_id`), for
+    services that load no weights but label metrics by model."""
+    from services.common.model_path import model_id, resolve_model_path
 
-    from services.common.model_path import resolve_model_path
-
-    path = resolve_model_path(path)
-    if path.endswith(".gguf"):
-        from services.common.gguf_reader import FastGGUFReader
-
-        field = FastGGUFReader(path).fields.get("general.name")
-        if field is not None:
-            return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-    return os.path.basename(os.path.normpath(path))
+    return model_id(resolve_model_path(path))

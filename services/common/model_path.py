@@ -5,6 +5,7 @@ import importlib.util
 import os
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"  # the default model's id: its file stem less the ".Q4_1"
 
 
 def default_model_path() -> str:
@@ -27,3 +28,20 @@ def resolve_model_path(path: str | None) -> str:
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist (a .gguf file or a HF directory)")
     return path
+
+
+def model_id(path: str) -> str:
+    """The id the mesh serves the model at `path` under (the gateway's default served name, the
+    metrics' `model_name`): a GGUF file's stem, an HF directory's name, DEFAULT_MODEL_ID for
+    the default model. The one place the name is derived (the loaders put it in ModelConfig.name)."""
+    if _is_default_model(path):
+        return DEFAULT_MODEL_ID
+    name = os.path.basename(os.path.normpath(path))
+    return name[:-len(".gguf")] if name.lower().endswith(".gguf") and len(name) > 5 else name
+
+
+def _is_default_model(path: str) -> bool:
+    try:
+        return os.path.samefile(path, default_model_path())
+    except OSError:  # the default model is not installed, or `path` is gone
+        return False

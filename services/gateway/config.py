@@ -18,8 +18,12 @@ class GatewayConfig:
     http_port: int = field(default=8000, metadata={"help": "HTTP port; 0 picks a free one (logged as `listening`)"})
     tokenizer_addr: str = field(default="127.0.0.1:50051", metadata={
         "help": "HOST:PORT of the tokenizer service (the replica's entry point: Generate, Info)"})
+    served_model_name: list[str] = field(default_factory=list, metadata={
+        "help": "the model ids requests may name (as vLLM's): the first is the id /v1/models reports and "
+                "responses carry; none = the id the tokenizer's Info reports (a GGUF file's stem, an HF "
+                "directory's name; SmolLM2-135M-Instruct for the default model)"})
     model_name: str | None = field(default=None, metadata={
-        "help": "the model name clients must send; none = the name the tokenizer's Info reports"})
+        "help": "deprecated: one name, the same as --served-model-name NAME"})
     max_request_bytes: int = field(default=8 * 1024 * 1024, metadata={
         "help": "request bodies above this size are refused with 413"})
     default_max_tokens: int | None = field(default=None, metadata={
@@ -31,7 +35,16 @@ class GatewayConfig:
     retry_after_s: int = field(default=1, metadata={
         "help": "Retry-After seconds sent with 503 (queue full, backend unavailable)"})
 
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names given by flag, the id first; () = the backend's own name."""
+        return tuple(self.served_model_name) or ((self.model_name,) if self.model_name else ())
+
     def __post_init__(self) -> None:
+        if self.served_model_name and self.model_name:
+            raise ValueError("give --served-model-name or the deprecated --model-name, not both")
+        if any(not name.strip() for name in self.served_model_name):
+            raise ValueError(f"--served-model-name needs non-blank names, got {self.served_model_name!r}")
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
         host, sep, port = self.tokenizer_addr.rpartition(":")

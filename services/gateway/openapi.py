@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Sequence
 
 from services.gateway import schemas
 
@@ -87,17 +88,17 @@ def _generation(summary: str, request: dict, ok: dict, ok_description: str) -> d
     }}
 
 
-def _with_model(request: dict, model_name: str | None) -> dict:
-    """The served name is the only valid `model`: say so (fuzzers then use it)."""
-    if not model_name:
+def _with_model(request: dict, model_names: tuple[str, ...]) -> dict:
+    """The served names are the only valid `model`s: say so (fuzzers then use them)."""
+    if not model_names:
         return request
     out = copy.deepcopy(request)
-    out["properties"]["model"] = {**out["properties"]["model"], "enum": [model_name]}
+    out["properties"]["model"] = {**out["properties"]["model"], "enum": list(model_names)}
     return out
 
 
 @functools.cache
-def _document(model_name: str | None) -> dict:
+def _document(model_names: tuple[str, ...]) -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": "radixmesh gateway", "version": "1",
@@ -105,10 +106,10 @@ def _document(model_name: str | None) -> dict:
                                 "Errors use OpenAI's envelope {\"error\": {message, type, param, code}}."},
         "paths": {
             "/v1/completions": _generation("Text completion (OpenAI)",
-                                           _with_model(schemas.COMPLETION_REQUEST, model_name), _COMPLETION,
+                                           _with_model(schemas.COMPLETION_REQUEST, model_names), _COMPLETION,
                                            "The completion."),
             "/v1/chat/completions": _generation("Chat completion (OpenAI); the model's chat template renders "
-                                                "the messages", _with_model(schemas.CHAT_REQUEST, model_name),
+                                                "the messages", _with_model(schemas.CHAT_REQUEST, model_names),
                                                 _CHAT, "The completion."),
             "/generate": _generation("Native generation from text or token ids (SGLang-like)",
                                      schemas.GENERATE_REQUEST,
@@ -139,7 +140,8 @@ def _document(model_name: str | None) -> dict:
     }
 
 
-def document(model_name: str | None = None) -> dict:
+def document(model_names: str | Sequence[str] | None = None) -> dict:
     """A fresh copy of the document (callers may mutate it); with the served
-    model's name when it is known."""
-    return copy.deepcopy(_document(model_name))
+    names (one name or several) when they are known."""
+    names = (model_names,) if isinstance(model_names, str) else tuple(model_names or ())
+    return copy.deepcopy(_document(names))

@@ -23,8 +23,8 @@ from services.common.logging import request_context
 from services.gateway import observe, shaping
 from services.gateway.backend import Backend, BackendError, Event, GenerateCall
 from services.gateway.errors import APIError, from_backend
-from services.gateway.openai_protocol import (ParsedRequest, decode_json, parse_chat, parse_completion,
-                                              parse_generate)
+from services.gateway.openai_protocol import (ParsedRequest, decode_json, model_not_found_message, parse_chat,
+                                              parse_completion, parse_generate)
 from services.gateway.openapi import document
 from services.gateway.sse import EventStream
 from services.gateway.state import STATE, GatewayState
@@ -72,7 +72,7 @@ async def merged(backend: Backend, calls: list[GenerateCall]) -> AsyncIterator[t
 async def _serve(request: web.Request, parse: Callable[..., ParsedRequest]) -> web.StreamResponse:
     state: GatewayState = request.app[STATE]
     info = await state.require_info()
-    req = parse(decode_json(await request.read()), info, state.served_name, state.config.default_max_tokens)
+    req = parse(decode_json(await request.read()), info, state.served_names, state.config.default_max_tokens)
     with request_context(req.id):
         t0 = time.monotonic()
         async with contextlib.aclosing(merged(state.backend, req.calls)) as events:
@@ -184,8 +184,8 @@ async def get_model(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
     await state.require_info()
     name = request.match_info["model"]
-    if name != state.served_name:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.served_name!r}",
+    if name not in state.served_names:
+        raise APIError(404, model_not_found_message(name, state.served_names),
                        "invalid_request_error", param="model", code="model_not_found")
     return web.json_response(_model_card(state))
 
@@ -207,4 +207,4 @@ async def ready(request: web.Request) -> web.Response:
 @routes.get("/openapi.json")
 async def openapi(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
-    return web.json_response(document(state.served_name or None))
+    return web.json_response(document(state.served_names or None))

@@ -16,6 +16,7 @@ from kernels.quant_gemv import QTYPES, QuantWeight
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
 from services.common.gguf_reader import FastGGUFReader
+from services.common.model_path import model_id
 
 # Architectures whose tensors map one-to-one onto HF Llama names. llama.cpp's converter permutes the
 # Q/K rows of `llama` (its RoPE pairs adjacent dims, HF pairs dim i with i + head_dim/2); it does
@@ -166,7 +167,7 @@ def _config_from_metadata(meta: dict[str, gguf.ReaderField], arch: str,
         attention_bias=any(n.endswith(".attn_q.bias") for n in tensors),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
-        name=str(_scalar(meta, "general.name", os.path.basename(path))),
+        name=model_id(path),
     )
 
 
