@@ -50,13 +50,20 @@ class IncrementalDetokenizer:
     text ends right before it, or right after it with `include_stop_str_in_output`; text decoded
     after it is dropped. Empty stop strings are ignored.
 
+    `min_tokens` (the request's min_new_tokens) delays stop strings as vLLM does, and as the
+    sampler delays EOS: none is looked for until a push takes the count of pushed token ids past
+    min_tokens. A stop string completed before then is plain text; one that straddles counts.
+
     Not thread-safe; one instance per request.
     """
 
     def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] | None = None,
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
+        self._min_tokens = max(min_tokens, 0)
+        self._pushed = 0  # token ids pushed so far
+        self._stale = 0  # leading chars of _held decoded before stop strings were checked
         self._skip_special = skip_special_tokens
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
@@ -102,6 +109,7 @@ class IncrementalDetokenizer:
         if self._stopped:
             return DetokDelta("", True, self._matched_stop)
         self._ids.extend(token_ids)
+        self._pushed += len(token_ids)
         out = self._release(self._decode_stable(), final=False)
         return DetokDelta(out, self._stopped, self._matched_stop)
 
@@ -158,7 +166,9 @@ class IncrementalDetokenizer:
         self._held = ""
         if not buf:
             return ""
-        match = self._find_stop(buf)
+        checking = self._min_tokens == 0 or self._pushed > self._min_tokens
+        match = self._find_stop(buf, self._stale) if checking else None
+        self._stale = 0
         if match is not None:
             start, stop = match
             out = buf[:start + len(stop)] if self._include_stop else buf[:start]
@@ -168,18 +178,21 @@ class IncrementalDetokenizer:
         else:
             hold = self._stop_prefix_len(buf)
             out, self._held = buf[:len(buf) - hold], buf[len(buf) - hold:]
+            if not checking:  # what is held now was decoded too early to complete a stop string
+                self._stale = len(self._held)
         if out:
             self._parts.append(out)
         return out
 
-    def _find_stop(self, buf: str) -> tuple[int, str] | None:
+    def _find_stop(self, buf: str, stale: int = 0) -> tuple[int, str] | None:
         """(start, stop) of the occurrence that completes first; ties go to the earlier start.
+        Only occurrences ending past buf[:stale] count (those completed before min_tokens don't).
 
         Any occurrence lies wholly in buf: text before buf held no stop-string prefix at its end.
         """
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
-            start = buf.find(stop)
+            start = buf.find(stop, max(stale - len(stop) + 1, 0))
             if start >= 0:
                 key = (start + len(stop), start, stop)
                 if best is None or key[:2] < best[:2]:

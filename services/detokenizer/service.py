@@ -76,7 +76,7 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
         return IncrementalDetokenizer(
             self.tokenizer, prompt_ids=list(o.context_ids), stop=list(o.stop),
             skip_special_tokens=o.skip_special_tokens if o.HasField("skip_special_tokens") else True,
-            include_stop_str_in_output=o.include_stop_str_in_output)
+            include_stop_str_in_output=o.include_stop_str_in_output, min_tokens=o.min_tokens)
         # spaces_between_special_tokens: the tokenizers library decodes without that option
 
     @staticmethod

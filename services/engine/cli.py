@@ -11,7 +11,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.engine import Engine, EngineConfig
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixmesh generate", description=__doc__)
     parser.add_argument("prompts", nargs="+", help="prompts, run as one batch")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -19,10 +19,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     flags_from_dataclass(EngineConfig, parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def build_engine(cfg: EngineConfig) -> Engine:
+    """Every flag group reaches the Engine: worker, scheduler and hicache (host tier, kvstore)."""
+    return Engine(worker=cfg.worker, scheduler=cfg.scheduler, hicache=cfg.hicache)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(EngineConfig, args)
-    engine = Engine(worker=cfg.worker, scheduler=cfg.scheduler)
+    engine = build_engine(cfg)
+    if engine.limits.host_pages or engine.kvstore is not None:
+        logging.info("hicache: %d host KV pages (%d on the device), kvstore %s", engine.limits.host_pages,
+                     engine.limits.num_pages, cfg.hicache.kvstore_addr or "none")
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     ids = [engine.prompt_ids(messages=[{"role": "user", "content": p}]) if args.chat else engine.prompt_ids(p)
            for p in args.prompts]

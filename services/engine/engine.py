@@ -100,7 +100,8 @@ class Engine:
         self.scheduler.check_capacity(len(ids))
         rid = rid or uuid.uuid4().hex
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=list(sampling.stop))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=list(sampling.stop),
+                                       min_tokens=sampling.min_new_tokens)
         self._inbox.put(("submit", _Handle(rid, ids, sampling, sink, detok), seed, namespace))
         self._wake.set()
         return rid

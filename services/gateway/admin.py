@@ -28,8 +28,12 @@ _HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
          grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.UNIMPLEMENTED: 404}
 
 
-async def _call(request: web.Request, method: str, message, status: int = 200) -> web.Response:
-    address = request.app[STATE].config.tokenizer_addr
+async def _call(request: web.Request, method: str, message, status: int = 200,
+                changes: bool = True) -> web.Response:
+    """One Router RPC; after one that `changes` the fleet, readiness is checked again at once
+    (draining the last routable replica makes /ready 503 now, not at the next poll)."""
+    state = request.app[STATE]
+    address = state.config.tokenizer_addr
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             reply = await getattr(router_pb2_grpc.RouterStub(channel), method)(message, timeout=120)
@@ -40,13 +44,15 @@ async def _call(request: web.Request, method: str, message, status: int = 200) -
         http = _HTTP.get(code, 503)
         raise APIError(http, detail, "invalid_request_error" if http < 500 else "service_unavailable_error",
                        code=code.name.lower()) from None
+    if changes:
+        await state.refresh()
     body = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     return web.json_response(body, status=status)
 
 
 @admin_routes.get("/admin/replicas")
 async def list_replicas(request: web.Request) -> web.Response:
-    return await _call(request, "ListReplicas", router_pb2.ListReplicasRequest())
+    return await _call(request, "ListReplicas", router_pb2.ListReplicasRequest(), changes=False)
 
 
 @admin_routes.post("/admin/replicas")

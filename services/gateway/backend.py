@@ -3,7 +3,7 @@
 The gateway talks to exactly one thing: the replica's entry point (the
 tokenizer service, or later a router with the same Generate/Info surface).
 `Backend` is the seam: `GrpcBackend` (grpc_backend.py) speaks gRPC, and
-`FakeBackend` (fake_backend.py) answers in-process for tests.
+`FakeBackend` (tests/doubles/fake_backend.py) answers in-process for tests.
 
 Contract of `Backend.generate(call)`: an async iterator of `Chunk` and
 `Finish` events, exactly one Finish per sequence index in [0, call.n).
@@ -189,17 +189,31 @@ class GrpcBackend:
     async def not_ready(self) -> str | None:
         """grpc health of the tokenizer must be SERVING, and its Ready (the
         whole path behind it: scheduler, worker, detokenizer) must say ready."""
+        serving = True
         try:
             h = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.probe_timeout_s)
-            if h.status != health_pb2.HealthCheckResponse.SERVING:
-                return f"the tokenizer at {self.address} is not serving (draining or loading)"
+            serving = h.status == health_pb2.HealthCheckResponse.SERVING
             r = await self._stub.Ready(tokenizer_pb2.ReadyRequest(), timeout=self.probe_timeout_s)
         except grpc.aio.AioRpcError as e:
+            if not serving:  # Ready is refused while loading or draining
+                return f"the tokenizer at {self.address} is not serving (draining or loading)"
             return f"the tokenizer at {self.address} does not answer: {e.code().name} {e.details() or ''}".rstrip()
+        if not serving and r.ready:
+            return f"the tokenizer at {self.address} is not serving"
         if not r.ready:
             down = [f"{s.stage} at {s.address}: {s.detail or 'not serving'}" for s in r.stages if not s.serving]
             return "not every stage is serving: " + ("; ".join(down) or "no detail")
         return None
+
+    async def health_changes(self) -> AsyncIterator[int]:
+        """The backend's grpc health status (Watch): the current one, then each change. Ends
+        or raises grpc.aio.AioRpcError when the stream breaks (the backend went away)."""
+        call = self._health.Watch(health_pb2.HealthCheckRequest(service=""))
+        try:
+            async for resp in call:
+                yield resp.status
+        finally:
+            call.cancel()
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[Event]:
         try:

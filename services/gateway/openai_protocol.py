@@ -1,6 +1,6 @@
 """Request bodies → GenerateCalls with SamplingParams, with OpenAI's semantics.
 
-Each parse_* function takes the decoded JSON body and the served model and
+Each parse_* function takes the decoded JSON body and the served names (the id first) and
 returns a `ParsedRequest`, or raises APIError(400) with a message naming the
 offending parameter. Order of checks: JSON shape against schemas.py (types,
 ranges, unknown fields), then the model name, then rules that span fields,
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.request_limits import check_request_limits
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.gateway import schemas
 from services.gateway.backend import GenerateCall, ModelInfo
@@ -73,10 +75,15 @@ def _validated(schema: dict, body: dict) -> dict:
         raise invalid(message, param=e.param or None) from None
 
 
-def _check_model(body: dict, served: str) -> None:
-    if body["model"] != served:
-        raise APIError(400, f"the model {body['model']!r} does not exist; this server serves {served!r}",
-                       param="model", code="model_not_found")
+def model_not_found_message(name: str, served: Sequence[str]) -> str:
+    return f"the model {name!r} does not exist; this server serves {', '.join(map(repr, served))}"
+
+
+def _check_model(body: dict, served: Sequence[str]) -> str:
+    """The served id (the first name) when the body names any served name; else model_not_found."""
+    if body["model"] not in served:
+        raise APIError(400, model_not_found_message(body["model"], served), param="model", code="model_not_found")
+    return served[0]
 
 
 def _fills_context(values: dict, fill: bool) -> bool:
@@ -168,6 +175,10 @@ def _calls(rid: str, sp: SamplingParams, n: int, prompts: list[dict], values: di
     if len(prompts) * n > MAX_SEQUENCES:
         raise invalid(f"{len(prompts)} prompts x n={n} is more than {MAX_SEQUENCES} sequences in one request",
                       param="n")
+    try:  # the schema said so already; this is the rule the gRPC door applies too
+        check_request_limits(sp, n, rid)
+    except InvalidRequest as e:
+        raise invalid(str(e)) from None
     many = len(prompts) > 1
     skip = values.get("skip_special_tokens")
     options = {"skip_special_tokens": True if skip is None else skip,
@@ -189,10 +200,10 @@ def _max_tokens_alias(body: dict) -> tuple[dict, dict]:
     return {**body, "max_tokens": body["max_completion_tokens"]}, {"max_tokens": "max_completion_tokens"}
 
 
-def parse_completion(body: dict, info: ModelInfo, served: str, default_max_tokens: int | None = None
+def parse_completion(body: dict, info: ModelInfo, served: Sequence[str], default_max_tokens: int | None = None
                      ) -> ParsedRequest:
     body = _validated(schemas.COMPLETION_REQUEST, body)
-    _check_model(body, served)
+    model = _check_model(body, served)
     stream, include_usage = _stream_flags(body)
     n = body.get("n") or 1
     logprobs = body.get("logprobs")
@@ -219,15 +230,16 @@ def parse_completion(body: dict, info: ModelInfo, served: str, default_max_token
                 raise invalid(f"prompt ({len(p['input_ids'])} tokens) + max_tokens ({sp.max_new_tokens}) exceeds "
                               f"the model's context length of {info.context_length} tokens", param="prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    return ParsedRequest("completion", rid, served, _calls(rid, sp, n, prompts, body, default_max_tokens, fills), n,
+    return ParsedRequest("completion", rid, model, _calls(rid, sp, n, prompts, body, default_max_tokens, fills), n,
                          stream, include_usage, logprobs is not None, logprobs or 0)
 
 
-def parse_chat(body: dict, info: ModelInfo, served: str, default_max_tokens: int | None = None) -> ParsedRequest:
+def parse_chat(body: dict, info: ModelInfo, served: Sequence[str], default_max_tokens: int | None = None
+               ) -> ParsedRequest:
     body = _validated(schemas.CHAT_REQUEST, body)
-    _check_model(body, served)
+    model = _check_model(body, served)
     if not info.has_chat_template:
-        raise invalid(f"the model {served!r} has no chat template: use /v1/completions", param="messages")
+        raise invalid(f"the model {model!r} has no chat template: use /v1/completions", param="messages")
     stream, include_usage = _stream_flags(body)
     n = body.get("n") or 1
     logprobs, top = bool(body.get("logprobs")), body.get("top_logprobs") or 0
@@ -244,11 +256,11 @@ def parse_chat(body: dict, info: ModelInfo, served: str, default_max_tokens: int
             msg["name"] = m["name"]
         messages.append(msg)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    return ParsedRequest("chat", rid, served, _calls(rid, sp, n, [{"messages": messages}], body, default_max_tokens,
-                                                     fills), n, stream, include_usage, logprobs, top)
+    return ParsedRequest("chat", rid, model, _calls(rid, sp, n, [{"messages": messages}], body, default_max_tokens,
+                                                    fills), n, stream, include_usage, logprobs, top)
 
 
-def parse_generate(body: dict, info: ModelInfo, served: str, default_max_tokens: int | None = None
+def parse_generate(body: dict, info: ModelInfo, served: Sequence[str], default_max_tokens: int | None = None
                    ) -> ParsedRequest:
     if ("text" in body) == ("input_ids" in body):
         raise invalid("give exactly one of text and input_ids", param="text")
@@ -267,5 +279,5 @@ def parse_generate(body: dict, info: ModelInfo, served: str, default_max_tokens:
         prompt = {"text": body["text"]}
     rid = body.get("rid") or uuid.uuid4().hex
     n = params.get("n") or 1
-    return ParsedRequest("generate", rid, served, _calls(rid, sp, n, [prompt], params), n, bool(body.get("stream")),
+    return ParsedRequest("generate", rid, served[0], _calls(rid, sp, n, [prompt], params), n, bool(body.get("stream")),
                          False, sp.logprobs, top)

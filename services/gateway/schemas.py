@@ -16,11 +16,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from services.common.request_limits import (  # shared with the tokenizer's gRPC door
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_RID_CHARS,
+    MAX_STOP,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
+
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-MAX_N = 16
-MAX_STOP = 16
-MAX_TOP_LOGPROBS = 20
 
 
 class SchemaError(ValueError):
@@ -54,7 +60,7 @@ STOP = {"anyOf": [{"type": "string", "minLength": 1},
                   {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
                   {"type": "null"}],
         "description": "up to 16 strings; generation stops before the first one (not included in the text)"}
-STOP_TOKEN_IDS = nullable({**TOKEN_IDS, "minItems": 0, "maxItems": 64})
+STOP_TOKEN_IDS = nullable({**TOKEN_IDS, "minItems": 0, "maxItems": MAX_STOP_TOKEN_IDS})
 
 # Sampling controls shared by /v1/completions and /v1/chat/completions.
 OPENAI_SAMPLING = {
@@ -68,7 +74,7 @@ OPENAI_SAMPLING = {
     "min_p": _num(0, 1),
     "frequency_penalty": _num(-2, 2),
     "presence_penalty": _num(-2, 2),
-    "repetition_penalty": _num(0, 10, exclusive_lo=True, description="1 = none"),
+    "repetition_penalty": _num(0, MAX_REPETITION_PENALTY, exclusive_lo=True, description="1 = none"),
     "seed": _int(0, INT64_MAX),
     "n": _int(1, MAX_N, description="completions to generate for each prompt"),
     "stop": STOP,
@@ -138,7 +144,7 @@ NATIVE_SAMPLING = {
         "top_p": _num(0, 1, exclusive_lo=True),
         "top_k": _int(-1, INT32_MAX),
         "min_p": _num(0, 1),
-        "repetition_penalty": _num(0, 10, exclusive_lo=True),
+        "repetition_penalty": _num(0, MAX_REPETITION_PENALTY, exclusive_lo=True),
         "frequency_penalty": _num(-2, 2),
         "presence_penalty": _num(-2, 2),
         "seed": _int(0, INT64_MAX),
@@ -162,7 +168,7 @@ GENERATE_REQUEST = {
         "stream": BOOL,
         "return_logprob": BOOL,
         "top_logprobs_num": _int(0, MAX_TOP_LOGPROBS),
-        "rid": {"type": ["string", "null"], "minLength": 1, "maxLength": 128},
+        "rid": {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_RID_CHARS},
     },
 }
 

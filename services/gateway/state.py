@@ -3,6 +3,9 @@
 `monitor` refreshes it every --ready-interval-s: ready means the backend's
 grpc health says SERVING *and* Info answers. A request arriving before the
 first successful check triggers one check itself instead of failing at once.
+Between polls, a backend with `health_changes()` (GrpcBackend: a grpc health
+Watch) triggers a check whenever its health changes, so /ready follows e.g. a
+router whose last routable replica was drained at once, not a poll later.
 """
 from __future__ import annotations
 
@@ -36,8 +39,14 @@ class GatewayState:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names requests may send, the id first: --served-model-name, else the backend's."""
+        return self.config.served_names or ((self.info.name,) if self.info else ())
+
+    @property
     def served_name(self) -> str:
-        return self.config.model_name or (self.info.name if self.info else "")
+        """The id /v1/models reports and responses carry ("" while the backend is unknown)."""
+        return next(iter(self.served_names), "")
 
     async def refresh(self) -> bool:
         """One readiness check; updates ready/info and logs transitions."""
@@ -76,9 +85,29 @@ STATE = web.AppKey("radixmesh_gateway_state", GatewayState)
 
 
 async def monitor(state: GatewayState) -> None:
+    follow = asyncio.ensure_future(follow_health(state))
+    try:
+        while True:
+            try:
+                await state.refresh()
+            except Exception:  # a probe must never end the monitor
+                log.exception("readiness check failed")
+            await asyncio.sleep(state.config.ready_interval_s)
+    finally:
+        follow.cancel()
+
+
+async def follow_health(state: GatewayState, retry_s: float = 1.0) -> None:
+    """Refresh on every health change the backend reports; re-watch after a broken stream."""
+    changes = getattr(state.backend, "health_changes", None)
+    if changes is None:
+        return
     while True:
         try:
-            await state.refresh()
-        except Exception:  # a probe must never end the monitor
-            log.exception("readiness check failed")
-        await asyncio.sleep(state.config.ready_interval_s)
+            async for _ in changes():
+                await state.refresh()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the backend went away or does not serve Watch: polling still runs
+            log.debug("health watch ended", extra={"error": repr(e)})
+        await asyncio.sleep(min(retry_s, state.config.ready_interval_s))

@@ -7,6 +7,13 @@ re-admitted as soon as checks pass again. Its load, as policies see it, is the n
 requests this router has open on it, or what the replica itself reports queued and
 running (GetLoad, polled every load_interval_s) when that is more (other routers, clients
 that bypass this one). Everything here runs on the router's event loop.
+
+The router's own readiness (its gRPC health, through `readiness`) follows the routable set:
+NOT_SERVING from the moment no replica is routable (all drained, ejected or open-circuit),
+SERVING again as soon as one is. `update_readiness()` runs at every change point (health
+check result, drain/resume, add/remove, an attempt's end) and on each health tick (a breaker's
+cooldown ends with time, not with an event), once `track_readiness()` was called (after
+start-up, which has its own NOT_SERVING phase).
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.radixmesh.v1 import router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import tracing
-from services.common.server import MAX_MESSAGE_BYTES
+from services.common.server import MAX_MESSAGE_BYTES, Readiness
 from services.router import metrics
 from services.router.breaker import STATE_VALUE, Breaker
 from services.router.policies import Candidate, Choice, make_policy
@@ -102,8 +109,10 @@ class Replica:
 
 
 class Fleet:
-    def __init__(self, config) -> None:
+    def __init__(self, config, readiness: Readiness | None = None) -> None:
         self.config = config
+        self.readiness = readiness or Readiness()
+        self._tracking = False  # update_readiness is a no-op until track_readiness()
         self.policy = make_policy(config.policy, config, seed=config.seed)
         self.replicas: dict[str, Replica] = {}
         self.model_name = ""  # learned from a replica's Info; labels the metrics
@@ -116,6 +125,7 @@ class Fleet:
         replica = self.replicas[address] = Replica(address, self.config, self.model_name)
         log.info("replica added", extra={"replica": address})
         asyncio.ensure_future(self._check(replica))  # don't wait a whole interval to admit it
+        self.update_readiness()
         return replica
 
     async def remove(self, address: str) -> Replica:
@@ -125,7 +135,30 @@ class Fleet:
         log.info("replica removed", extra={"replica": address, "in_flight": replica.in_flight})
         # Streams still open keep the channel until they end.
         asyncio.ensure_future(_close_when_idle(replica))
+        self.update_readiness()
         return replica
+
+    def set_draining(self, replica: Replica, draining: bool) -> None:
+        replica.draining = draining
+        self.update_readiness()
+
+    def track_readiness(self) -> None:
+        """From now on keep `readiness` in step with the routable set (start-up is over)."""
+        self._tracking = True
+        self.update_readiness()
+
+    def update_readiness(self) -> None:
+        """Mirror "some replica is routable" into the router's health (no-op when unchanged)."""
+        if not self._tracking:
+            return
+        routable = any(r.routable for r in self.replicas.values())
+        if routable == self.readiness.ready:
+            return
+        if routable:
+            self.readiness.set(True)
+            return
+        states = ", ".join(f"{r.address} {r.state}/{r.breaker.state}" for r in self.replicas.values())
+        self.readiness.set(False, f"no replica is routable ({states or 'the fleet is empty'})")
 
     def choose(self, key: str, exclude: set[str]) -> tuple[Replica, Choice] | None:
         """The replica for the next attempt, preferring ones not in `exclude` (already failed
@@ -164,6 +197,7 @@ class Fleet:
 
     async def _check_all(self) -> None:
         await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+        self.update_readiness()
 
     async def _check(self, replica: Replica) -> None:
         try:
@@ -181,6 +215,7 @@ class Fleet:
                     await self._learn_model(replica)
                 log.info("replica admitted", extra={"replica": replica.address})
                 self.changed.set()
+                self.update_readiness()
         else:
             replica.fails, replica.passes = replica.fails + 1, 0
             if replica.healthy and replica.fails >= self.config.unhealthy_threshold:
@@ -189,6 +224,7 @@ class Fleet:
                 metrics.EJECTIONS.labels(self.model_name, replica.address).inc()
                 log.warning("replica ejected", extra={"replica": replica.address, "reason": why})
                 self.changed.set()
+                self.update_readiness()
         metrics.HEALTHY.labels(self.model_name, replica.address).set(1 if replica.healthy else 0)
 
     async def _learn_model(self, replica: Replica) -> None:

@@ -25,10 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixmesh serve router", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     config = parse_config(RouterConfig, argv, parser)
+    from services.common.server import Readiness
     from services.router.fleet import Fleet
     from services.router.service import RouterAdmin, RouterFront
 
-    fleet = Fleet(config)  # channels are opened in start(), on the server's event loop
+    readiness = Readiness()  # NOT_SERVING while no replica is routable (services/router/fleet.py)
+    fleet = Fleet(config, readiness)  # channels are opened in start(), on the server's event loop
     front, admin = RouterFront(config, fleet), RouterAdmin(config, fleet)
 
     def add_servicers(server: grpc.aio.Server) -> None:
@@ -45,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"no replica became SERVING within {config.peer_wait_s}s")
             log.info("replicas ready", extra={"admitted": admitted, "policy": config.policy,
                                               "missing": sorted(set(config.replica_addrs) - set(admitted))})
+        fleet.track_readiness()
 
     async def drain(deadline: float) -> None:
         pass  # the server's gate waits for in-flight streams; replicas keep serving them
 
     return run_service("router", config.common, add_servicers, on_start=start, on_drain=drain,
-                       registry=metrics.REGISTRY)
+                       registry=metrics.REGISTRY, readiness=readiness)

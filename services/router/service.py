@@ -1,14 +1,16 @@
 """The router's servicers: radixmesh.v1.Tokenizer in front of the fleet, and radixmesh.v1.Router (admin).
 
 Generate: the policy picks a replica (services/router/fleet.py) and the replica's stream is
-relayed unchanged. An attempt that fails before its first event — the call fails with a
-retryable code, or its first event is an Error with one (UNAVAILABLE: replica draining,
-worker gone) — is retried on another replica, at most max_retries times, after a backoff
-(retry_backoff_s doubling per retry, ±50 % jitter, capped); the request then fails with the
-last attempt's code. Once an event was relayed a failure cannot be retried (the client has
-tokens): the stream ends with one Error event (UNAVAILABLE, naming the replica). Input the
-replica refuses (INVALID_ARGUMENT, ...) fails the call at once: another replica would too.
-Cancelling the call cancels the attempt, which aborts the request in the replica.
+relayed unchanged. An attempt that fails before its first event with a code that says the
+replica could not take the request — UNAVAILABLE (draining, down, worker gone) or
+RESOURCE_EXHAUSTED (queue full), as the call's status or as its first event — is retried on
+another replica, at most max_retries times, after a backoff (retry_backoff_s doubling per
+retry, ±50 % jitter, capped); the request then fails with the last attempt's code. Any other
+code passes straight to the client: INVALID_ARGUMENT (another replica would refuse it too),
+INTERNAL and UNKNOWN (a failure the request itself may cause, which a retry would replay on
+every replica). Once an event was relayed nothing is retried (the client has tokens): a
+replica that goes away mid-stream ends the stream with one Error event naming it (with its
+code). Cancelling the call cancels the attempt, which aborts the request in the replica.
 """
 from __future__ import annotations
 
@@ -29,9 +31,12 @@ from services.router.fleet import Fleet, Replica
 
 log = logging.getLogger(__name__)
 
-# Codes that say "this replica could not take it", not "the request is wrong".
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
-             grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Codes that say "this replica could not take it", not "the request is wrong": retried elsewhere
+# when nothing was relayed yet.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Codes that count against the replica's breaker (a fault of the replica, or possibly one).
+REPLICA_FAULTS = RETRYABLE | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED,
+                              grpc.StatusCode.DEADLINE_EXCEEDED}
 _BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -51,6 +56,13 @@ def routing_key(request: pb.GenerateTextRequest) -> str:
 
 
 class _Retry(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code, self.message = code, message
+
+
+class _Passthrough(Exception):
+    """The attempt failed with a code that is the client's answer (no retry)."""
+
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         self.code, self.message = code, message
 
@@ -80,7 +92,9 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
                 async for event in self._attempt(replica, request):
                     yield event
                 return
-            except grpc.aio.AioRpcError as e:  # not retryable: the replica's verdict stands
+            except _Passthrough as e:  # not retryable: the replica's verdict stands
+                await context.abort(e.code, e.message)
+            except grpc.aio.AioRpcError as e:  # the replica cancelled the call mid-stream
                 await context.abort(e.code(), e.details() or "")
             except _Retry as e:
                 last = (e.code, f"{e.message} (replica {replica.address})")
@@ -91,35 +105,37 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
         await context.abort(last[0], last[1])
 
     async def _attempt(self, replica: Replica, request: pb.GenerateTextRequest) -> AsyncIterator[cpb.GenerateResponse]:
-        """Relay one attempt. Raises _Retry when it failed before its first event in a way
-        another replica may not; a failure after it ends the stream with an Error event."""
+        """Relay one attempt. Before its first event, a failure raises _Retry (RETRYABLE codes)
+        or _Passthrough (any other); after it, the stream ends with an Error event."""
         call = replica.stub.Generate(request)
         started, outcome, code = False, None, ""
         try:
             async for event in call:
-                if not started and event.WhichOneof("event") == "error" \
-                        and _BY_VALUE.get(event.error.code) in RETRYABLE:
-                    outcome, code = False, _BY_VALUE[event.error.code].name
-                    raise _Retry(_BY_VALUE[event.error.code], event.error.message)
+                error = _BY_VALUE.get(event.error.code) if event.WhichOneof("event") == "error" else None
+                if error in REPLICA_FAULTS:
+                    outcome, code = False, error.name
+                if not started and error in RETRYABLE:
+                    raise _Retry(error, event.error.message)
                 started = True
                 yield event
-            outcome = True
+            if code == "":
+                outcome = True
         except grpc.aio.AioRpcError as e:
-            if e.code() not in RETRYABLE:  # bad input, or the call was cancelled: not the replica's fault
-                outcome = None
-                raise
-            outcome, code = False, e.code().name
+            outcome, code = (False, e.code().name) if e.code() in REPLICA_FAULTS else (None, "")
             if not started:
-                raise _Retry(e.code(), e.details() or e.code().name) from None
+                raise (_Retry if e.code() in RETRYABLE else _Passthrough)(e.code(), e.details() or "") from None
+            if e.code() == grpc.StatusCode.CANCELLED:
+                raise  # the client went away: nothing to tell it
             metrics.MID_STREAM.labels(self.fleet.model_name, replica.address).inc()
             log.warning("replica failed mid-stream", extra={"rid": request.rid, "replica": replica.address,
                                                              "code": e.code().name})
             yield cpb.GenerateResponse(error=cpb.Error(
-                code=grpc.StatusCode.UNAVAILABLE.value[0],
+                code=e.code().value[0],
                 message=f"replica {replica.address} failed mid-stream: {e.code().name} {e.details() or ''}".rstrip()))
         finally:
             call.cancel()  # no-op once ended; else aborts the request in the replica
             replica.end(outcome, code)
+            self.fleet.update_readiness()  # a failure may have opened the last closed breaker
 
     def _backoff(self, retry: int) -> float:
         base = min(self.config.retry_backoff_max_s, self.config.retry_backoff_s * 2 ** (retry - 1))
@@ -133,8 +149,8 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
         for replica in replicas[:3]:
             try:
                 return await getattr(replica.stub, method)(request, timeout=30)
-            except grpc.aio.AioRpcError as e:
-                if e.code() not in RETRYABLE:
+            except grpc.aio.AioRpcError as e:  # unary reads: asking another replica replays nothing
+                if e.code() not in REPLICA_FAULTS:
                     await context.abort(e.code(), e.details() or "")
                 last = (e.code(), f"{e.details()} (replica {replica.address})")
         await context.abort(*last)
@@ -200,7 +216,7 @@ class RouterAdmin(router_pb2_grpc.RouterServicer):
         if replica is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no replica {request.address}")
         if not request.force:
-            replica.draining = True
+            self.fleet.set_draining(replica, True)
             timeout = request.timeout_s or self.config.drain_wait_s
             try:
                 await asyncio.wait_for(replica.idle.wait(), timeout)
@@ -216,7 +232,7 @@ class RouterAdmin(router_pb2_grpc.RouterServicer):
         replica = self._get(request.address)
         if replica is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no replica {request.address}")
-        replica.draining = not request.resume
+        self.fleet.set_draining(replica, not request.resume)
         log.info("replica drain" if replica.draining else "replica resumed", extra={
             "replica": replica.address, "in_flight": replica.in_flight})
         return replica.status(self.fleet.tree_chars(replica.address))

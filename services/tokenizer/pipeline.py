@@ -46,7 +46,7 @@ class Pipeline:
         self._scheduler, self._detokenizer = scheduler, detokenizer  # stubs
         self._options = dpb.DetokenizeOptions(
             stop=request.sampling.stop, include_stop_str_in_output=request.include_stop_str_in_output,
-            context_ids=prompt_ids[-CONTEXT_IDS:])
+            context_ids=prompt_ids[-CONTEXT_IDS:], min_tokens=max(request.sampling.min_new_tokens, 0))
         if request.HasField("skip_special_tokens"):
             self._options.skip_special_tokens = request.skip_special_tokens
         self._started: set[int] = set()  # indices the detokenizer has seen

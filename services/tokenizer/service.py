@@ -29,7 +29,9 @@ from protos.radixmesh.v1 import tokenizer_pb2 as pb
 from protos.radixmesh.v1 import tokenizer_pb2_grpc, worker_pb2
 from services.common import metrics as prom
 from services.common import tracing
+from services.common.convert import sampling_from_proto
 from services.common.logging import request_context
+from services.common.request_limits import check_request_limits
 from services.common.sampling_params import InvalidRequest
 from services.tokenizer.pipeline import Pipeline, StageError
 from services.tokenizer.text_tokenizer import load_tokenizer
@@ -99,6 +101,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         if rid in self._active:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
         try:
+            self._check(request, rid)
             t0 = time.monotonic()
             with request_context(rid), tracing.tracer().start_as_current_span("tokenize") as span:
                 ids = await self._prompt_ids(request)
@@ -122,6 +125,14 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         finally:  # done, failed or cancelled by the client: nothing stays open downstream
             pipeline.cancel()
             self._active.pop(rid, None)
+
+    def _check(self, request: pb.GenerateTextRequest, rid: str) -> None:
+        """The checks the gateway makes on HTTP, made here for gRPC clients: raise InvalidRequest."""
+        sampling = sampling_from_proto(request.sampling)
+        if not request.sampling.HasField("max_new_tokens"):  # filled in later from the room left
+            sampling.max_new_tokens = max(sampling.min_new_tokens, 1)
+        sampling.validate(self.model_info.model.vocab_size)
+        check_request_limits(sampling, request.n if request.HasField("n") else 1, rid)
 
     def _token_room(self) -> tuple[int, str]:
         """(tokens a request may span, what bounds it): the model's context length, or the KV
@@ -213,9 +224,21 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         except grpc.aio.AioRpcError as e:
             return [pb.StageHealth(stage="scheduler", address=addr, serving=False,
                                    detail=f"{e.code().name}: {e.details()}")]
+        # The scheduler's health says NOT_SERVING while its worker is lost or not making progress.
+        serving = await self._scheduler_health() == health_pb2.HealthCheckResponse.SERVING
+        worker_ok = stats.worker_connected and serving
+        detail = ("the scheduler has no worker stream" if not stats.worker_connected
+                  else "" if serving else "the scheduler's health is NOT_SERVING: its worker is not making progress")
         return [pb.StageHealth(stage="scheduler", address=addr, serving=True),
-                pb.StageHealth(stage="worker", serving=stats.worker_connected,
-                               detail="" if stats.worker_connected else "the scheduler has no worker stream")]
+                pb.StageHealth(stage="worker", serving=worker_ok, detail=detail)]
+
+    async def _scheduler_health(self) -> int:
+        try:
+            resp = await health_pb2_grpc.HealthStub(self._sched_channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2)
+            return resp.status
+        except grpc.aio.AioRpcError:
+            return health_pb2.HealthCheckResponse.UNKNOWN
 
     async def _detokenizer_stage(self) -> pb.StageHealth:
         addr = self.config.detokenizer_addr

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eradixmesh/v1/detokenizer.proto\x12\x0cradixmesh.v1\"\xe2\x01\n\x11\x44\x65tokenizeOptions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x04 \x01(\x08\x12\x13\n\x0b\x63ontext_ids\x18\x05 \x03(\x05\x42\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"y\n\x11\x44\x65tokenizeRequest\x12\r\n\x05index\x18\x01 \x01(\r\x12\x30\n\x07options\x18\x02 \x01(\x0b\x32\x1f.radixmesh.v1.DetokenizeOptions\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"k\n\x12\x44\x65tokenizeResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x19\n\x0cmatched_stop\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x42\x0f\n\r_matched_stop2b\n\x0b\x44\x65tokenizer\x12S\n\nDetokenize\x12\x1f.radixmesh.v1.DetokenizeRequest\x1a .radixmesh.v1.DetokenizeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eradixmesh/v1/detokenizer.proto\x12\x0cradixmesh.v1\"\xf6\x01\n\x11\x44\x65tokenizeOptions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x04 \x01(\x08\x12\x13\n\x0b\x63ontext_ids\x18\x05 \x03(\x05\x12\x12\n\nmin_tokens\x18\x06 \x01(\rB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"y\n\x11\x44\x65tokenizeRequest\x12\r\n\x05index\x18\x01 \x01(\r\x12\x30\n\x07options\x18\x02 \x01(\x0b\x32\x1f.radixmesh.v1.DetokenizeOptions\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"k\n\x12\x44\x65tokenizeResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x19\n\x0cmatched_stop\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x42\x0f\n\r_matched_stop2b\n\x0b\x44\x65tokenizer\x12S\n\nDetokenize\x12\x1f.radixmesh.v1.DetokenizeRequest\x1a .radixmesh.v1.DetokenizeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.radixmesh.v1.detoken
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DETOKENIZEOPTIONS']._serialized_start=49
-  _globals['_DETOKENIZEOPTIONS']._serialized_end=275
-  _globals['_DETOKENIZEREQUEST']._serialized_start=277
-  _globals['_DETOKENIZEREQUEST']._serialized_end=398
-  _globals['_DETOKENIZERESPONSE']._serialized_start=400
-  _globals['_DETOKENIZERESPONSE']._serialized_end=507
-  _globals['_DETOKENIZER']._serialized_start=509
-  _globals['_DETOKENIZER']._serialized_end=607
+  _globals['_DETOKENIZEOPTIONS']._serialized_end=295
+  _globals['_DETOKENIZEREQUEST']._serialized_start=297
+  _globals['_DETOKENIZEREQUEST']._serialized_end=418
+  _globals['_DETOKENIZERESPONSE']._serialized_start=420
+  _globals['_DETOKENIZERESPONSE']._serialized_end=527
+  _globals['_DETOKENIZER']._serialized_start=529
+  _globals['_DETOKENIZER']._serialized_end=627
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DetokenizeOptions(_message.Message):
-    __slots__ = ("stop", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "context_ids")
+    __slots__ = ("stop", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "context_ids", "min_tokens")
     STOP_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     stop: _containers.RepeatedScalarFieldContainer[str]
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     include_stop_str_in_output: bool
     context_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_tokens: int
+    def __init__(self, stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("index", "options", "token_ids", "finished")

@@ -1,0 +1,201 @@
+"""The tokenizer service as a gRPC front door, over real gRPC on loopback: the real
+TokenizerService and DetokenizerService (the default model's tokenizer) in front of a
+scripted scheduler that records what reaches it and streams chosen token ids.
+
+- Request limits: the same table of bad inputs gets INVALID_ARGUMENT from the tokenizer's
+  Generate (before anything reaches the scheduler) and HTTP 400 from the gateway in front.
+- Stop strings wait for min_new_tokens on the mesh path (tokenizer -> detokenizer), as they do
+  in the Engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos.radixmesh.v1 import common_pb2 as cpb
+from protos.radixmesh.v1 import detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from protos.radixmesh.v1 import tokenizer_pb2 as pb
+from protos.radixmesh.v1 import tokenizer_pb2_grpc, worker_pb2
+from services.detokenizer.service import DetokenizerService
+from services.gateway.app import build_app
+from services.gateway.backend import GrpcBackend
+from services.gateway.config import GatewayConfig
+from services.tokenizer.main import TokenizerServiceConfig
+from services.tokenizer.service import TokenizerService
+
+
+@dataclass
+class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Streams `tokens` one per chunk (the last with a LENGTH finish); records what it got."""
+    vocab_size: int
+    tokens: list[int] = field(default_factory=list)
+    requests: list = field(default_factory=list)
+    aborts: list = field(default_factory=list)
+
+    async def GetInfo(self, request, context):
+        return worker_pb2.WorkerInfo(model=worker_pb2.ModelConfig(
+            vocab_size=self.vocab_size, max_position_embeddings=2048, name="scripted"), num_kv_pages=4096, page_size=1)
+
+    async def GetStats(self, request, context):
+        return scheduler_pb2.SchedulerStats(worker_connected=True)
+
+    async def Abort(self, request, context):
+        self.aborts.append(request)
+        return scheduler_pb2.AbortResponse()
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        for i, tok in enumerate(self.tokens):
+            last = i == len(self.tokens) - 1
+            chunk = cpb.GenerateChunk(index=0, token_ids=[tok], prompt_tokens=len(request.input_ids),
+                                      completion_tokens=i + 1)
+            if last:
+                chunk.finish.CopyFrom(cpb.Finish(index=0, finish_reason=cpb.FINISH_REASON_LENGTH))
+            yield cpb.GenerateResponse(chunk=chunk)
+            await asyncio.sleep(0)
+
+
+async def serve(add, servicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    add(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@dataclass
+class Door:
+    scheduler: ScriptedScheduler
+    address: str
+    channel: grpc.aio.Channel
+    tokenizer: object
+
+    @property
+    def stub(self) -> tokenizer_pb2_grpc.TokenizerStub:
+        return tokenizer_pb2_grpc.TokenizerStub(self.channel)
+
+
+@pytest.fixture
+async def door(tokenizer):
+    sched = ScriptedScheduler(vocab_size=tokenizer.vocab_size)
+    sched_server, sched_addr = await serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, sched)
+    detok_server, detok_addr = await serve(detokenizer_pb2_grpc.add_DetokenizerServicer_to_server,
+                                           DetokenizerService(tokenizer))
+    service = TokenizerService(TokenizerServiceConfig(scheduler_addr=sched_addr, detokenizer_addr=detok_addr,
+                                                      peer_wait_s=30))
+    await service.start()
+    tok_server, tok_addr = await serve(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, service)
+    channel = grpc.aio.insecure_channel(tok_addr)
+    try:
+        yield Door(sched, tok_addr, channel, tokenizer)
+    finally:
+        await channel.close()
+        for server in (tok_server, detok_server, sched_server):
+            await server.stop(0)
+
+
+# --- one table, two doors ---------------------------------------------------------------------
+
+# (case, native sampling fields, n, rid, top_logprobs, a word the message must hold)
+BAD = [
+    ("17 stop strings", dict(stop=[f"s{i}" for i in range(17)]), 1, "", 0, "stop"),
+    ("100,000 stop strings", dict(stop=["s"] * 100_000), 1, "", 0, "stop"),
+    ("an empty stop string", dict(stop=["ok", ""]), 1, "", 0, "stop"),
+    ("65 stop_token_ids", dict(stop_token_ids=list(range(65))), 1, "", 0, "stop_token_ids"),
+    ("n = 17", {}, 17, "", 0, "n"),
+    ("n = 0", {}, 0, "", 0, "n"),
+    ("repetition_penalty 11", dict(repetition_penalty=11.0), 1, "", 0, "repetition_penalty"),
+    ("top_logprobs 21", {}, 1, "", 21, "logprobs"),
+    ("temperature -1", dict(temperature=-1.0), 1, "", 0, "temperature"),
+    ("min > max", dict(max_new_tokens=2, min_new_tokens=3), 1, "", 0, "min_new_tokens"),
+    ("a stop token outside the vocabulary", dict(stop_token_ids=[10**6]), 1, "", 0, "stop_token_ids"),
+    ("a 129-character rid", {}, 1, "r" * 129, 0, "rid"),
+]
+IDS = [case[0] for case in BAD]
+
+
+def grpc_request(fields: dict, n: int, rid: str, top: int) -> pb.GenerateTextRequest:
+    sampling = cpb.SamplingParams(**{"max_new_tokens": 4, **fields})
+    if top:
+        sampling.logprobs, sampling.top_logprobs = True, top
+    req = pb.GenerateTextRequest(text="Hello", sampling=sampling, rid=rid)
+    if n != 1:
+        req.n = n
+    return req
+
+
+def http_body(fields: dict, n: int, rid: str, top: int) -> dict:
+    params = {"max_new_tokens": 4, **fields, **({"n": n} if n != 1 else {})}
+    body = {"text": "Hello", "sampling_params": params}
+    if rid:
+        body["rid"] = rid
+    if top:
+        body["return_logprob"], body["top_logprobs_num"] = True, top
+    return body
+
+
+@pytest.mark.parametrize("case,fields,n,rid,top,word", BAD, ids=IDS)
+async def test_grpc_generate_refuses_what_http_refuses(door, case, fields, n, rid, top, word):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        async for _ in door.stub.Generate(grpc_request(fields, n, rid, top), timeout=30):
+            pass
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert word in e.value.details()
+    assert door.scheduler.requests == []  # refused at the door
+
+
+async def test_http_refuses_the_same_table(door):
+    app = build_app(GatewayConfig(tokenizer_addr=door.address), GrpcBackend(door.address))
+    async with TestClient(TestServer(app)) as client:
+        for case, fields, n, rid, top, word in BAD:
+            r = await client.post("/generate", json=http_body(fields, n, rid, top))
+            assert r.status == 400, (case, await r.text())
+            assert word in (await r.json())["error"]["message"], case
+        assert door.scheduler.requests == []
+        door.scheduler.tokens = door.tokenizer.encode(" fine", add_special_tokens=False)
+        ok = await client.post("/generate", json=http_body(dict(stop=[f"s{i}" for i in range(16)]), 1, "", 0))
+        assert ok.status == 200, await ok.text()  # at the limits: served
+    assert len(door.scheduler.requests) == 1
+
+
+# --- min_new_tokens on the mesh path -----------------------------------------------------------
+
+async def run(door: Door, sampling: cpb.SamplingParams) -> tuple[str, cpb.Finish | None]:
+    text, finish = "", None
+    async for ev in door.stub.Generate(pb.GenerateTextRequest(text="Hello", sampling=sampling), timeout=30):
+        kind = ev.WhichOneof("event")
+        assert kind != "error", ev.error
+        if kind == "chunk":
+            text += ev.chunk.text
+        elif kind == "finish":
+            finish = ev.finish
+    return text, finish
+
+
+async def test_a_stop_string_does_not_end_the_request_before_min_new_tokens(door):
+    pieces = [" one", ".", " two", ".", " three", "."]
+    door.scheduler.tokens = [t for p in pieces for t in door.tokenizer.encode(p, add_special_tokens=False)]
+    full = door.tokenizer.decode(door.scheduler.tokens)
+    first_dot = full.index(".")
+    k = len(door.tokenizer.encode(full[:first_dot + 1], add_special_tokens=False))  # tokens through the first "."
+
+    text, finish = await run(door, cpb.SamplingParams(max_new_tokens=32, stop=["."]))
+    assert text == full[:first_dot] and finish.stop_str == "."  # without min_new_tokens: the first "."
+
+    text, finish = await run(door, cpb.SamplingParams(max_new_tokens=32, stop=["."], min_new_tokens=k))
+    second_dot = full.index(".", first_dot + 1)
+    assert text == full[:second_dot] and finish.stop_str == "."  # the first "." came too early
+    assert finish.finish_reason == cpb.FINISH_REASON_STOP
+
+    text, finish = await run(door, cpb.SamplingParams(max_new_tokens=32, stop=["."],
+                                                      min_new_tokens=len(door.scheduler.tokens)))
+    assert text == full and finish.finish_reason == cpb.FINISH_REASON_LENGTH
