@@ -25,9 +25,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("services.launcher.up", reason="the launcher (radixmesh up) is not in this checkout")
-
-from tests.integration.mesh_harness import REPO, Mesh  # noqa: E402
+from tests.integration.mesh_harness import REPO, Mesh
 
 pytestmark = pytest.mark.slow
 
