@@ -13,6 +13,11 @@ Lifecycle of `serve`:
      config.drain_timeout_s; server.stop(grace=what is left) cancels stragglers
   5. return 0 (1 when on_start failed). A second signal skips the waiting.
 
+While serving, a service that passes a `Readiness` keeps its health in step
+with it: NOT_SERVING while it says not ready (e.g. the scheduler lost or
+stalled on its worker), SERVING again when it recovers. Application RPCs
+are not refused for it: the service decides what not being ready means.
+
 Observability: `run_service` sets up tracing from the OTEL_* environment
 (services/common/tracing.py), whose server interceptor then spans every
 application RPC; with `config.metrics_port` set (0 = a free port) the
@@ -146,6 +151,31 @@ class _Registrar:
 MAX_MESSAGE_BYTES = 64 << 20
 
 
+class Readiness:
+    """A service's own verdict on whether it can serve; serve() mirrors it into gRPC health."""
+
+    def __init__(self) -> None:
+        self.ready = True
+        self.reason: str | None = None
+        self._changed = asyncio.Event()
+
+    def set(self, ready: bool, reason: str | None = None) -> None:
+        if ready and not self.ready:
+            log.info("ready again", extra={"was": self.reason})
+        elif not ready and self.ready:
+            log.warning("not ready", extra={"reason": reason})
+        self.ready, self.reason = ready, None if ready else reason
+        self._changed.set()
+
+    async def mirror(self, set_status: Callable[[int], Awaitable[None]]) -> None:
+        """Forever: set the health status from `ready`, then wait for the next change."""
+        while True:
+            self._changed.clear()
+            await set_status(health_pb2.HealthCheckResponse.SERVING if self.ready
+                             else health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self._changed.wait()
+
+
 async def serve(
     service_name: str,
     config: ServiceOptions,
@@ -155,6 +185,7 @@ async def serve(
     *,
     server_options: list[tuple[str, Any]] | None = None,
     registry: Any = None,
+    readiness: Readiness | None = None,
 ) -> int:
     """Run a service until SIGTERM/SIGINT; returns the process exit status.
 
@@ -218,7 +249,10 @@ async def serve(
             gate.refusal = None
             await set_all(health_pb2.HealthCheckResponse.SERVING)
             log.info("serving")
-            await stopping
+            mirror = asyncio.ensure_future((readiness or Readiness()).mirror(set_all))
+            await asyncio.wait({stopping, mirror}, return_when=asyncio.FIRST_COMPLETED)
+            mirror.cancel()
+            await asyncio.gather(mirror, return_exceptions=True)
         else:
             starting.cancel()  # a signal while loading: no point finishing the load
             await asyncio.gather(starting, return_exceptions=True)
@@ -271,7 +305,8 @@ async def _drain(server: grpc.aio.Server, gate: _Gate, health_servicer: Any,
 
 def run_service(service_name: str, config: Any, add_servicers: Callable[[grpc.aio.Server], None],
                 on_start: Callable[[], Awaitable[None]] | None = None,
-                on_drain: Callable[[float], Awaitable[None]] | None = None, *, registry: Any = None) -> int:
+                on_drain: Callable[[float], Awaitable[None]] | None = None, *, registry: Any = None,
+                readiness: Readiness | None = None) -> int:
     """Synchronous entry point: JSON logging from `config.log_level`, tracing from the
     environment, then `serve` on a uvloop event loop. Returns the exit status for sys.exit."""
     import uvloop
@@ -285,7 +320,8 @@ def run_service(service_name: str, config: Any, add_servicers: Callable[[grpc.ai
         logging.getLogger(__name__).error("cannot start", extra={"error": str(e)})
         return 1
     try:
-        return uvloop.run(serve(service_name, config, add_servicers, on_start, on_drain, registry=registry))
+        return uvloop.run(serve(service_name, config, add_servicers, on_start, on_drain, registry=registry,
+                                readiness=readiness))
     except OSError as e:  # e.g. the port is taken: say so in one line, not a traceback
         logging.getLogger(__name__).error("cannot start", extra={"error": str(e)})
         return 1

@@ -10,7 +10,13 @@ waits until every one reports SERVING over gRPC health; prints the URL;
 supervises. With `--replicas N` (N > 1, or `--router`) it starts N replicas (children
 `worker-0`, `tokenizer-0`, ..., `-N-1`), then `router` with every tokenizer in
 `--replica-addrs`, and points the gateway at the router. If a child dies, the others are stopped and the launcher exits 1
-naming it, with its exit status and last log lines. SIGTERM / Ctrl-C stops
+naming it, with its exit status and last log lines (fail-fast, the default). With
+`--restart-on-failure` a child that dies once the mesh is up is restarted instead, in place:
+same flags and the same address (the launcher pins the port it first bound, so its peers'
+channels reconnect to it: a restarted worker rejoins its scheduler), after a backoff of
+`--restart-backoff-s` doubled on each consecutive try (at most 30 s); after
+`--restart-max-tries` consecutive failed tries (a child that stays up 60 s starts its count
+afresh) the launcher gives up and stops the mesh as in fail-fast. SIGTERM / Ctrl-C stops
 the mesh front to back (gateway, tokenizer, scheduler + detokenizer, worker),
 each stage draining its in-flight requests before the next one is told; a
 child still running `--drain-timeout-s` + `--kill-grace-s` after its SIGTERM
@@ -21,6 +27,11 @@ accepts them (`--kv-cache-bytes` to the worker, `--max-running-requests` to
 the scheduler, `--log-level` to all); a flag no service accepts is an error.
 The gateway gets `--listen`, `--http-port` and `--tokenizer-addr`, plus the
 forwarded flags its `services.gateway.main.CONFIG_CLASS` accepts, if it has one.
+
+`--metrics-port N` gives every gRPC service its own Prometheus port: N, N+1, ... in start
+order (kvstore, then per replica worker, detokenizer, scheduler, tokenizer, then the router),
+printed when the mesh is up; 0 gives each a free port. The gateway serves /metrics on its
+HTTP port.
 """
 from __future__ import annotations
 
@@ -42,6 +53,9 @@ from services.common.logging import setup_logging
 from services.launcher.children import Child
 
 log = logging.getLogger("radixmesh.up")
+
+RESTART_BACKOFF_CAP_S = 30.0
+RESTART_RESET_S = 60.0  # a child up this long since its restart starts its count of tries afresh
 
 # (service, [(flag, peer whose address it takes)]), in start order: one replica, then the gateway.
 TOPOLOGY = [
@@ -103,6 +117,18 @@ def plan(replicas: int, router: bool, gateway: bool, kvstore: bool = False) -> l
     return out
 
 
+def metrics_ports(planned: list[Planned], first: int | None) -> dict[str, int]:
+    """Each gRPC service's --metrics-port: `first`, first+1, ... in start order (0: all 0, each
+    picks a free one). The gateway has none: it serves /metrics on its HTTP port."""
+    if first is None:
+        return {}
+    names = [p.name for p in planned if p.service != "gateway"]
+    if first and first + len(names) - 1 > 65535:
+        raise ValueError(f"--metrics-port {first} leaves no room for {len(names)} ports (one per service) "
+                         "below 65536")
+    return {name: first + i if first else 0 for i, name in enumerate(names)}
+
+
 @dataclass(frozen=True)
 class UpConfig:
     model: str | None = field(default=None, metadata={"help": "a .gguf file or HF directory; default: SmolLM2-135M-Instruct"})
@@ -118,6 +144,19 @@ class UpConfig:
     kvstore: bool | None = field(default=None, metadata={
         "help": "start a kvstore and wire every replica's worker to it, so a prefix one replica computed serves "
                 "the others (its flags, e.g. --kvstore-disk-dir, are forwarded); default: on when --replicas > 1"})
+
+    metrics_port: int | None = field(default=None, metadata={
+        "help": "the first Prometheus port: every gRPC service gets its own, N, N+1, ... in start order (kvstore, "
+                "then per replica worker, detokenizer, scheduler, tokenizer, then router), printed at start; "
+                "0 = a free port each; the gateway serves /metrics on its HTTP port; none = no metrics endpoints"})
+    restart_on_failure: bool = field(default=False, metadata={
+        "help": "restart a child that dies once the mesh is up, on its address, with exponential backoff, instead "
+                "of stopping the whole mesh (the default: fail fast, exit 1)"})
+    restart_max_tries: int = field(default=5, metadata={
+        "help": "with --restart-on-failure: consecutive restarts of one child before giving up (then fail fast)"})
+    restart_backoff_s: float = field(default=1.0, metadata={
+        "help": "with --restart-on-failure: the wait before the first restart, doubled on each consecutive try "
+                f"(at most {RESTART_BACKOFF_CAP_S:g}s)"})
 
     pin_lead_cpu: int | None = field(default=None, metadata={
         "help": "keep this CPU for the worker's decode-step lead thread: the worker gets --lead-cpu and every "
@@ -135,6 +174,11 @@ class UpConfig:
             raise ValueError("--drain-timeout-s and --kill-grace-s must be >= 0, --start-timeout-s > 0")
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.restart_max_tries < 1 or self.restart_backoff_s < 0:
+            raise ValueError("--restart-max-tries must be >= 1 and --restart-backoff-s >= 0, got "
+                             f"{self.restart_max_tries} and {self.restart_backoff_s}")
         if self.pin_lead_cpu is not None:
             if self.replicas != 1:
                 raise ValueError("--pin-lead-cpu serves one replica")
@@ -201,7 +245,10 @@ class Mesh:
     def __init__(self, config: UpConfig, routed: dict[str, list[str]]) -> None:
         self.config, self.routed = config, routed
         self.plan = plan(config.replicas, config.router, "gateway" in routed, config.use_kvstore)
+        self.metrics_ports = metrics_ports(self.plan, config.metrics_port)
         self.children: dict[str, Child] = {}
+        self.tries: dict[str, int] = {}  # consecutive restarts per child
+        self.started_at: dict[str, float] = {}
         self.exits: dict[str, asyncio.Task] = {}
         self.stop = asyncio.Event()
         self.hurry = asyncio.Event()
@@ -213,12 +260,13 @@ class Mesh:
                 child.signal(signal.SIGTERM)
         self.stop.set()
 
-    async def race(self, awaitable, timeout: float | None, what: str):
-        """Await `awaitable` unless a child exits or a stop is asked for first."""
+    async def race(self, awaitable, timeout: float | None, what: str, watch: list[str] | None = None):
+        """Await `awaitable` unless a child (of `watch`, default all) exits or a stop is asked for first."""
         task = asyncio.ensure_future(awaitable)
         stopping = asyncio.ensure_future(self.stop.wait())
+        exits = {name: t for name, t in self.exits.items() if watch is None or name in watch}
         try:
-            await asyncio.wait({task, stopping, *self.exits.values()}, timeout=timeout,
+            await asyncio.wait({task, stopping, *exits.values()}, timeout=timeout,
                                return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopping.cancel()
@@ -227,12 +275,13 @@ class Mesh:
         task.cancel()
         if self.stop.is_set():
             raise Interrupted()
-        for name, exited in self.exits.items():
+        for name, exited in exits.items():
             if exited.done():
                 raise ChildDied(self.children[name])
         raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
 
-    def _argv(self, name: str, peers: list[tuple[str, list[str]]]) -> list[str]:
+    def _argv(self, name: str, peers: list[tuple[str, list[str]]], child: str = "") -> list[str]:
+        """Flags of child `child` running service `name`."""
         cfg = self.config
         argv = ["--listen", "127.0.0.1:0"]
         for flag, names in peers:
@@ -246,6 +295,8 @@ class Mesh:
         if name in TAKES_MODEL and cfg.model:
             argv += ["--model", cfg.model]
         routed = self.routed.get(name, [])
+        if child in self.metrics_ports:
+            argv += ["--metrics-port", str(self.metrics_ports[child])]
         if name == "worker" and cfg.pin_lead_cpu is not None:
             argv += ["--lead-cpu", str(cfg.pin_lead_cpu)]
         if name == "worker" and cfg.replicas > 1 and "--num-threads" not in routed:
@@ -268,16 +319,67 @@ class Mesh:
                 for peer in names:
                     await self.race(self.children[peer].listening.wait(), deadline - time.monotonic(),
                                     f"{peer} listening")
-            child = Child(p.name, self._argv(p.service, p.peers), sys.stderr, service=p.service,
+            child = Child(p.name, self._argv(p.service, p.peers, p.name), sys.stderr, service=p.service,
                           cpus=self._cpus(p.service))
-            await child.spawn()
-            self.children[p.name] = child
-            self.exits[p.name] = asyncio.create_task(child.wait())
+            await self._spawn(child)
             log.info("started", extra={"child": p.name, "pid": child.pid})
         for name, child in self.children.items():
             await self.race(child.listening.wait(), deadline - time.monotonic(), f"{name} listening")
         for name, child in self.children.items():
             await self.race(_serving(child.address), deadline - time.monotonic(), f"{name} SERVING")
+
+    async def _spawn(self, child: Child) -> None:
+        await child.spawn()
+        self.children[child.name] = child
+        self.exits[child.name] = asyncio.create_task(child.wait())
+        self.started_at[child.name] = time.monotonic()
+
+    async def supervise(self) -> None:
+        """Until a stop is asked for (Interrupted). A dead child raises ChildDied, unless
+        --restart-on-failure restarts it."""
+        while True:
+            try:
+                await self.race(asyncio.Event().wait(), None, "the end")
+            except ChildDied as e:
+                if not self.config.restart_on_failure:
+                    raise
+                await self.restart(e.child)
+
+    async def restart(self, dead: Child) -> None:
+        """Start `dead` again on its address, with backoff; raises ChildDied when its tries are
+        spent. Only the restarted child is watched meanwhile (another death is seen after)."""
+        name, cfg = dead.name, self.config
+        while True:
+            self.exits.pop(name, None)
+            dead.kill_group()  # anything it left in its process group
+            if time.monotonic() - self.started_at[name] >= RESTART_RESET_S:
+                self.tries[name] = 0
+            tries = self.tries.get(name, 0)
+            if tries >= cfg.restart_max_tries:
+                log.error("giving up restarting", extra={"child": name, "tries": tries})
+                raise ChildDied(dead)
+            self.tries[name] = tries + 1
+            delay = min(RESTART_BACKOFF_CAP_S, cfg.restart_backoff_s * 2 ** tries)
+            log.warning("child died: restarting", extra={
+                "child": name, "status": dead.describe_exit(), "try": tries + 1, "of": cfg.restart_max_tries,
+                "delay_s": delay, "last_lines": list(dead.tail)[-10:]})
+            print(f"radixmesh up: {name} died ({dead.describe_exit()}); restarting it in {delay:g}s "
+                  f"(try {tries + 1} of {cfg.restart_max_tries})", file=sys.stderr, flush=True)
+            await self.race(asyncio.sleep(delay), None, "restart backoff", watch=[])
+            child = Child(name, _pinned(dead), sys.stderr, service=dead.service, cpus=dead.cpus)
+            await self._spawn(child)
+            try:
+                await self.race(child.listening.wait(), cfg.start_timeout_s, f"{name} listening", watch=[name])
+                await self.race(_serving(child.address), cfg.start_timeout_s, f"{name} SERVING", watch=[name])
+            except (ChildDied, TimeoutError) as e:
+                log.error("restart failed", extra={"child": name, "error": str(e) or "it died"})
+                child.kill_group()
+                await child.wait()
+                dead = child
+                continue
+            log.info("restarted", extra={"child": name, "pid": child.pid, "address": child.address})
+            print(f"radixmesh up: {name} restarted (pid {child.pid}, {child.address})", file=sys.stderr, flush=True)
+            return
 
     async def shutdown(self) -> int:
         """Stop front to back; returns 0 when every child exited 0."""
@@ -302,6 +404,18 @@ class Mesh:
         codes = {name: c.proc.returncode for name, c in self.children.items()}
         log.info("stopped", extra={"exit_codes": codes})
         return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def _pinned(child: Child) -> list[str]:
+    """The child's flags with the ports it bound pinned (gRPC, and the gateway's HTTP port), so
+    that a restart comes back where its peers and clients look for it."""
+    argv = list(child.argv)
+    pins = {"--listen": child.address if child.port is not None else None,
+            "--http-port": child.listen_event.get("http_port")}
+    for flag, value in pins.items():
+        if value is not None and flag in argv:
+            argv[argv.index(flag) + 1] = str(value)
+    return argv
 
 
 async def _serving(address: str) -> None:
@@ -332,7 +446,13 @@ async def run(config: UpConfig, routed: dict[str, list[str]]) -> int:
         front = "router" if "router" in addresses else "tokenizer"
         print(f"radixmesh is up: {url or 'no gateway'}; {front} gRPC at {addresses[front]} "
               "(Ctrl-C to stop)", flush=True)
-        await mesh.race(asyncio.Event().wait(), None, "the end")
+        if config.metrics_port is not None:
+            ports = {name: c.listen_event.get("metrics_port") for name, c in mesh.children.items()
+                     if name in mesh.metrics_ports}
+            log.info("metrics", extra={"metrics_ports": ports})
+            print("metrics: " + ", ".join(f"{name} http://127.0.0.1:{port}/metrics" for name, port in ports.items())
+                  + (f", gateway {url}/metrics" if url else ""), flush=True)
+        await mesh.supervise()
     except Interrupted:
         log.info("stopping", extra={"reason": "signal"})
         return await mesh.shutdown()
@@ -364,6 +484,7 @@ def main(argv: list[str]) -> int:
         if config.use_kvstore:
             services.append("kvstore")
         routed = route_flags(extra, services)
+        metrics_ports(plan(config.replicas, config.router, config.gateway, config.use_kvstore), config.metrics_port)
     except ValueError as e:
         parser.error(str(e))
     if config.gateway and load_ref("services.gateway.main:main") is None:

@@ -24,10 +24,25 @@ class SchedulerServiceConfig:
         "help": "at start: seconds to wait for the worker to load and answer before giving up"})
     check_invariants: bool = field(default=False, metadata={
         "help": "check KV accounting after every step (tests, debugging; costs O(pages) per step)"})
+    step_stall_floor_s: float = field(default=15.0, metadata={
+        "help": "watchdog: a step still unanswered this many seconds (plus --step-stall-per-token-s per token "
+                "it runs) after it started marks the worker stalled: health NOT_SERVING and new requests "
+                "refused with UNAVAILABLE until the step completes"})
+    step_stall_per_token_s: float = field(default=0.01, metadata={
+        "help": "watchdog: the allowance per token of a step (prefill chunks and decodes) on top of the floor"})
+    request_timeout_s: float | None = field(default=900.0, metadata={
+        "help": "server-side deadline of a Generate call from its arrival: past it the request is aborted (its KV "
+                "freed) and its stream ends with a DEADLINE_EXCEEDED error; generous so that a full-context "
+                "generation on a CPU fits; none = no deadline"})
 
     def __post_init__(self) -> None:
         if self.worker_wait_s <= 0:
             raise ValueError(f"--worker-wait-s must be > 0, got {self.worker_wait_s}")
+        if self.step_stall_floor_s <= 0 or self.step_stall_per_token_s < 0:
+            raise ValueError("--step-stall-floor-s must be > 0 and --step-stall-per-token-s >= 0, got "
+                             f"{self.step_stall_floor_s} and {self.step_stall_per_token_s}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"--request-timeout-s must be > 0 (or none), got {self.request_timeout_s}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,4 +56,4 @@ def main(argv: list[str] | None = None) -> int:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
 
     return run_service("scheduler", config.common, add_servicers, on_start=service.start, on_drain=service.drain,
-                       registry=service.telemetry.registry)
+                       registry=service.telemetry.registry, readiness=service.readiness)

@@ -15,7 +15,17 @@ aborts go through the core's own abort queue, which schedule() applies.
 Worker loss: when the Step stream breaks, every open request fails with an
 Error (UNAVAILABLE), the core is rebuilt empty (the worker's KV may be gone,
 so no cached prefix can be trusted) and the service reconnects; Generate is
-refused with UNAVAILABLE meanwhile.
+refused with UNAVAILABLE meanwhile and gRPC health is NOT_SERVING (the
+tokenizer's Ready, hence the gateway's /ready, follow it) until the new stream
+is up.
+
+Watchdog: a worker that hangs (e.g. SIGSTOPped) breaks no stream. A step
+unanswered past its bound (--step-stall-floor-s plus --step-stall-per-token-s
+per token of the plan, from when the worker started it) marks the worker
+stalled: health NOT_SERVING and Generate refused with UNAVAILABLE until the step
+completes. Requests in flight are ended by their deadline (--request-timeout-s,
+from arrival): an Error with DEADLINE_EXCEEDED, and the request aborted in the
+core (its KV is freed at the next schedule()).
 
 Observability: services/scheduler/telemetry.py gets the loop's plans, outputs and
 timings (spans per request, Prometheus metrics served on --metrics-port); each new
@@ -41,6 +51,7 @@ from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common import tracing
 from services.common.convert import sampling_from_proto
 from services.common.sampling_params import InvalidRequest
+from services.common.server import Readiness
 from services.scheduler.convert import Usage, carry_counters, finish_proto, output_events, stats_proto
 from services.scheduler.outputs import QueueFull, RequestOutput
 from services.scheduler.scheduler import ModelLimits, Scheduler
@@ -81,11 +92,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._loop_task: asyncio.Task | None = None
         self._usage = cpb.Usage()
         self.telemetry = SchedulerTelemetry(self)
+        self.readiness = Readiness()  # mirrored into gRPC health by run_service
+        self.stalled: str | None = None  # why the watchdog thinks the worker hangs, while it does
+        self._reading: asyncio.Future | None = None  # a Step read left open while idle
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         """Wait for the worker (health NOT_SERVING meanwhile), then drive it."""
-        self._channel = grpc.aio.insecure_channel(self.config.worker_addr)
+        # A short reconnect backoff: a restarted worker is found soon after it listens again.
+        self._channel = grpc.aio.insecure_channel(self.config.worker_addr, options=[
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)])
         self._worker = worker_pb2_grpc.WorkerStub(self._channel)
         await self._connect(self.config.worker_wait_s)
         self._loop_task = asyncio.create_task(self._run(), name="scheduler-loop")
@@ -117,7 +133,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.core, self.info = core, info
         self.telemetry.connected(m.name)
         self._call = self._worker.Step()
-        self.connected = True
+        self.connected, self.stalled = True, None
+        self.readiness.set(True)
         log.info("worker connected", extra={"worker": self.config.worker_addr, "model": m.name,
                                             "kv_pages": info.num_kv_pages, "page_size": info.page_size})
 
@@ -148,8 +165,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 reason = f"scheduler error: {exc!r}"
                 log.exception("scheduler loop failed")
             # Fail what was open, then a fresh core on a new stream (the worker resets too).
-            self.connected = False
+            self.connected, self.stalled = False, None
+            self.readiness.set(False, reason)
             self._call.cancel()
+            if self._reading is not None:  # a read of the old stream
+                self._reading.cancel()
+                self._reading = None
             self._fail_all(grpc.StatusCode.UNAVAILABLE, reason)
             self.telemetry.fail_all(reason)
             await self._connect(float("inf"))
@@ -179,11 +200,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if not sent:
                 if core.has_work:
                     await asyncio.sleep(0.002)  # e.g. a prefill waits for a shared prefix
-                else:
-                    await self._wake.wait()
-                    self._wake.clear()
+                else:  # idle: a read stays open meanwhile, so a lost worker is seen at once
+                    self._reading = self._reading or asyncio.ensure_future(call.read())
+                    await self._idle(self._reading)
                 continue
-            msg = await call.read()
+            msg = await self._read_watched(call, sent[0][0], max(sent[0][1], last_read))
             if msg is grpc.aio.EOF:
                 raise ConnectionError("the worker closed the step stream")
             now = time.monotonic()
@@ -194,6 +215,49 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             last_read = now
             if self.config.check_invariants:
                 core.check_invariants()
+
+    def step_bound_s(self, plan: StepPlan) -> float:
+        """How long the worker may take for `plan` before the watchdog calls it stalled."""
+        tokens = sum(len(item.input_ids) for item in plan.items)
+        return self.config.step_stall_floor_s + self.config.step_stall_per_token_s * tokens
+
+    async def _idle(self, reading: asyncio.Future) -> None:
+        """Until woken; raises when the stream ends or breaks meanwhile (nothing was asked)."""
+        wake = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({wake, reading}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+        self._wake.clear()
+        if reading.done():
+            self._reading = None
+            msg = reading.result()  # raises what the read raised: the stream broke
+            raise ConnectionError("the worker closed the step stream" if msg is grpc.aio.EOF
+                                  else "the worker sent a step result nobody asked for")
+
+    async def _read_watched(self, call, plan: StepPlan, started: float):
+        """The worker's answer to `plan` (started at `started`); while it is overdue the
+        worker counts as stalled (health NOT_SERVING, new requests refused)."""
+        read, self._reading = self._reading or asyncio.ensure_future(call.read()), None
+        try:
+            bound = self.step_bound_s(plan)
+            done, _ = await asyncio.wait({read}, timeout=max(0.0, started + bound - time.monotonic()))
+            if not done:
+                self.stalled = (f"the worker has not answered step {plan.step_id} for more than {bound:.1f}s "
+                                f"({len(plan.items)} requests in it)")
+                log.error("worker stalled", extra={"step_id": plan.step_id, "bound_s": round(bound, 3),
+                                                   "items": len(plan.items)})
+                self.readiness.set(False, self.stalled)
+                await asyncio.wait({read})
+            msg = read.result()  # raises what the read raised: the stream broke
+        finally:
+            read.cancel()  # when this loop is cancelled; a no-op once done
+        if self.stalled is not None:
+            log.info("worker answered again", extra={"step_id": plan.step_id,
+                                                     "after_s": round(time.monotonic() - started, 3)})
+            self.stalled = None
+            self.readiness.set(True)
+        return msg
 
     def _plan_message(self, plan: StepPlan) -> worker_pb2.StepPlan:
         msg = plan_to_proto(plan)
@@ -245,6 +309,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._reading is not None:
+            self._reading.cancel()
         if self._call is not None:
             self._call.cancel()
         if self._channel is not None:
@@ -256,6 +322,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         core = self.core
         if core is None or not self.connected:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler has no worker connected")
+        if self.stalled is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.stalled)
+        arrived = time.monotonic()
         n = request.n if request.HasField("n") else 1
         rid = request.rid or uuid.uuid4().hex
         ids, sampling = list(request.input_ids), sampling_from_proto(request.sampling)
@@ -285,11 +354,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for i, crid in enumerate(stream.core_rids):
             self._owner[crid] = (stream, i)
         self._wake.set()
+        timeout = self.config.request_timeout_s
+        # One timer per request, not one per token: at the deadline it aborts and queues the error.
+        expiry = None if timeout is None else asyncio.get_running_loop().call_at(
+            arrived + timeout, self._expire, stream, core)
         try:
             while stream.open:
                 for event in self._events(stream, await stream.queue.get()):
                     yield event
-        finally:  # finished, failed, or cancelled by the client
+        finally:  # finished, failed, timed out, or cancelled by the client
+            if expiry is not None:
+                expiry.cancel()
             for i in stream.open:
                 if self.core is core:
                     core.abort(stream.core_rids[i])
@@ -297,6 +372,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self._owner.pop(crid, None)
             self._streams.pop(rid, None)
             self._wake.set()
+
+    def _expire(self, stream: _Stream, core: Scheduler) -> None:
+        """--request-timeout-s passed: abort the stream's open sequences in `core` (their KV is
+        freed at the next schedule()) and end the stream with DEADLINE_EXCEEDED."""
+        if not stream.open:
+            return
+        log.warning("request deadline passed: aborting", extra={"rid": stream.rid,
+                                                                "timeout_s": self.config.request_timeout_s})
+        if self.core is core:
+            for i in stream.open:
+                core.abort(stream.core_rids[i])
+            self._wake.set()
+        stream.queue.put_nowait(("error", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"the request did not finish within --request-timeout-s="
+                                 f"{self.config.request_timeout_s:g}s" + (f" ({self.stalled})" if self.stalled else "")))
 
     @staticmethod
     def _events(stream: _Stream, item: tuple) -> list[cpb.GenerateResponse]:
