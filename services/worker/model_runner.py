@@ -28,6 +28,7 @@ from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
 from services.worker.model.layer_ops import create_layer_ops
 from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.registry import model_class
 from services.worker.sampler_inputs import run_sampler
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class ModelRunner:
             mc, config.page_size, config.torch_dtype,
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
         self.pool = KVPool(self.kv_spec, self.device)
-        self.backend = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5)
+        self.backend = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
+                                      sliding_window=mc.sliding_window)
         max_pages = -(-mc.max_position_embeddings // config.page_size)
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
@@ -105,10 +107,15 @@ class ModelRunner:
 
     def _use_decode_stack(self) -> bool:
         """Pure-decode steps on the quantized blocks as one C++ call (LlamaForCausalLM.use_decode_stack),
-        where that matches what the op-by-op path would run: fused ops and the native attention kernel."""
+        where that matches what the op-by-op path would run: fused ops and the native attention kernel.
+        A model whose math the stack lacks declines it (LlamaForCausalLM.decode_stack_refusal)."""
         from services.worker.model.layer_ops import FusedCpuLayerOps
         if not (self.config.decode_stack and self.quantized_weights and isinstance(self.model.ops, FusedCpuLayerOps)
                 and self.config.attention_backend == "cpu"):
+            return False
+        refusal = self.model.decode_stack_refusal()
+        if refusal is not None:
+            log.info("one-call decode steps declined for %s (%s): op by op", self.model_config.name, refusal)
             return False
         from kernels import decode_stack
         return self.model.use_decode_stack(decode_stack.load(), self.config.step_team_spin_us)
@@ -238,9 +245,10 @@ def _last_sampled(rid: str, req: _Request, start_pos: int) -> int:
 
 def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device) -> LlamaForCausalLM:
-    """Construct without random init (meta device), then load the checkpoint."""
+    """Construct the registry's class for mc.architecture without random init (meta device),
+    then load the checkpoint."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(mc)
+        model = model_class(mc)(mc)
     model = model.to_empty(device=device)
     model.load_hf_tensors(tensors)
     model = model.to(dtype).eval()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.worker.loader.checkpoint import load_checkpoint
+from services.worker.model.registry import ARCHITECTURES
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=64)
@@ -22,7 +23,6 @@ def save_tiny(tmp_path, config_cls: str, model_cls: str, **extra) -> str:
 
 
 @pytest.mark.parametrize("config_cls,model_cls,extra", [
-    ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),  # loaded as Llama: wrong from token 9
     ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
     ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=2, moe_intermediate_size=16,
                                                    shared_expert_intermediate_size=16)),
@@ -31,7 +31,7 @@ def test_other_architectures_are_refused_by_name(tmp_path, config_cls, model_cls
     path = save_tiny(tmp_path, config_cls, model_cls, **extra)
     with pytest.raises(ValueError, match=f"architecture {model_cls}.* is not supported") as e:
         load_checkpoint(path)
-    assert "LlamaForCausalLM" in str(e.value) and "Qwen2ForCausalLM" in str(e.value)
+    assert all(name in str(e.value) for name in ARCHITECTURES)
 
 
 def test_qwen2_with_sliding_window_attention_is_refused(tmp_path):
@@ -41,11 +41,19 @@ def test_qwen2_with_sliding_window_attention_is_refused(tmp_path):
         load_checkpoint(path)
 
 
-@pytest.mark.parametrize("config_cls,model_cls", [("LlamaConfig", "LlamaForCausalLM"),
-                                                  ("Qwen2Config", "Qwen2ForCausalLM")])
-def test_supported_architectures_load(tmp_path, config_cls, model_cls):
-    ckpt = load_checkpoint(save_tiny(tmp_path, config_cls, model_cls))
-    assert ckpt.config.hidden_size == 32 and ckpt.config.attention_bias == (config_cls == "Qwen2Config")
+@pytest.mark.parametrize("config_cls,model_cls,extra", [
+    ("LlamaConfig", "LlamaForCausalLM", {}),
+    ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+    ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+])
+def test_supported_architectures_load(tmp_path, config_cls, model_cls, extra):
+    ckpt = load_checkpoint(save_tiny(tmp_path, config_cls, model_cls, **extra))
+    c = ckpt.config
+    assert c.hidden_size == 32 and c.attention_bias == (config_cls == "Qwen2Config")
+    assert c.architecture == model_cls and c.qk_norm == (model_cls == "Qwen3ForCausalLM")
+    assert c.sliding_window == extra.get("sliding_window") and c.head_dim == extra.get("head_dim", 16)
 
 
 def edit_config(path: str, **changes) -> None:

@@ -26,10 +26,11 @@ _BACKENDS: dict[str, tuple[str, dict]] = {
 }
 
 
-def create_backend(name: str, scale: float) -> AttentionBackend:
+def create_backend(name: str, scale: float, sliding_window: int | None = None) -> AttentionBackend:
+    """sliding_window: each query attends only to the last that many positions (None: all)."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
     target, kwargs = _BACKENDS[name]
     module, cls = target.split(":")
     import importlib
-    return getattr(importlib.import_module(module), cls)(scale=scale, **kwargs)
+    return getattr(importlib.import_module(module), cls)(scale=scale, sliding_window=sliding_window, **kwargs)

@@ -27,12 +27,15 @@ class _Group:
 
 class TorchAttentionBackend:
     """native_decode: run pure-decode steps through the C++ paged kernel
-    (kernels/paged_decode_cpu.py), which reads KV in place instead of gathering it."""
+    (kernels/paged_decode_cpu.py), which reads KV in place instead of gathering it.
+    sliding_window W: a query at position p attends to keys p - W + 1 .. p only (Mistral);
+    the native kernel has no window, so it is declined then (gather + SDPA with the mask)."""
 
-    def __init__(self, scale: float, native_decode: bool = False):
+    def __init__(self, scale: float, native_decode: bool = False, sliding_window: int | None = None):
         self.scale = scale
+        self.sliding_window = sliding_window
         self.native = None
-        if native_decode:
+        if native_decode and sliding_window is None:
             from kernels import paged_decode_cpu
             self.native = paged_decode_cpu.load()  # None when it cannot be built: gather + SDPA
         self.pool: KVPool | None = None
@@ -45,7 +48,7 @@ class TorchAttentionBackend:
         self.pool, self.layout = pool, layout
         is_decode = layout.q_lens == 1
         self.groups = [
-            _build_group(layout, sel.nonzero().flatten())
+            _build_group(layout, sel.nonzero().flatten(), self.sliding_window)
             for sel in (is_decode, ~is_decode) if bool(sel.any())
         ]
 
@@ -107,7 +110,7 @@ class TorchAttentionBackend:
         return o.transpose(1, 2).to(q.dtype)  # [b, Lq, H, D]
 
 
-def _build_group(layout: BatchLayout, items: torch.Tensor) -> _Group:
+def _build_group(layout: BatchLayout, items: torch.Tensor, window: int | None = None) -> _Group:
     q_lens, start, kv_lens = layout.q_lens[items], layout.start_pos[items], layout.kv_lens[items]
     max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
     first_token = (torch.cumsum(layout.q_lens, 0) - layout.q_lens)[items]
@@ -119,4 +122,7 @@ def _build_group(layout: BatchLayout, items: torch.Tensor) -> _Group:
     kv_slots = slots_of(layout.page_rows, items[:, None], k_pos, layout.page_size)
     q_abs = start[:, None] + qi[None, :]  # [b, Lq] absolute position of each query
     mask = (kj[None, None, :] <= q_abs[:, :, None]) & (kj[None, None, :] < kv_lens[:, None, None])
+    if window is not None:  # keys older than the window; padded queries keep their last valid one's
+        q_last = start[:, None] + torch.minimum(qi[None, :], q_lens[:, None] - 1)  # [b, Lq]
+        mask &= kj[None, None, :] > q_last[:, :, None] - window
     return _Group(q_index, q_valid, kv_slots, kv_lens, mask.unsqueeze(1))

@@ -10,15 +10,11 @@ from safetensors import safe_open
 
 from services.common.model_path import model_id
 from services.worker.loader.checkpoint import Checkpoint
+from services.worker.model import registry
 from services.worker.model.config import ModelConfig
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
-
-# The `architectures` the model code computes exactly, with their `model_type`. Lookalikes are
-# refused by name: Mistral (sliding-window attention), Gemma (scaled embeddings, GeGLU, norms
-# of 1 + w), Qwen2-MoE, ... would load as Llama and compute wrong logits.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
 
 def load_hf_dir(path: str) -> Checkpoint:
@@ -26,18 +22,23 @@ def load_hf_dir(path: str) -> Checkpoint:
 
     Shards come from `model.safetensors.index.json` when present, otherwise every `*.safetensors`
     in the directory. Raises FileNotFoundError when config.json or the weights are missing and
-    ValueError when the config is not a Llama/Qwen2 decoder (see check_architecture).
+    ValueError when the config is not an architecture of the model registry (see check_architecture).
     """
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{path} has no config.json (expected a Hugging Face model directory)")
     with open(config_file, encoding="utf-8") as f:
         raw = json.load(f)
-    check_architecture(raw, config_file)
+    arch = check_architecture(raw, config_file)
     try:
         config = ModelConfig.from_hf_dict(raw, name=model_id(path))
     except KeyError as e:
-        raise ValueError(f"{config_file} lacks {e.args[0]!r}; is it a Llama/Qwen2 decoder config?") from e
+        raise ValueError(f"{config_file} lacks {e.args[0]!r}; is it a Llama-family decoder config?") from e
+    try:
+        fields = registry.ARCHITECTURES[arch].config_fields(raw)
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from e
+    config = dataclasses.replace(config, architecture=arch, **fields)
     config = _with_generation_eos(config, path)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -53,23 +54,26 @@ def load_hf_dir(path: str) -> Checkpoint:
     return Checkpoint(config=config, tensors=tensors, source=path)
 
 
-def check_architecture(raw: dict, where: str) -> None:
-    """Raise ValueError unless config.json names a supported architecture (by `architectures`,
-    `model_type` or both, consistently) with nothing that changes the math (a sliding window)."""
+def check_architecture(raw: dict, where: str) -> str:
+    """The architecture name config.json asks for, from the model registry (by `architectures`,
+    `model_type` or both, consistently); ValueError for any other, or for something that changes
+    the math (Qwen's use_sliding_window)."""
     archs, model_type = raw.get("architectures") or [], raw.get("model_type")
-    supported = ", ".join(f"{a} (model_type {t!r})" for a, t in SUPPORTED_ARCHITECTURES.items())
+    known = registry.ARCHITECTURES
     if not archs and model_type is None:
-        raise ValueError(f"{where} names neither `architectures` nor `model_type`; supported: {supported}")
-    found = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
-    if model_type is not None and model_type not in SUPPORTED_ARCHITECTURES.values():
+        raise ValueError(f"{where} names neither `architectures` nor `model_type`; supported: {registry.supported()}")
+    found = [a for a in archs if a not in known]
+    if model_type is not None and registry.by_model_type(model_type) is None:
         found.append(f"model_type {model_type!r}")
     if found:
-        raise ValueError(f"{where}: architecture {', '.join(found)} is not supported (supported: {supported})")
-    types = {SUPPORTED_ARCHITECTURES[a] for a in archs} | ({model_type} if model_type else set())
+        raise ValueError(f"{where}: architecture {', '.join(found)} is not supported "
+                         f"(supported: {registry.supported()})")
+    types = {known[a].model_type for a in archs} | ({model_type} if model_type else set())
     if len(types) > 1:
         raise ValueError(f"{where}: architectures {archs} and model_type {model_type!r} disagree")
     if raw.get("use_sliding_window"):
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window) is not supported")
+    return archs[0] if archs else registry.by_model_type(model_type)
 
 
 def _shards(path: str) -> list[str]:

@@ -7,7 +7,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family decoder hyper-parameters (Llama 2/3, SmolLM2, Qwen2).
+    """Llama-family decoder hyper-parameters (Llama 2/3, SmolLM2, Qwen2/3, Phi-3, Mistral).
 
     Field names follow Hugging Face's `LlamaConfig` so that `from_hf_dict`
     is a plain projection of a `config.json`.
@@ -28,6 +28,11 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 puts a bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    # Mistral, Phi-3: each query attends to the last sliding_window positions (itself included); None = all.
+    sliding_window: int | None = None
+    # The HF `architectures` name the model registry builds (services/worker/model/registry.py).
+    architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = "model"
@@ -38,6 +43,8 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple "
                 f"of num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be a positive number of positions")
 
     @property
     def q_size(self) -> int:
@@ -49,7 +56,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str = "model") -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dict (Llama or Qwen2)."""
+        """Build from a Hugging Face `config.json` dict (the Llama fields; the model registry's
+        per-architecture fields are set by the HF loader)."""
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

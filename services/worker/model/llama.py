@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) over a paged KV pool.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/3, Phi-3, Mistral) over a paged KV pool.
 
 The model never sees requests: it takes a flat token batch and one
 `ForwardMeta` owned by the runner, and reaches KV only through the attention
@@ -34,11 +34,17 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        # Qwen3: RMSNorm over each head of q and of k, before RoPE; None: no norm (Llama).
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, meta, ops: LayerOps) -> torch.Tensor:
         # x [T, hidden]
         T = x.shape[0]
-        qkv = ops.rope_qk(self.qkv_proj(x), meta.positions, rope.cos, rope.sin,
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv, ops)
+        qkv = ops.rope_qk(qkv, meta.positions, rope.cos, rope.sin,
                           self.num_heads, self.num_kv_heads, self.head_dim)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -46,6 +52,14 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         out = meta.attention(self.layer_id, q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(T, self.q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """qkv [T, (H + 2 Hkv) D] → the same with every q and k head RMS-normalized (v untouched)."""
+        T, D = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = ops.rms_norm(q.reshape(T * self.num_heads, D), self.q_norm.weight, self.q_norm.eps)  # [T H, D]
+        k = ops.rms_norm(k.reshape(T * self.num_kv_heads, D), self.k_norm.weight, self.k_norm.eps)  # [T Hkv, D]
+        return torch.cat([q.view(T, self.q_size), k.view(T, self.kv_size), v], dim=-1)
 
 
 class MLP(nn.Module):
@@ -144,9 +158,12 @@ class LlamaForCausalLM(nn.Module):
         linear, the LM head included, on quantized blocks (use_quantized); False otherwise.
         The stack reads the weights it was built from: call again after changing them.
         team_spin_us: the step's loops run on a StepTeam whose idle helpers poll that long
-        before sleeping (kernels/cpu/step_team.h); -1: on OpenMP."""
+        before sleeping (kernels/cpu/step_team.h); -1: on OpenMP. Declined (False) for a model
+        whose math the stack lacks (decode_stack_refusal): the op-by-op path runs it."""
         from kernels.quant_gemv import QTYPES
         self.decode_stack, self.decode_stack_rows = None, 0
+        if self.decode_stack_refusal() is not None:
+            return False
         blocks = self.step_linears() + [self.lm_head]
         if kernel is None or any(lin is None or lin.quant is None for lin in blocks):
             return False
@@ -166,6 +183,15 @@ class LlamaForCausalLM(nn.Module):
         stack.set_head(self.embed_tokens.weight.detach(), self.norm.weight.detach(), add(self.lm_head))
         self.decode_stack, self.decode_stack_rows = stack, min(lin.quant_max_rows for lin in blocks)
         return True
+
+    def decode_stack_refusal(self) -> str | None:
+        """Why the one-call decode stack cannot run this model, or None when it can: the stack
+        computes plain Llama attention, with no q/k norm and no sliding window."""
+        if self.config.qk_norm:
+            return "per-head q/k RMSNorm (Qwen3)"
+        if self.config.sliding_window is not None:
+            return f"sliding-window attention (window {self.config.sliding_window})"
+        return None
 
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
                     rows: torch.Tensor, page_size: int, pool, logits_rows: torch.Tensor) -> torch.Tensor:
@@ -194,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.logits(x)
 
     def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or
+        """Copy HF-named tensors in, fusing q/k/v and gate/up (unless the checkpoint stores
+        them fused, as Phi-3's qkv_proj / gate_up_proj, in the same row order). Raises on missing or
         unexpected names so a wrong checkpoint never half-loads silently."""
         own = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -215,8 +242,9 @@ class LlamaForCausalLM(nn.Module):
                 parts = [t.pop(f"{p}self_attn.{n}_proj.{suffix}", None) for n in "qkv"]
                 if all(x is not None for x in parts):
                     put(f"{p}self_attn.qkv_proj.{suffix}", torch.cat(parts, 0))
-            gate, up = t.pop(f"{p}mlp.gate_proj.weight"), t.pop(f"{p}mlp.up_proj.weight")
-            put(f"{p}mlp.gate_up_proj.weight", torch.cat([gate, up], 0))
+            if f"{p}mlp.gate_up_proj.weight" not in t:  # Phi-3 stores gate/up (and q/k/v) fused already
+                gate, up = t.pop(f"{p}mlp.gate_proj.weight"), t.pop(f"{p}mlp.up_proj.weight")
+                put(f"{p}mlp.gate_up_proj.weight", torch.cat([gate, up], 0))
         if "lm_head.weight" in t and not self.config.tie_word_embeddings:
             put("lm_head.weight", t.pop("lm_head.weight"))
         t.pop("lm_head.weight", None)  # tied: identical to the embedding

@@ -1,0 +1,60 @@
+"""Which model class computes each Hugging Face `architectures` name.
+
+Adding a model = its file (the class, or the ModelConfig fields it sets on the Llama decoder)
+plus one line in ARCHITECTURES. Everything else is refused by name: Gemma (scaled embeddings,
+GeGLU, norms of 1 + w), Qwen2-MoE, ... would load as Llama and compute wrong logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from services.worker.model.config import ModelConfig
+from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.mistral import mistral_fields
+from services.worker.model.phi3 import phi3_fields
+from services.worker.model.qwen3 import qwen3_fields
+
+
+def _no_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str  # config.json's `model_type` for this architecture
+    # Built from a ModelConfig by model_runner.build_model; the runner calls LlamaForCausalLM's
+    # interface on it (load_hf_tensors, forward, prepack/quantized/decode-stack hooks, and
+    # decode_stack_refusal for what the one-call decode stack does not compute).
+    model_class: type[nn.Module]
+    # config.json → ModelConfig fields beyond ModelConfig.from_hf_dict's; raises ValueError for
+    # a variant the class does not compute.
+    config_fields: Callable[[dict[str, Any]], dict[str, Any]] = _no_fields
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture("llama", LlamaForCausalLM),
+    "Qwen2ForCausalLM": Architecture("qwen2", LlamaForCausalLM),
+    "Qwen3ForCausalLM": Architecture("qwen3", LlamaForCausalLM, qwen3_fields),
+    "Phi3ForCausalLM": Architecture("phi3", LlamaForCausalLM, phi3_fields),
+    "MistralForCausalLM": Architecture("mistral", LlamaForCausalLM, mistral_fields),
+}
+
+
+def supported() -> str:
+    """'LlamaForCausalLM (model_type 'llama'), ...' for error messages."""
+    return ", ".join(f"{name} (model_type {a.model_type!r})" for name, a in ARCHITECTURES.items())
+
+
+def by_model_type(model_type: str) -> str | None:
+    """The architecture name of a config.json that names only its model_type."""
+    return next((name for name, a in ARCHITECTURES.items() if a.model_type == model_type), None)
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    arch = ARCHITECTURES.get(config.architecture)
+    if arch is None:
+        raise ValueError(f"architecture {config.architecture} is not supported (supported: {supported()})")
+    return arch.model_class
