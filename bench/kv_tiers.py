@@ -30,12 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 
 from protos.radixmesh.v1 import kvstore_pb2_grpc  # noqa: E402
+from services.common.hicache_config import HiCacheConfig  # noqa: E402
 from services.common.model_path import default_model_path  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
 from services.kvstore.service import KVStoreService  # noqa: E402
 from services.kvstore.store import KVStore, StoreConfig  # noqa: E402
-from services.scheduler.config import HiCacheConfig, SchedulerConfig  # noqa: E402
+from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.tokenizer.text_tokenizer import load_tokenizer  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.loader.checkpoint import load_checkpoint  # noqa: E402

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from services.common.model_path import default_model_path  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
-from services.scheduler.step_plan import NewRequestSpec, StepItem, StepPlan  # noqa: E402
+from services.step.contract import NewRequestSpec, StepItem, StepPlan  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.loader.checkpoint import load_checkpoint  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402

@@ -1,6 +1,14 @@
 """The in-process Engine: tokenizer + scheduler + model runner + detokenizer in
 one process, driven by one background thread. Tests, benchmarks and the mesh's
 services build on it.
+
+The engine thread runs the StepDriver (services/scheduler/driver.py), the loop
+the scheduler service runs, against the ModelRunner in this process
+(services/engine/runner_link.py). Overlapped scheduling is on unless
+--disable-overlap-schedule: each step then runs on a step thread of its own
+while the engine thread plans the next one and delivers the last one's outputs.
+A failed step ends every open request with an error and rebuilds the scheduler
+(the driver's failure policy, as the scheduler service does on worker loss).
 """
 from __future__ import annotations
 
@@ -11,13 +19,18 @@ import random
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from services.common.hicache_config import HiCacheConfig
 from services.common.model_path import resolve_model_path
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.engine.outputs import GenerateOutput, StreamChunk
-from services.scheduler.config import HiCacheConfig, SchedulerConfig
+from services.engine.runner_link import RunnerLink
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.convert import carry_counters
+from services.scheduler.driver import DriverHooks, StepDriver
 from services.scheduler.outputs import QueueFull, RequestOutput
 from services.scheduler.scheduler import ModelLimits, Scheduler
 from services.tokenizer.text_tokenizer import TextTokenizer, load_tokenizer
@@ -70,13 +83,20 @@ class Engine:
                                            cache_on=not sched_cfg.disable_radix_cache)
         self.limits = ModelLimits(spec.num_pages, spec.page_size, mc.max_position_embeddings, mc.vocab_size, eos,
                                   **tiers)
+        self._sched_config, self._hicache = sched_cfg, hicache
         self.scheduler = Scheduler(sched_cfg, self.limits, hicache, self.kvstore)
         self.model_name = mc.name
+        self.overlap = not sched_cfg.disable_overlap_schedule
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._handles: dict[str, _Handle] = {}
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step") if self.overlap else None
+        self._loop = asyncio.new_event_loop()
+        self._wake = asyncio.Event()
+        hooks = DriverHooks(self._recover, between_steps=self._drain_inbox, deliver=self._deliver)
+        self._driver = StepDriver(hooks, self.scheduler, RunnerLink(self.runner, self._executor),
+                                  2 if self.overlap else 1, wake=self._wake)
+        self._task = self._loop.create_task(self._driver.run())
+        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
         self._thread.start()
 
     # --- requests -----------------------------------------------------------------
@@ -103,12 +123,19 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=list(sampling.stop),
                                        min_tokens=sampling.min_new_tokens)
         self._inbox.put(("submit", _Handle(rid, ids, sampling, sink, detok), seed, namespace))
-        self._wake.set()
+        self._notify()
         return rid
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
-        self._wake.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake the driver (from any thread)."""
+        try:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the loop is closed: shut down
+            pass
 
     def generate(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
                  messages: list[dict] | None = None, input_ids: list[int] | None = None,
@@ -161,56 +188,57 @@ class Engine:
                 self.abort(rid)
 
     def shutdown(self) -> None:
-        self._stopped = True
-        self._wake.set()
+        try:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        except RuntimeError:  # shut down already
+            pass
         self._thread.join(timeout=30)
         if self.kvstore is not None:
             self.kvstore.close()
 
     # --- the engine thread ---------------------------------------------------------------
-    def _loop(self) -> None:
-        sched = self.scheduler
-        while not self._stopped:
-            self._drain_inbox()
-            plan = sched.schedule()
-            if plan is None:
-                self._deliver(sched.take_outputs())
-                if not sched.has_work:
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                continue
-            try:
-                result = self.runner.execute(plan)
-            except Exception as exc:  # a worker failure ends the requests it served, not the engine
-                log.exception("step %d failed", plan.step_id)
-                self._fail_step(plan, exc)
-                continue
-            self._deliver(sched.take_outputs() + sched.process(result))
+    def _run_loop(self) -> None:
+        try:
+            self._loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass  # shutdown()
+        finally:
+            self._driver.link.close()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self._loop.close()
 
-    def _drain_inbox(self) -> None:
+    async def _recover(self, exc: Exception, reason: str) -> tuple[Scheduler, RunnerLink]:
+        """The driver's failure policy: every open request ends with the error; a fresh
+        scheduler (nothing the old one cached is trusted) drives a runner that forgot
+        every request."""
+        if self._executor is None:
+            self.runner.reset()
+        else:  # after the step running now, if any
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.reset)
+        core = Scheduler(self._sched_config, self.limits, self._hicache, self.kvstore)
+        carry_counters(self.scheduler.stats, core.stats)
+        self.scheduler = core
+        failed, self._handles = self._handles, {}
+        for handle in failed.values():
+            self._send(handle, StreamChunk(handle.rid, finished=True, finish_reason="error", error=reason))
+        return core, RunnerLink(self.runner, self._executor)
+
+    def _drain_inbox(self, core: Scheduler) -> None:
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if msg[0] == "abort":
-                self.scheduler.abort(msg[1])
+                core.abort(msg[1])
                 continue
             _, handle, seed, namespace = msg
             try:
-                self.scheduler.submit(handle.rid, handle.prompt_ids, handle.sampling, seed, namespace)
+                core.submit(handle.rid, handle.prompt_ids, handle.sampling, seed, namespace)
                 self._handles[handle.rid] = handle
             except (InvalidRequest, QueueFull) as exc:
                 self._send(handle, StreamChunk(handle.rid, finished=True, finish_reason="error", error=str(exc)))
-
-    def _fail_step(self, plan, exc: Exception) -> None:
-        self.scheduler.step_failed()  # its KV was never (fully) written: nothing of it is cached
-        for item in plan.items:
-            self.scheduler.abort(item.rid)
-            handle = self._handles.pop(item.rid, None)
-            if handle:
-                self._send(handle, StreamChunk(item.rid, finished=True, finish_reason="error",
-                                               error=f"worker error: {exc}"))
 
     def flush_kv_writes(self) -> None:
         """Wait until the pages written to the kvstore so far have landed (tests)."""

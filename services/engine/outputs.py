@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.step_plan import TokenLogprobs
+from services.step.contract import TokenLogprobs
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import scheduler_pb2 as spb
 from services.scheduler.outputs import RequestOutput
-from services.scheduler.step_plan import TokenLogprobs
+from services.step.contract import TokenLogprobs
 
 _REASONS = {
     "stop": cpb.FINISH_REASON_STOP,

@@ -26,12 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.common.hicache_config import HiCacheConfig
 from services.common.page_hash import KeyNamespace, PageHasher
-from services.scheduler.config import HiCacheConfig
 from services.scheduler.outputs import SchedulerStats
 from services.scheduler.radix_cache import RadixCache, TreeNode
 from services.scheduler.request import Request
-from services.scheduler.step_plan import DEVICE, HOST, STORE, KVCopy, KVTransferStat, StepPlan
+from services.step.contract import DEVICE, HOST, STORE, KVCopy, KVTransferStat, StepPlan
 
 PROBED, PREFETCHING = "probed", "prefetching"
 

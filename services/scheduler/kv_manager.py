@@ -11,7 +11,7 @@ from typing import Callable
 from services.scheduler.page_allocator import PageAllocator
 from services.scheduler.radix_cache import RadixCache, TreeNode
 from services.scheduler.request import Request
-from services.scheduler.step_plan import HOST
+from services.step.contract import HOST
 
 
 class KVManager:

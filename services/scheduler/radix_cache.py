@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from services.scheduler.page_allocator import PageAllocator
-from services.scheduler.step_plan import DEVICE, HOST, STORE, KVCopy
+from services.step.contract import DEVICE, HOST, STORE, KVCopy
 
 _node_ids = itertools.count()
 

@@ -25,14 +25,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from services.common.hicache_config import HiCacheConfig
 from services.common.sampling_params import InvalidRequest, SamplingParams
-from services.scheduler.config import HiCacheConfig, SchedulerConfig
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.hicache import PREFETCHING, HiCache, StoreProbe
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.outputs import QueueFull, RequestOutput, SchedulerStats
 from services.scheduler.policy import order_waiting
 from services.scheduler.request import Request, Status
-from services.scheduler.step_plan import LAST_SAMPLED, NewRequestSpec, StepItem, StepPlan, StepResult
+from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepItem, StepPlan, StepResult
 
 
 @dataclass(frozen=True)

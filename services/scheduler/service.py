@@ -3,16 +3,18 @@
 Threading model: everything runs on one asyncio loop. Generate handlers
 validate and submit synchronously (so bad input fails the call at once with
 INVALID_ARGUMENT, a full queue with RESOURCE_EXHAUSTED), then read their
-outputs from a per-request queue. One loop task drives the worker: schedule()
-→ write the plan → deliver the previous step's outputs while the worker
-computes → read the result → process(). Overlapped scheduling (on unless
---disable-overlap-schedule): the next plan is built and written before the
-last one's result is read, so the worker finds it queued when it finishes a
-step (services/scheduler/scheduler.py says how the core plans ahead). Early
-finishes (stop strings found by the detokenizer) are applied between steps;
-aborts go through the core's own abort queue, which schedule() applies.
+outputs from a per-request queue. One loop task drives the worker with the
+StepDriver (services/scheduler/driver.py) over the Step stream
+(services/scheduler/grpc_link.py): schedule() → write the plan → deliver the
+previous step's outputs while the worker computes → read the result →
+process(). Overlapped scheduling (on unless --disable-overlap-schedule): the
+next plan is built and written before the last one's result is read, so the
+worker finds it queued when it finishes a step. Early finishes (stop strings
+found by the detokenizer) are applied between steps; aborts go through the
+core's own abort queue, which schedule() applies.
 
-Worker loss: when the Step stream breaks, every open request fails with an
+Worker loss (the driver's failure policy; a loop error gets the same): when the
+Step stream breaks, every open request fails with an
 Error (UNAVAILABLE), the core is rebuilt empty (the worker's KV may be gone,
 so no cached prefix can be trusted) and the service reconnects; Generate is
 refused with UNAVAILABLE meanwhile and gRPC health is NOT_SERVING (the
@@ -38,7 +40,6 @@ import logging
 import random
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
@@ -53,11 +54,13 @@ from services.common.convert import sampling_from_proto
 from services.common.sampling_params import InvalidRequest
 from services.common.server import Readiness
 from services.scheduler.convert import Usage, carry_counters, finish_proto, output_events, stats_proto
+from services.scheduler.driver import DriverHooks, StepDriver
+from services.scheduler.grpc_link import GrpcStepLink
 from services.scheduler.outputs import QueueFull, RequestOutput
 from services.scheduler.scheduler import ModelLimits, Scheduler
-from services.scheduler.step_plan import StepPlan
 from services.scheduler.telemetry import SchedulerTelemetry
-from services.worker.convert import plan_to_proto, result_from_proto
+from services.step.contract import StepPlan
+from services.step.convert import plan_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.connected = False
         self._channel: grpc.aio.Channel | None = None
         self._worker: worker_pb2_grpc.WorkerStub | None = None
-        self._call = None  # the Step stream
+        self._link: GrpcStepLink | None = None  # the Step stream
+        self._driver: StepDriver | None = None
         self._streams: dict[str, _Stream] = {}
         self._owner: dict[str, tuple[_Stream, int]] = {}  # core rid -> (stream, index)
         self._early: list[tuple[str, str | None]] = []  # (core rid, matched stop) to finish as stop
@@ -94,7 +98,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.telemetry = SchedulerTelemetry(self)
         self.readiness = Readiness()  # mirrored into gRPC health by run_service
         self.stalled: str | None = None  # why the watchdog thinks the worker hangs, while it does
-        self._reading: asyncio.Future | None = None  # a Step read left open while idle
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -104,7 +107,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)])
         self._worker = worker_pb2_grpc.WorkerStub(self._channel)
         await self._connect(self.config.worker_wait_s)
-        self._loop_task = asyncio.create_task(self._run(), name="scheduler-loop")
+        hooks = DriverHooks(self._recover, between_steps=self._apply_early, emitted=self.telemetry.outputs,
+                            stepped=self._stepped, deliver=self._deliver)
+        depth = 1 if self.config.scheduler.disable_overlap_schedule else 2
+        self._driver = StepDriver(hooks, self.core, self._link, depth, wake=self._wake)
+        self._loop_task = asyncio.create_task(self._driver.run(), name="scheduler-loop")
 
     async def _connect(self, wait_s: float) -> None:
         """GetInfo with retries until the worker answers, a fresh core, a new Step stream."""
@@ -132,7 +139,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             carry_counters(self.core.stats, core.stats)
         self.core, self.info = core, info
         self.telemetry.connected(m.name)
-        self._call = self._worker.Step()
+        self._link = GrpcStepLink(self._worker.Step(), self._plan_message, self.step_bound_s, self._set_stalled)
         self.connected, self.stalled = True, None
         self.readiness.set(True)
         log.info("worker connected", extra={"worker": self.config.worker_addr, "model": m.name,
@@ -152,112 +159,30 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._kvstore = BlockingKVStore(info.kvstore_addr, spec, probe_timeout_s=0.2)
         return self._kvstore
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._drive(self.core, self._call)
-            except asyncio.CancelledError:
-                raise
-            except (grpc.aio.AioRpcError, ConnectionError) as exc:
-                reason = "worker stream broke: " + (exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc))
-                log.error("worker stream broke", extra={"error": reason})
-            except Exception as exc:  # a bug: the core's state cannot be trusted, start over the same way
-                reason = f"scheduler error: {exc!r}"
-                log.exception("scheduler loop failed")
-            # Fail what was open, then a fresh core on a new stream (the worker resets too).
-            self.connected, self.stalled = False, None
-            self.readiness.set(False, reason)
-            self._call.cancel()
-            if self._reading is not None:  # a read of the old stream
-                self._reading.cancel()
-                self._reading = None
-            self._fail_all(grpc.StatusCode.UNAVAILABLE, reason)
-            self.telemetry.fail_all(reason)
-            await self._connect(float("inf"))
+    async def _recover(self, exc: Exception, reason: str) -> tuple[Scheduler, GrpcStepLink]:
+        """The driver's failure policy: fail what was open, then a fresh core on a new
+        stream (the worker resets too)."""
+        self.connected, self.stalled = False, None
+        self.readiness.set(False, reason)
+        self._fail_all(grpc.StatusCode.UNAVAILABLE, reason)
+        self.telemetry.fail_all(reason)
+        await self._connect(float("inf"))
+        return self.core, self._link
 
-    async def _drive(self, core: Scheduler, call) -> None:
-        """Plan, send, deliver, read, process. With overlap on, the next plan is sent
-        while the worker runs the last one (at most `depth` plans unanswered): the
-        worker never waits for this loop, which plans, processes and delivers while
-        it computes."""
-        depth = 1 if self.config.scheduler.disable_overlap_schedule else 2
-        sent: deque[tuple[StepPlan, float]] = deque()  # (plan, when written), oldest first
-        pending: list[RequestOutput] = []
-        last_read = time.monotonic()
-        while True:
-            self._apply_early(core)
-            plan = core.schedule() if len(sent) < depth else None
-            taken = core.take_outputs()
-            self.telemetry.outputs(taken, time.monotonic())
-            pending += taken
-            if plan is not None:
-                await call.write(self._plan_message(plan))
-                sent.append((plan, time.monotonic()))
-            self._deliver(pending)  # while the worker computes
-            pending = []
-            if plan is not None and len(sent) < depth:
-                continue  # plan the next one while this one runs
-            if not sent:
-                if core.has_work:
-                    await asyncio.sleep(0.002)  # e.g. a prefill waits for a shared prefix
-                else:  # idle: a read stays open meanwhile, so a lost worker is seen at once
-                    self._reading = self._reading or asyncio.ensure_future(call.read())
-                    await self._idle(self._reading)
-                continue
-            msg = await self._read_watched(call, sent[0][0], max(sent[0][1], last_read))
-            if msg is grpc.aio.EOF:
-                raise ConnectionError("the worker closed the step stream")
-            now = time.monotonic()
-            done, written = sent.popleft()
-            pending = core.process(result_from_proto(msg))
-            # The worker started it when it was written or when the one before ended.
-            self.telemetry.step(done, max(written, last_read), now, pending)
-            last_read = now
-            if self.config.check_invariants:
-                core.check_invariants()
+    def _stepped(self, plan: StepPlan, started: float, ended: float, outputs: list[RequestOutput]) -> None:
+        self.telemetry.step(plan, started, ended, outputs)
+        if self.config.check_invariants:
+            self.core.check_invariants()
 
     def step_bound_s(self, plan: StepPlan) -> float:
         """How long the worker may take for `plan` before the watchdog calls it stalled."""
         tokens = sum(len(item.input_ids) for item in plan.items)
         return self.config.step_stall_floor_s + self.config.step_stall_per_token_s * tokens
 
-    async def _idle(self, reading: asyncio.Future) -> None:
-        """Until woken; raises when the stream ends or breaks meanwhile (nothing was asked)."""
-        wake = asyncio.ensure_future(self._wake.wait())
-        try:
-            await asyncio.wait({wake, reading}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            wake.cancel()
-        self._wake.clear()
-        if reading.done():
-            self._reading = None
-            msg = reading.result()  # raises what the read raised: the stream broke
-            raise ConnectionError("the worker closed the step stream" if msg is grpc.aio.EOF
-                                  else "the worker sent a step result nobody asked for")
-
-    async def _read_watched(self, call, plan: StepPlan, started: float):
-        """The worker's answer to `plan` (started at `started`); while it is overdue the
-        worker counts as stalled (health NOT_SERVING, new requests refused)."""
-        read, self._reading = self._reading or asyncio.ensure_future(call.read()), None
-        try:
-            bound = self.step_bound_s(plan)
-            done, _ = await asyncio.wait({read}, timeout=max(0.0, started + bound - time.monotonic()))
-            if not done:
-                self.stalled = (f"the worker has not answered step {plan.step_id} for more than {bound:.1f}s "
-                                f"({len(plan.items)} requests in it)")
-                log.error("worker stalled", extra={"step_id": plan.step_id, "bound_s": round(bound, 3),
-                                                   "items": len(plan.items)})
-                self.readiness.set(False, self.stalled)
-                await asyncio.wait({read})
-            msg = read.result()  # raises what the read raised: the stream broke
-        finally:
-            read.cancel()  # when this loop is cancelled; a no-op once done
-        if self.stalled is not None:
-            log.info("worker answered again", extra={"step_id": plan.step_id,
-                                                     "after_s": round(time.monotonic() - started, 3)})
-            self.stalled = None
-            self.readiness.set(True)
-        return msg
+    def _set_stalled(self, reason: str | None) -> None:
+        """The watchdog's verdict: while stalled, health is NOT_SERVING and new requests are refused."""
+        self.stalled = reason
+        self.readiness.set(reason is None, reason)
 
     def _plan_message(self, plan: StepPlan) -> worker_pb2.StepPlan:
         msg = plan_to_proto(plan)
@@ -309,10 +234,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        if self._reading is not None:
-            self._reading.cancel()
-        if self._call is not None:
-            self._call.cancel()
+        if self._link is not None:
+            self._link.close()
         if self._channel is not None:
             await self._channel.close()
 

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from services.common import metrics as m
 from services.common import tracing
 from services.scheduler.outputs import RequestOutput
-from services.scheduler.step_plan import StepPlan
+from services.step.contract import StepPlan
 
 
 @dataclass(eq=False)

@@ -1,7 +1,7 @@
 """HiCache, the worker's side: the host KV pool and the copies between tiers.
 
 The scheduler decides every move and sends it as `StepPlan.kv_copies`
-(services/scheduler/step_plan.KVCopy); `KVTransfer.run` executes them in order
+(services/step/contract.KVCopy); `KVTransfer.run` executes them in order
 before the forward and reports pages, bytes and seconds per copy, which feed the
 scheduler's load-or-recompute estimates. Tiers: DEVICE (the KV pool the model
 reads), HOST (a pool of the same layout in host memory, pinned on CUDA), STORE
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from services.scheduler.config import HiCacheConfig
-from services.scheduler.step_plan import DEVICE, HOST, STORE, KVCopy, KVTransferStat
+from services.common.hicache_config import HiCacheConfig
+from services.step.contract import DEVICE, HOST, STORE, KVCopy, KVTransferStat
 from services.worker.kv_pool import KVPool, KVPoolSpec
 
 

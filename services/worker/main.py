@@ -8,8 +8,8 @@ import grpc
 
 from protos.radixmesh.v1 import worker_pb2_grpc
 from services.common.config import CommonConfig, parse_config
+from services.common.hicache_config import HiCacheConfig
 from services.common.server import run_service
-from services.scheduler.config import HiCacheConfig
 from services.worker.config import WorkerConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50053"

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.step_plan import LAST_SAMPLED, NewRequestSpec, StepPlan, StepResult
+from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepPlan, StepResult
 from services.worker.attention.backend import create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig

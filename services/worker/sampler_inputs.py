@@ -6,7 +6,7 @@ from typing import Protocol
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.step_plan import TokenLogprobs
+from services.step.contract import TokenLogprobs
 from services.worker.sampling import SamplingBatch, argmax_rows, pad_token_lists, sample, token_logprobs
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.step_plan import TokenLogprobs
+from services.step.contract import TokenLogprobs
 
 # splitmix64 constants as signed int64 (torch has no full uint64 arithmetic);
 # int64 multiply wraps mod 2**64, which is exactly the unsigned product's bits.

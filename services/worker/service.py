@@ -38,8 +38,8 @@ from protos.radixmesh.v1 import worker_pb2_grpc
 from services.common import metrics as m
 from services.common import tracing
 from services.common.model_path import resolve_model_path
+from services.step.convert import plan_from_proto, result_to_proto
 from services.worker.config import WorkerConfig
-from services.worker.convert import plan_from_proto, result_to_proto
 from services.worker.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ STREAM_TAKEOVER_S = 10.0  # how long a new Step stream waits for the previous on
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig, hicache=None) -> None:  # hicache: a scheduler.config.HiCacheConfig
+    def __init__(self, config: WorkerConfig, hicache=None) -> None:  # hicache: a common.hicache_config.HiCacheConfig
         self.config = config
         self.hicache = hicache
         self.runner = None  # a ModelRunner once start() returned

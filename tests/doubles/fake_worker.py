@@ -7,7 +7,7 @@ that is a pure function of the sequence, so outputs can be checked exactly.
 """
 from __future__ import annotations
 
-from services.scheduler.step_plan import LAST_SAMPLED, StepPlan, StepResult, TokenLogprobs
+from services.step.contract import LAST_SAMPLED, StepPlan, StepResult, TokenLogprobs
 
 VOCAB = 50
 

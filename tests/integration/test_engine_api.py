@@ -139,3 +139,29 @@ def test_stop_strings_wait_for_min_new_tokens(engine, tokenizer):
     else:
         assert cut.finish_reason == "stop" and cut.matched_stop == stop and cut.text == full.text[:later]
     assert len(cut.text) > full.text.find(stop)  # went past the early occurrence
+
+
+def test_a_failed_step_fails_open_requests_and_rebuilds_the_scheduler(engine, monkeypatch):
+    """The driver's failure policy, as the scheduler service applies it on worker loss: every
+    open request ends with the error, and a fresh scheduler serves what comes next."""
+    ids = engine.prompt_ids(messages=HELLO)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    expected = engine.generate(input_ids=ids, sampling=greedy).token_ids
+    old, finished_before = engine.scheduler, engine.scheduler.stats.finished
+    real, calls = engine.runner.execute, []
+
+    def fail_the_third_step(plan):
+        calls.append(plan.step_id)
+        if len(calls) == 3:
+            raise RuntimeError("injected step failure")
+        return real(plan)
+
+    monkeypatch.setattr(engine.runner, "execute", fail_the_third_step)
+    failed = engine.generate_batch([ids, ids[:-1]], greedy)
+    monkeypatch.undo()
+    for out in failed:
+        assert out.finish_reason == "error" and "injected step failure" in out.error, out
+        assert len(out.token_ids) < 12
+    assert engine.scheduler is not old and not engine.runner.requests
+    assert engine.scheduler.stats.finished == finished_before  # counters carry over
+    assert engine.generate(input_ids=ids, sampling=greedy).token_ids == expected

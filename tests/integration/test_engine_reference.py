@@ -1,5 +1,6 @@
 """Greedy output of the Engine equals transformers', however it is batched,
-chunked, cached, paged or retracted."""
+chunked, cached, paged or retracted, and whether it plans one step ahead
+(overlapped scheduling, the default) or runs in lockstep."""
 from __future__ import annotations
 
 import queue
@@ -29,9 +30,10 @@ def references(request, model_path, prompts):
     return cached_references(model_path, prompts, NEW_TOKENS, lambda: request.getfixturevalue("hf_model"))
 
 
-def make_engine(checkpoint, tokenizer, *, page_size=1, kv_bytes=256 << 20, **sched) -> Engine:
+def make_engine(checkpoint, tokenizer, *, page_size=1, kv_bytes=256 << 20, overlap=True, **sched) -> Engine:
     worker = WorkerConfig(dtype="float32", page_size=page_size, kv_cache_bytes=kv_bytes, max_requests=32)
-    return Engine(worker=worker, scheduler=SchedulerConfig(max_running_requests=32, **sched),
+    return Engine(worker=worker, scheduler=SchedulerConfig(max_running_requests=32,
+                                                           disable_overlap_schedule=not overlap, **sched),
                   checkpoint=checkpoint, tokenizer=tokenizer)
 
 
@@ -42,9 +44,10 @@ def check_all(outputs, references, label):
         assert_matches(out.token_ids, ref, f"{label} prompt {i}")
 
 
-@pytest.fixture(scope="module")
-def engine(checkpoint, tokenizer):
-    eng = make_engine(checkpoint, tokenizer)
+@pytest.fixture(scope="module", params=[True, False], ids=["overlap", "lockstep"])
+def engine(request, checkpoint, tokenizer):
+    eng = make_engine(checkpoint, tokenizer, overlap=request.param)
+    assert eng.overlap is request.param
     yield eng
     eng.shutdown()
 
@@ -105,10 +108,11 @@ def test_page_size_16(checkpoint, tokenizer, prompts, references):
         eng.shutdown()
 
 
-def test_tiny_kv_forces_retraction(checkpoint, tokenizer, prompts, references):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "lockstep"])
+def test_tiny_kv_forces_retraction(checkpoint, tokenizer, prompts, references, overlap):
     bytes_per_token = 2 * 30 * 3 * 64 * 4
     longest = max(map(len, prompts)) + NEW_TOKENS
-    eng = make_engine(checkpoint, tokenizer, kv_bytes=(longest + 64) * bytes_per_token)
+    eng = make_engine(checkpoint, tokenizer, kv_bytes=(longest + 64) * bytes_per_token, overlap=overlap)
     try:
         check_all(eng.generate_batch(prompts, GREEDY), references, "retraction")
         assert eng.scheduler.stats.retracted > 0

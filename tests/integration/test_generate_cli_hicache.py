@@ -5,9 +5,9 @@ import json
 import logging
 
 from services.common.config import config_from_args
+from services.common.hicache_config import HiCacheConfig
 from services.engine import cli
 from services.engine.engine import EngineConfig
-from services.scheduler.config import HiCacheConfig
 
 SMALL = ["--dtype", "float32", "--kv-cache-bytes", str(8 << 20), "--max-requests", "4",
          "--max-running-requests", "4"]

@@ -20,11 +20,12 @@ import pytest
 import uvloop
 
 from protos.radixmesh.v1 import kvstore_pb2_grpc
+from services.common.hicache_config import HiCacheConfig
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import Engine
 from services.kvstore.service import KVStoreService
 from services.kvstore.store import KVStore, StoreConfig
-from services.scheduler.config import HiCacheConfig, SchedulerConfig
+from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)

@@ -11,10 +11,12 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.common.hicache_config import HiCacheConfig
 from services.common.sampling_params import SamplingParams
-from services.scheduler.config import HiCacheConfig, SchedulerConfig
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import ModelLimits, Scheduler
-from services.scheduler.step_plan import DEVICE, HOST, STORE, KVTransferStat, StepPlan, StepResult
+from services.step.contract import DEVICE, HOST, STORE, KVTransferStat, StepPlan, StepResult
+from tests.doubles.fake_link import drive
 from tests.doubles.fake_worker import VOCAB, FakeWorker, reference_output
 
 EOS = 0
@@ -80,21 +82,7 @@ def make(num_pages=24, host_pages=24, page_size=1, store=None, adapter_model="m"
 def run(sched, worker, rid_prompts, max_new=4):
     for rid, prompt in rid_prompts:
         sched.submit(rid, prompt, SamplingParams(temperature=0, max_new_tokens=max_new), seed=0)
-    res = {}
-    for _ in range(5000):
-        plan = sched.schedule()
-        outs = sched.take_outputs()
-        if plan is not None:
-            outs += sched.process(worker.execute(plan))
-        for o in outs:
-            entry = res.setdefault(o.rid, [[], None, 0])
-            entry[0].extend(o.new_token_ids)
-            if o.finished:
-                entry[1], entry[2] = o.finish_reason, o.cached_tokens
-        sched.check_invariants()
-        if not sched.has_work:
-            return res
-    raise AssertionError("no progress")
+    return drive(sched, worker)
 
 
 def test_evicted_prefix_is_demoted_to_host_and_loaded_back():

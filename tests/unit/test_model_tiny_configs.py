@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.step_plan import NewRequestSpec, StepItem, StepPlan
+from services.step.contract import NewRequestSpec, StepItem, StepPlan
 from services.worker.config import WorkerConfig
 from services.worker.loader.checkpoint import load_checkpoint
 from services.worker.model_runner import ModelRunner

@@ -1,39 +1,103 @@
 """The proto contracts: generated code is fresh, and every dataclass field
-of the step contract and of SamplingParams survives a trip through the wire."""
+of the step contract and of SamplingParams survives a trip through the wire.
+
+No field is named here. The (dataclass, message) pairs are found by walking the
+dataclasses' type hints beside the descriptors of the Step RPC's messages, and
+each field's values are drawn from its proto type. A new step field touches the
+dataclass (services/step/contract.py), the proto and services/step/convert.py;
+this file changes only for a new *encoding* (the three tables below).
+"""
 from __future__ import annotations
 
 import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
+from google.protobuf.descriptor import FieldDescriptor as FD
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protos.radixmesh.v1 import common_pb2, worker_pb2
 from services.common.convert import sampling_from_proto, sampling_to_proto
 from services.common.sampling_params import SamplingParams
-from services.scheduler.step_plan import (
-    NewRequestSpec,
-    StepItem,
-    StepPlan,
-    StepResult,
-    TokenLogprobs,
-)
-from services.worker.convert import (
-    plan_from_proto,
-    plan_to_proto,
-    result_from_proto,
-    result_to_proto,
-)
+from services.step.contract import StepItem, StepPlan, StepResult
+from services.step.convert import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
 
 REPO = Path(__file__).resolve().parents[2]
 
-INT32 = st.integers(-(2**31), 2**31 - 1)
-IDS = st.lists(st.integers(0, 2**31 - 1), max_size=8)  # token ids, page indices
-FLOATS = st.floats(allow_nan=False)  # NaN != NaN would defeat the equality check
-RIDS = st.text(max_size=12)
+# Where the wire shape is not the dataclass's (services/step/convert.py, "Encoding notes").
+TRANSPORT_ONLY = {"NewRequestSpec": {"traceparent"}}  # set by the service shells, not the core
+SPLIT = {("TokenLogprobs", "top"): ("top_token_ids", "top_logprobs")}  # pairs as parallel arrays
+WRAPPERS = {"LogprobSlot": "value"}  # a message whose field's presence encodes the dataclass's None
+
+_INT_RANGES = {
+    (FD.TYPE_INT32, FD.TYPE_SINT32, FD.TYPE_SFIXED32): (-(2**31), 2**31 - 1),
+    (FD.TYPE_UINT32, FD.TYPE_FIXED32): (0, 2**32 - 1),
+    (FD.TYPE_INT64, FD.TYPE_SINT64, FD.TYPE_SFIXED64): (-(2**63), 2**63 - 1),
+    (FD.TYPE_UINT64, FD.TYPE_FIXED64): (0, 2**64 - 1),
+}
+_SCALARS = {t: st.integers(lo, hi) for types, (lo, hi) in _INT_RANGES.items() for t in types} | {
+    FD.TYPE_DOUBLE: st.floats(allow_nan=False),  # NaN != NaN would defeat the equality check
+    FD.TYPE_FLOAT: st.floats(width=32, allow_nan=False),
+    FD.TYPE_BOOL: st.booleans(),
+    FD.TYPE_STRING: st.text(max_size=12),
+    FD.TYPE_BYTES: st.binary(max_size=32),
+}
+
+
+def _dataclass_in(hint):
+    """The dataclass inside a type hint such as `list[X | None]`, or None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    return next(filter(None, map(_dataclass_in, typing.get_args(hint))), None)
+
+
+def _unwrap(desc):
+    return desc.fields_by_name[WRAPPERS[desc.name]].message_type if desc.name in WRAPPERS else desc
+
+
+def _mirrored(cls, desc) -> dict:
+    """{dataclass: message descriptor} for cls and every dataclass its fields reach."""
+    pairs = {cls: desc}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        fd = desc.fields_by_name.get(f.name)
+        if fd is None or fd.message_type is None:
+            continue  # a missing field fails test_proto_fields_mirror_the_dataclasses
+        sub = _dataclass_in(hints[f.name])
+        assert sub is not None, f"{cls.__name__}.{f.name} is a message on the wire but not a dataclass"
+        pairs |= _mirrored(sub, _unwrap(fd.message_type))
+    return pairs
+
+
+_STEP = worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods_by_name["Step"]
+PAIRS = _mirrored(StepPlan, _STEP.input_type) | _mirrored(StepResult, _STEP.output_type)
+
+
+def _field_values(cls, name: str, hint, desc) -> st.SearchStrategy:
+    split = SPLIT.get((cls.__name__, name))
+    if split:  # list[tuple]: one proto array per tuple position
+        return st.lists(st.tuples(*(_SCALARS[desc.fields_by_name[n].type] for n in split)), max_size=4)
+    fd = desc.fields_by_name[name]
+    elem = typing.get_args(hint)[0] if fd.is_repeated else hint
+    one = values(_dataclass_in(elem)) if fd.message_type is not None else _SCALARS[fd.type]
+    if type(None) in typing.get_args(elem):
+        one = st.none() | one
+    return st.lists(one, max_size=4) if fd.is_repeated else one
+
+
+def values(cls) -> st.SearchStrategy:
+    """Instances of a mirrored dataclass, every field drawn from what its proto field holds."""
+    hints = typing.get_type_hints(cls)
+    return st.builds(cls, **{f.name: _field_values(cls, f.name, hints[f.name], PAIRS[cls])
+                             for f in dataclasses.fields(cls)})
+
+
+def _wire_names(cls) -> set[str]:
+    return {n for f in dataclasses.fields(cls) for n in SPLIT.get((cls.__name__, f.name), (f.name,))}
 
 
 def test_generated_code_is_fresh() -> None:
@@ -42,26 +106,18 @@ def test_generated_code_is_fresh() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_proto_fields_mirror_the_dataclasses() -> None:
+def test_the_walk_reaches_every_step_dataclass() -> None:
+    names = {cls.__name__ for cls in PAIRS}
+    assert {"StepPlan", "NewRequestSpec", "StepItem", "KVCopy", "SamplingParams",
+            "StepResult", "TokenLogprobs", "KVTransferStat"} <= names, names
+
+
+@pytest.mark.parametrize("cls", list(PAIRS), ids=lambda cls: cls.__name__)
+def test_proto_fields_mirror_the_dataclasses(cls) -> None:
     """A field added to a dataclass must be added to its message (and convert.py)."""
-    pairs = [(SamplingParams, common_pb2.SamplingParams), (NewRequestSpec, worker_pb2.NewRequestSpec),
-             (StepItem, worker_pb2.StepItem), (StepPlan, worker_pb2.StepPlan),
-             (StepResult, worker_pb2.StepResult)]
-    # Set by the service shells, not the core: the request span the worker's step spans link to.
-    transport_only = {worker_pb2.NewRequestSpec: {"traceparent"}}
-    for cls, msg in pairs:
-        wire = set(msg.DESCRIPTOR.fields_by_name) - transport_only.get(msg, set())
-        assert {f.name for f in dataclasses.fields(cls)} == wire, cls
-
-
-sampling_params = st.builds(
-    SamplingParams,
-    max_new_tokens=INT32, min_new_tokens=INT32, temperature=FLOATS, top_p=FLOATS, top_k=INT32,
-    min_p=FLOATS, repetition_penalty=FLOATS, frequency_penalty=FLOATS, presence_penalty=FLOATS,
-    seed=st.none() | st.integers(-(2**63), 2**63 - 1),
-    stop_token_ids=st.lists(INT32, max_size=4), stop=st.lists(st.text(max_size=8), max_size=3),
-    ignore_eos=st.booleans(), logprobs=st.booleans(), top_logprobs=INT32,
-)
+    desc = PAIRS[cls]
+    wire = set(desc.fields_by_name) - TRANSPORT_ONLY.get(desc.name, set())
+    assert _wire_names(cls) == wire, f"{cls.__name__} vs {desc.full_name}"
 
 
 def _wire(msg):  # serialize and parse, so the test covers the encoding, not just the objects
@@ -69,7 +125,7 @@ def _wire(msg):  # serialize and parse, so the test covers the encoding, not jus
 
 
 @settings(max_examples=200, deadline=None)
-@given(sampling_params)
+@given(values(SamplingParams))
 def test_sampling_params_round_trip(params: SamplingParams) -> None:
     assert sampling_from_proto(_wire(sampling_to_proto(params))) == params
 
@@ -88,32 +144,14 @@ def test_seed_none_is_unset_on_the_wire() -> None:
     assert sampling_from_proto(msg).seed is None
 
 
-new_requests = st.builds(
-    NewRequestSpec, rid=RIDS, prompt_ids=IDS, output_ids=IDS, sampling=sampling_params,
-    seed=st.integers(0, 2**63 - 1))
-step_items = st.builds(
-    StepItem, rid=RIDS, input_ids=IDS, start_pos=st.integers(0, 2**32 - 1), new_pages=IDS,
-    reset_pages=st.booleans(), sample=st.booleans())
-step_plans = st.builds(
-    StepPlan, step_id=st.integers(0, 2**64 - 1), new_requests=st.lists(new_requests, max_size=3),
-    items=st.lists(step_items, max_size=4), released_rids=st.lists(RIDS, max_size=3))
-token_logprobs = st.builds(
-    TokenLogprobs, logprob=FLOATS,
-    top=st.lists(st.tuples(st.integers(0, 2**31 - 1), FLOATS), max_size=5))
-step_results = st.builds(
-    StepResult, step_id=st.integers(0, 2**64 - 1), rids=st.lists(RIDS, max_size=4),
-    next_token_ids=IDS, logprobs=st.lists(st.none() | token_logprobs, max_size=4),
-    forward_seconds=FLOATS)
-
-
 @settings(max_examples=200, deadline=None)
-@given(step_plans)
+@given(values(StepPlan))
 def test_step_plan_round_trip(plan: StepPlan) -> None:
     assert plan_from_proto(_wire(plan_to_proto(plan))) == plan
 
 
 @settings(max_examples=200, deadline=None)
-@given(step_results)
+@given(values(StepResult))
 def test_step_result_round_trip(result: StepResult) -> None:
     back = result_from_proto(_wire(result_to_proto(result)))
     assert back == result

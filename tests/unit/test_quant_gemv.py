@@ -96,7 +96,7 @@ def test_default_model_decodes_the_same_on_blocks_and_dense_weights(checkpoint):
     quantized weights is used, and a batch-1 decode step's float32 logits equal the dense
     float32 weights' within summation-order noise, with the same greedy token."""
     from services.common.sampling_params import SamplingParams
-    from services.scheduler.step_plan import NewRequestSpec, StepItem, StepPlan
+    from services.step.contract import NewRequestSpec, StepItem, StepPlan
     from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from services.scheduler.page_allocator import PageAllocator
 from services.scheduler.radix_cache import RadixCache
-from services.scheduler.step_plan import DEVICE, HOST, STORE
+from services.step.contract import DEVICE, HOST, STORE
 
 ops_st = st.lists(st.one_of(
     st.tuples(st.just("serve"), st.integers(0, 3), st.lists(st.integers(1, 4), max_size=10), st.booleans()),

@@ -1,8 +1,8 @@
 """The scheduler core against a model-free worker that checks every KV read."""
 from __future__ import annotations
 
+import asyncio
 import random
-from collections import deque
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.driver import DriverHooks, StepDriver
 from services.scheduler.outputs import QueueFull
 from services.scheduler.scheduler import ModelLimits, Scheduler, common_prefix_len
-from services.scheduler.step_plan import LAST_SAMPLED
+from services.scheduler.worker_link import WorkerLost
+from services.step.contract import LAST_SAMPLED
+from tests.doubles.fake_link import FakeLink, drive
 from tests.doubles.fake_worker import VOCAB, FakeWorker, reference_output
 
 EOS = 0
@@ -25,32 +28,10 @@ def make(num_pages=64, page_size=1, context=256, **cfg):
 
 
 def run(sched: Scheduler, worker: FakeWorker, max_steps=5000, on_step=None, overlap=False) -> dict:
-    """Step until idle; returns rid -> (output tokens, finish reason, cached tokens).
+    """Drive until idle with the StepDriver; returns rid -> (output tokens, finish reason, cached tokens).
     overlap: plan the next step before processing the last one's result, as the
-    scheduler service does (the worker runs plans in order, one queued behind another)."""
-    results: dict = {}
-    depth = 2 if overlap else 1
-    sent: deque = deque()  # plans the worker has not answered yet
-    for _ in range(max_steps):
-        plan = sched.schedule() if len(sent) < depth else None
-        outs = sched.take_outputs()
-        if plan is not None:
-            sent.append(plan)
-        if sent and (plan is None or len(sent) == depth):
-            outs += sched.process(worker.execute(sent.popleft()))
-        for o in outs:
-            entry = results.setdefault(o.rid, [[], None, 0])
-            entry[0].extend(o.new_token_ids)
-            assert entry[1] is None, f"{o.rid} ended twice"
-            if o.finished:
-                entry[1], entry[2] = o.finish_reason, o.cached_tokens
-        sched.check_invariants()
-        if on_step:
-            on_step(sched)
-        if not sched.has_work and not sent:
-            assert sched.steps_in_flight == 0
-            return results
-    raise AssertionError("scheduler did not go idle: livelock or deadlock")
+    scheduler service and the Engine do (the worker runs plans in order, one queued behind another)."""
+    return drive(sched, worker, 2 if overlap else 1, on_step, max_steps)
 
 
 def sp(max_new=8, **kw):
@@ -275,3 +256,36 @@ def test_step_failed_undoes_the_plan_so_nothing_unwritten_is_cached():
     run(sched, worker)
     hit = sched.kv.cache.match_prefix(prompt, "")
     assert hit.num_tokens == 4  # the failed chunk's tokens were never cached
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_driver_failure_policy_ends_open_requests_and_goes_on_with_a_fresh_core(overlap):
+    sched, worker = make()
+    for rid in ("a", "b"):
+        sched.submit(rid, [1, 2, 3], sp(max_new=20, ignore_eos=True), seed=0)
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
+    failures, fresh = [], {}
+
+    def deliver(outs):
+        for o in outs:
+            tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+            if o.finished:
+                finished[o.rid] = o.finish_reason
+
+    async def recover(exc, reason):
+        assert isinstance(exc, WorkerLost)
+        failures.append((reason, sorted(driver.core.running)))  # the host ends these
+        core, new_worker = make()  # the worker forgot everything too
+        core.submit("c", [4, 5, 6], sp(max_new=5, ignore_eos=True), seed=0)
+        fresh["core"] = core
+        return core, FakeLink(new_worker)
+
+    link = FakeLink(worker, fail_step=3)
+    driver = StepDriver(DriverHooks(recover, deliver=deliver), sched, link, depth=2 if overlap else 1,
+                        busy_wait_s=0)
+    asyncio.run(driver.run())
+    assert failures == [("worker error: step 3 lost", ["a", "b"])]
+    assert link.closed and driver.core is fresh["core"] and not driver.core.has_work
+    assert finished == {"c": "length"} and tokens["c"] == reference_output([4, 5, 6], 5)
+    assert tokens["a"] == reference_output([1, 2, 3], 2)  # steps 1 and 2 were answered

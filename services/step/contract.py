@@ -4,7 +4,9 @@ The scheduler sends a `StepPlan` per step; the worker answers with a `StepResult
 A request's full data travels once (`NewRequestSpec`), afterwards only deltas:
 the tokens to run and the KV pages appended to its page table. Payloads are
 lists of ints and floats, never tensors, so the same dataclasses map 1:1 onto
-the worker's protobuf messages.
+the worker's protobuf messages (protos/radixmesh/v1/worker.proto; services/step/convert.py
+converts both directions). A new field: here, in the proto, and in convert.py
+(tests/unit/test_protos.py derives its checks from the dataclasses and the descriptors).
 """
 from __future__ import annotations
 

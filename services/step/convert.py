@@ -1,9 +1,11 @@
 """StepPlan / StepResult dataclasses ↔ radixmesh.v1 worker messages.
 
-Field-by-field, lossless copies (services/scheduler/step_plan.py is the source
-of truth; the proto mirrors it). These run once per step on both ends, so they
-build messages through constructor keyword arguments (one call into the
-protobuf runtime per message) instead of per-field assignment.
+Field-by-field, lossless copies (services/step/contract.py is the source of
+truth; the proto mirrors it). The one place each direction is converted: the
+scheduler service encodes plans and decodes results, the worker the reverse.
+These run once per step on both ends, so they build messages through
+constructor keyword arguments (one call into the protobuf runtime per message)
+instead of per-field assignment.
 
 Encoding notes:
 - `StepItem.sample` is `optional bool`: written only when False, unset reads
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from protos.radixmesh.v1 import worker_pb2 as pb
 from services.common.convert import sampling_from_proto, sampling_to_proto
-from services.scheduler.step_plan import (
+from services.step.contract import (
     KVCopy,
     KVTransferStat,
     NewRequestSpec,
