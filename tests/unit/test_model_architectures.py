@@ -1,4 +1,4 @@
-"""Architectures of the model registry beyond Llama/Qwen2 (Qwen3, Phi-3, Mistral), each a random
+"""Architectures of the model registry beyond Llama/Qwen2 (Qwen3, Phi-3, Mistral, Gemma 2, Qwen3-MoE), each a random
 tiny float32 model written by transformers: our logits over the paged KV pool (chunked prefill,
 then decode, several requests a step) and our greedy tokens equal transformers'."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.step_plan import NewRequestSpec, StepItem, StepPlan
+from services.step.contract import NewRequestSpec, StepItem, StepPlan
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import WorkerConfig
 from services.worker.loader.checkpoint import load_checkpoint
@@ -19,6 +19,11 @@ from services.worker.model_runner import ModelRunner
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=512)
 PHI3_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # Phi3Config's defaults are outside the vocab
+# Gemma 2: weights large enough (initializer_range) that both soft-caps bend the scores and logits;
+# layer 0 slides (window 8), layer 1 attends to everything (transformers' default layer_types).
+GEMMA2 = dict(num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+              attn_logit_softcapping=3.0, final_logit_softcapping=4.0, initializer_range=0.1)
+MOE = dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 # name → (transformers config class, model class, config fields)
 CONFIGS = {
@@ -30,6 +35,14 @@ CONFIGS = {
     "phi3_window": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=4, sliding_window=9, **PHI3_IDS)),
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=8)),
     "mistral_no_window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, sliding_window=None)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", GEMMA2),
+    "gemma2_full_first_no_caps": ("Gemma2Config", "Gemma2ForCausalLM", {  # explicit layer_types, SDPA path
+        **GEMMA2, "num_key_value_heads": 4, "layer_types": ["full_attention", "sliding_attention"],
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "sliding_window": 5}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE),
+    "qwen3_moe_norm_topk_dense_layer": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {  # layer 1 a dense MLP
+        **MOE, "num_experts": 4, "num_experts_per_tok": 3, "norm_topk_prob": True, "mlp_only_layers": [1],
+        "tie_word_embeddings": True}),
 }
 
 # Two batch shapes: rid → (length, prefill chunk lengths; the rest is decoded a token a step).
@@ -48,6 +61,8 @@ def _save_tiny(tmp_path, name: str):
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):
                 p.normal_(1.0, 0.3)
+            if pname.endswith("mlp.gate.weight"):  # a decisive router: top-k far from ties
+                p.normal_(0.0, 0.5)
     model.save_pretrained(tmp_path, safe_serialization=True)
     return str(tmp_path), model
 
@@ -145,7 +160,8 @@ def test_greedy_tokens_match_transformers(tmp_path, name):
 
 
 @pytest.mark.parametrize("name,refusal", [("qwen3_mha_untied", "q/k RMSNorm"), ("mistral_window", "sliding-window"),
-                                          ("phi3_window", "sliding-window"), ("phi3", None)])
+                                          ("phi3_window", "sliding-window"), ("phi3", None),
+                                          ("gemma2", "Gemma 2"), ("qwen3_moe", "mixture-of-experts")])
 def test_decode_stack_declines_what_it_does_not_compute(tmp_path, name, refusal):
     """The one-call decode stack computes plain Llama attention: a q/k norm or a window declines it
     before the kernel is looked at, and the runner keeps the op-by-op path."""

@@ -1,6 +1,7 @@
 """What an attention backend implements (torch reference now; Triton and FlashInfer later)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -9,13 +10,24 @@ from services.worker.attention.batch_layout import BatchLayout
 from services.worker.kv_pool import KVPool
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention variant, for models whose layers differ (Gemma 2): the backend's
+    own scale and window apply to a layer that passes none."""
+
+    scale: float  # multiplies q . k
+    window: int | None = None  # a query at position p sees keys p - window + 1 .. p; None = all
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask
+
+
 class AttentionBackend(Protocol):
     def prepare(self, layout: BatchLayout, pool: KVPool) -> None:
         """Build per-step index tensors once; every layer's `forward` reuses them."""
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                variant: LayerAttention | None = None) -> torch.Tensor:
         """Write this step's k, v [T, Hkv, D] into the pool, attend q [T, H, D]
-        causally over each request's KV, and return [T, H, D]."""
+        causally over each request's KV (as `variant` says, when given), and return [T, H, D]."""
 
 
 # name -> (factory "module:attr", keyword arguments)

@@ -7,11 +7,12 @@ There is no loop over requests: gathers through slot matrices do the paging.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from services.worker.attention.backend import LayerAttention
 from services.worker.attention.batch_layout import BatchLayout, slots_of
 from services.worker.kv_pool import KVPool
 
@@ -22,18 +23,31 @@ class _Group:
     q_valid: torch.Tensor  # [b, Lq] bool
     kv_slots: torch.Tensor  # [b, Lk] KV slots (padding clamped to a valid slot)
     kv_lens: torch.Tensor  # [b]
-    mask: torch.Tensor  # [b, 1, Lq, Lk] bool, True = attend
+    causal: torch.Tensor  # [b, 1, Lq, Lk] bool, True = attend
+    q_last: torch.Tensor  # [b, Lq] position of each query (padding: its item's last valid one)
+    masks: dict = field(default_factory=dict)  # window → mask, built on a layer's first use of it
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[b, 1, Lq, Lk] bool: causal, and keys older than `window` dropped when one is given."""
+        if window not in self.masks:
+            kj = torch.arange(self.causal.shape[-1])
+            self.masks[window] = self.causal if window is None else (
+                self.causal & (kj > self.q_last[:, None, :, None] - window))
+        return self.masks[window]
 
 
 class TorchAttentionBackend:
     """native_decode: run pure-decode steps through the C++ paged kernel
     (kernels/paged_decode_cpu.py), which reads KV in place instead of gathering it.
     sliding_window W: a query at position p attends to keys p - W + 1 .. p only (Mistral);
-    the native kernel has no window, so it is declined then (gather + SDPA with the mask)."""
+    the native kernel has no window and no soft-cap, so it is declined for a backend with a window
+    and for a layer whose LayerAttention has either (gather + SDPA with the mask, or the
+    soft-capped attention of Gemma 2 in plain torch)."""
 
     def __init__(self, scale: float, native_decode: bool = False, sliding_window: int | None = None):
         self.scale = scale
         self.sliding_window = sliding_window
+        self.default = LayerAttention(scale, sliding_window)
         self.native = None
         if native_decode and sliding_window is None:
             from kernels import paged_decode_cpu
@@ -48,26 +62,29 @@ class TorchAttentionBackend:
         self.pool, self.layout = pool, layout
         is_decode = layout.q_lens == 1
         self.groups = [
-            _build_group(layout, sel.nonzero().flatten(), self.sliding_window)
+            _build_group(layout, sel.nonzero().flatten())
             for sel in (is_decode, ~is_decode) if bool(sel.any())
         ]
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                variant: LayerAttention | None = None) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D]
+        spec = variant or self.default
+        native = self.native if spec.window is None and spec.softcap is None else None
         pool = self.pool
         pure_decode = len(self.groups) == 1 and self.groups[0].q_index.shape[1] == 1  # rows already in order
-        if pure_decode and self.native is not None:  # the kernel writes this step's K/V itself
-            return self._decode(layer, q, self.groups[0], (k, v, self.layout.out_slots))
+        if pure_decode and native is not None:  # the kernel writes this step's K/V itself
+            return self._decode(layer, q, self.groups[0], spec, native, (k, v, self.layout.out_slots))
         pool.write(layer, self.layout.out_slots, k, v)
         if pure_decode:
-            return self._decode(layer, q, self.groups[0])
+            return self._decode(layer, q, self.groups[0], spec, native)
         out = torch.empty_like(q)
         for group in self.groups:  # at most two: decode, extend
             if group.q_index.shape[1] == 1:
                 rows = group.q_index[:, 0]
-                out[rows] = self._decode(layer, q.index_select(0, rows), group)
+                out[rows] = self._decode(layer, q.index_select(0, rows), group, spec, native)
             else:
-                o = self._attend(layer, q, group)  # [b, Lq, H, D]
+                o = self._attend(layer, q, group, spec)  # [b, Lq, H, D]
                 out[group.q_index[group.q_valid]] = o[group.q_valid]
         return out
 
@@ -85,32 +102,50 @@ class TorchAttentionBackend:
         vg = torch.index_select(self.pool.v[layer], 0, flat, out=self._vbuf[:n])
         return kg.view(b, lk, *kg.shape[1:]).transpose(1, 2), vg.view(b, lk, *vg.shape[1:]).transpose(1, 2)
 
-    def _decode(self, layer: int, q: torch.Tensor, g: _Group,
+    def _decode(self, layer: int, q: torch.Tensor, g: _Group, spec: LayerAttention, native,
                 new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One query token per item: the G query heads sharing a KV head act as a
         query length of G, so SDPA needs no GQA expansion. q [B, H, D] → [B, H, D].
-        new_kv (k [B, Hkv, D], v, slots [B]): rows the native kernel writes first."""
-        if self.native is not None:
+        native: the paged kernel, or None. new_kv (k [B, Hkv, D], v, slots [B]): rows it writes first."""
+        if native is not None:
             kv_dtype = self.pool.k.dtype
             extra = () if new_kv is None else (new_kv[0].to(kv_dtype), new_kv[1].to(kv_dtype), new_kv[2])
-            return self.native.paged_decode_attention(
-                q, self.pool.k[layer], self.pool.v[layer], g.kv_slots, g.kv_lens, self.scale, *extra)
+            return native.paged_decode_attention(
+                q, self.pool.k[layer], self.pool.v[layer], g.kv_slots, g.kv_lens, spec.scale, *extra)
         kg, vg = self._gather(layer, g)  # [B, Hkv, Lk, D]
         B, hkv = kg.shape[:2]
         qg = q.view(B, hkv, -1, q.shape[-1]).to(kg.dtype)  # [B, Hkv, G, D]
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
+        o = _scores_softmax_v(qg, kg, vg, g.mask(spec.window), spec)  # mask [B, 1, 1, Lk]
         return o.reshape(q.shape).to(q.dtype)
 
-    def _attend(self, layer: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
+    def _attend(self, layer: int, q: torch.Tensor, g: _Group, spec: LayerAttention) -> torch.Tensor:
         b, lq = g.q_index.shape
         qg = q.index_select(0, g.q_index.flatten()).view(b, lq, *q.shape[1:]).transpose(1, 2)  # [b, H, Lq, D]
-        kg, vg = self._gather(layer, g)
-        o = F.scaled_dot_product_attention(
-            qg.to(kg.dtype), kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+        kg, vg = self._gather(layer, g)  # [b, Hkv, Lk, D]
+        mask = g.mask(spec.window)  # [b, 1, Lq, Lk]
+        qg = qg.to(kg.dtype)
+        if spec.softcap is None:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=spec.scale, enable_gqa=True)
+        else:  # the G query heads of a KV head as one more dimension: [b, Hkv, G, Lq, D]
+            hkv = kg.shape[1]
+            q5 = qg.view(b, hkv, -1, lq, qg.shape[-1])
+            o = _scores_softmax_v(q5, kg.unsqueeze(2), vg.unsqueeze(2), mask.unsqueeze(2), spec).flatten(1, 2)
         return o.transpose(1, 2).to(q.dtype)  # [b, Lq, H, D]
 
 
-def _build_group(layout: BatchLayout, items: torch.Tensor, window: int | None = None) -> _Group:
+def _scores_softmax_v(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      spec: LayerAttention) -> torch.Tensor:
+    """softmax(q k^T * scale, soft-capped when spec says, masked) v. q [..., M, D]; k, v [..., Lk, D];
+    mask bool, broadcastable to [..., M, Lk] → [..., M, D]."""
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale  # [..., M, Lk]
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _build_group(layout: BatchLayout, items: torch.Tensor) -> _Group:
     q_lens, start, kv_lens = layout.q_lens[items], layout.start_pos[items], layout.kv_lens[items]
     max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
     first_token = (torch.cumsum(layout.q_lens, 0) - layout.q_lens)[items]
@@ -121,8 +156,6 @@ def _build_group(layout: BatchLayout, items: torch.Tensor, window: int | None = 
     k_pos = torch.minimum(kj[None, :], kv_lens[:, None] - 1)  # [b, Lk]
     kv_slots = slots_of(layout.page_rows, items[:, None], k_pos, layout.page_size)
     q_abs = start[:, None] + qi[None, :]  # [b, Lq] absolute position of each query
-    mask = (kj[None, None, :] <= q_abs[:, :, None]) & (kj[None, None, :] < kv_lens[:, None, None])
-    if window is not None:  # keys older than the window; padded queries keep their last valid one's
-        q_last = start[:, None] + torch.minimum(qi[None, :], q_lens[:, None] - 1)  # [b, Lq]
-        mask &= kj[None, None, :] > q_last[:, :, None] - window
-    return _Group(q_index, q_valid, kv_slots, kv_lens, mask.unsqueeze(1))
+    causal = (kj[None, None, :] <= q_abs[:, :, None]) & (kj[None, None, :] < kv_lens[:, None, None])
+    q_last = start[:, None] + torch.minimum(qi[None, :], q_lens[:, None] - 1)  # [b, Lq]
+    return _Group(q_index, q_valid, kv_slots, kv_lens, causal.unsqueeze(1), q_last)

@@ -7,7 +7,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family decoder hyper-parameters (Llama 2/3, SmolLM2, Qwen2/3, Phi-3, Mistral).
+    """Llama-family decoder hyper-parameters (Llama 2/3, SmolLM2, Qwen2/3, Phi-3, Mistral, Gemma 2,
+    Qwen3-MoE).
 
     Field names follow Hugging Face's `LlamaConfig` so that `from_hf_dict`
     is a plain projection of a `config.json`.
@@ -31,6 +32,20 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     # Mistral, Phi-3: each query attends to the last sliding_window positions (itself included); None = all.
     sliding_window: int | None = None
+    # Gemma 2: per layer "sliding_attention" (uses sliding_window) or "full_attention"; () = every
+    # layer alike (all windowed when sliding_window is set).
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None  # Gemma 2: attention scale = this ** -0.5 (None: head_dim)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores → c * tanh(scores / c)
+    final_logit_softcapping: float | None = None  # Gemma 2: logits → c * tanh(logits / c)
+    # Mixture of experts (Qwen3-MoE): num_experts 0 = dense MLPs only. Layer i is sparse when it is
+    # not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (is_moe_layer).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     # The HF `architectures` name the model registry builds (services/worker/model/registry.py).
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
@@ -45,6 +60,15 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be a positive number of positions")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i (None: it attends to every earlier position)."""
+        if self.layer_types and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:

@@ -79,6 +79,12 @@ class FusedCpuLayerOps:
         return self.m.silu_mul(gate_up.contiguous())
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] → gelu_tanh(gate) * up [T, I] (GeGLU, Gemma's MLP; plain torch in both op sets)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,17 +1,21 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/3, Phi-3, Mistral) over a paged KV pool.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/3, Phi-3, Mistral, Qwen3-MoE) over a paged KV pool.
 
 The model never sees requests: it takes a flat token batch and one
 `ForwardMeta` owned by the runner, and reaches KV only through the attention
 backend. Projections are fused (qkv, gate_up) so each layer runs a few large
-matmuls for the whole batch.
+matmuls for the whole batch. Attention and MLP are blocks other architectures compose
+(gemma2.py; a sparse MLP from moe.py in qwen3_moe.py).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
 
+from services.worker.attention.backend import LayerAttention
 from services.worker.model.config import ModelConfig
-from services.worker.model.layer_ops import LayerOps, TorchLayerOps
+from services.worker.model.layer_ops import LayerOps, TorchLayerOps, gelu_tanh_mul
 from services.worker.model.linear import Linear
 from services.worker.model.rope import RotaryEmbedding
 
@@ -26,9 +30,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    """variant: this layer's scale / window / soft-cap for the backend (Gemma 2); None = the
+    backend's own (scale head_dim ** -0.5, ModelConfig.sliding_window)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, variant: LayerAttention | None = None):
         super().__init__()
-        self.layer_id = layer_id
+        self.layer_id, self.variant = layer_id, variant
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
@@ -50,7 +57,10 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        out = meta.attention(self.layer_id, q, k, v)  # [T, H, D]
+        if self.variant is None:
+            out = meta.attention(self.layer_id, q, k, v)  # [T, H, D]
+        else:
+            out = meta.attention(self.layer_id, q, k, v, self.variant)
         return self.o_proj(out.reshape(T, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor, ops: LayerOps) -> torch.Tensor:
@@ -63,22 +73,40 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up as one matmul. activation "silu"
+    (SwiGLU, the layer ops') or "gelu_tanh" (GeGLU, Gemma). intermediate: None = the config's."""
+
+    def __init__(self, config: ModelConfig, intermediate: int | None = None, activation: str = "silu"):
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = intermediate or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, config.hidden_size, bias=False)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        h = ops.silu_mul(gate_up) if self.activation == "silu" else gelu_tanh_mul(gate_up)  # [T, I]
+        return self.down_proj(h)
+
+    @staticmethod
+    def fuse_hf(t: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        """Pop the checkpoint's gate_proj / up_proj under prefix ("layers.3.mlp.") → {gate_up_proj: [gate; up]}.
+        Phi-3 stores gate_up_proj fused already: nothing to do then."""
+        if f"{prefix}gate_up_proj.weight" in t:
+            return {}
+        gate, up = t.pop(f"{prefix}gate_proj.weight"), t.pop(f"{prefix}up_proj.weight")
+        return {f"{prefix}gate_up_proj.weight": torch.cat([gate, up], 0)}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    """mlp: the layer's MLP block (anything with forward(x, ops) and fuse_hf); None = a dense MLP."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp if mlp is not None else MLP(config)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding, meta,
                 ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,11 +120,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """mlp_for_layer(config, i): layer i's MLP block (Qwen3-MoE's sparse ones); None = dense everywhere."""
+
+    def __init__(self, config: ModelConfig,
+                 mlp_for_layer: Callable[[ModelConfig, int], nn.Module] | None = None):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, mlp_for_layer(config, i) if mlp_for_layer else None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config)
         # Tied: None until tie_lm_head() (after loading), then a Linear on the embedding's parameter.
@@ -117,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
     def prepack_weights(self) -> bool:
         """Prepack every linear (the LM head included) for oneDNN when this dtype and device
         allow it (see linear.py). Call again after any weight change."""
-        return all([m.prepack() for m in self.modules() if isinstance(m, Linear)])
+        return prepack_linears(self)
 
     def use_quantized(self, quantized: dict, max_rows: int, kernel) -> int:
         """Hand each linear (and a tied LM head) the checkpoint's quantized blocks of its
@@ -141,15 +173,17 @@ class LlamaForCausalLM(nn.Module):
             p = f"layers.{i}."
             give(layer.self_attn.qkv_proj, [f"{p}self_attn.{n}_proj.weight" for n in "qkv"])
             give(layer.self_attn.o_proj, [f"{p}self_attn.o_proj.weight"])
-            give(layer.mlp.gate_up_proj, [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")])
-            give(layer.mlp.down_proj, [f"{p}mlp.down_proj.weight"])
+            if isinstance(layer.mlp, MLP):  # the GGUF loader maps no MoE architecture: experts stay dense
+                give(layer.mlp.gate_up_proj, [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")])
+                give(layer.mlp.down_proj, [f"{p}mlp.down_proj.weight"])
         give(self.lm_head, ["embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
         return given
 
     def step_linears(self) -> list[Linear]:
-        """Every layer's qkv, o, gate_up and down, in the order a step runs them (LM head not included)."""
+        """Every layer's qkv, o, gate_up and down, in the order a step runs them (LM head not included;
+        a sparse MLP's experts neither)."""
         return [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+                                                         *_dense_linears(layer.mlp))]
 
     def use_decode_stack(self, kernel, team_spin_us: int = 100) -> bool:
         """Run pure-decode steps of at most quant_max_rows rows as one C++ call
@@ -186,7 +220,9 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_stack_refusal(self) -> str | None:
         """Why the one-call decode stack cannot run this model, or None when it can: the stack
-        computes plain Llama attention, with no q/k norm and no sliding window."""
+        computes plain Llama attention, with no q/k norm and no sliding window, and dense MLPs."""
+        if self.config.num_experts:
+            return f"mixture-of-experts MLPs ({self.config.num_experts} experts)"
         if self.config.qk_norm:
             return "per-head q/k RMSNorm (Qwen3)"
         if self.config.sliding_window is not None:
@@ -202,9 +238,7 @@ class LlamaForCausalLM(nn.Module):
                                          logits_rows)
 
     def unpack_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.unpack()
+        unpack_linears(self)
 
     def forward(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → logits [len(logits_indices), vocab] (float32).
@@ -220,36 +254,55 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.logits(x)
 
     def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up (unless the checkpoint stores
-        them fused, as Phi-3's qkv_proj / gate_up_proj, in the same row order). Raises on missing or
-        unexpected names so a wrong checkpoint never half-loads silently."""
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
+        load_decoder_tensors(self, tensors)
 
-        def put(name: str, value: torch.Tensor) -> None:
-            if name not in own:
-                raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r}")
-            if own[name].shape != value.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(own[name].shape)}")
-            with torch.no_grad():
-                own[name].copy_(value)
-            loaded.add(name)
 
-        t = {k.removeprefix("model."): v for k, v in tensors.items() if "rotary_emb" not in k}
-        for i in range(self.config.num_hidden_layers):
-            p = f"layers.{i}."
-            for suffix in ("weight", "bias"):
-                parts = [t.pop(f"{p}self_attn.{n}_proj.{suffix}", None) for n in "qkv"]
-                if all(x is not None for x in parts):
-                    put(f"{p}self_attn.qkv_proj.{suffix}", torch.cat(parts, 0))
-            if f"{p}mlp.gate_up_proj.weight" not in t:  # Phi-3 stores gate/up (and q/k/v) fused already
-                gate, up = t.pop(f"{p}mlp.gate_proj.weight"), t.pop(f"{p}mlp.up_proj.weight")
-                put(f"{p}mlp.gate_up_proj.weight", torch.cat([gate, up], 0))
-        if "lm_head.weight" in t and not self.config.tie_word_embeddings:
-            put("lm_head.weight", t.pop("lm_head.weight"))
-        t.pop("lm_head.weight", None)  # tied: identical to the embedding
-        for name, value in t.items():
+def _dense_linears(mlp: nn.Module) -> tuple[Linear, ...]:
+    return (mlp.gate_up_proj, mlp.down_proj) if isinstance(mlp, MLP) else ()
+
+
+def prepack_linears(model: nn.Module) -> bool:
+    return all([m.prepack() for m in model.modules() if isinstance(m, Linear)])
+
+
+def unpack_linears(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.unpack()
+
+
+def load_decoder_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy HF-named tensors into a decoder (model.layers[i].self_attn / .mlp, config), fusing
+    q/k/v (unless the checkpoint stores them fused, as Phi-3's qkv_proj, in the same row order)
+    and letting each MLP block fuse its own (MLP.fuse_hf, moe.SparseMoeBlock.fuse_hf). Raises on
+    missing or unexpected names so a wrong checkpoint never half-loads silently."""
+    own = dict(model.named_parameters())
+    loaded: set[str] = set()
+
+    def put(name: str, value: torch.Tensor) -> None:
+        if name not in own:
+            raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r}")
+        if own[name].shape != value.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(own[name].shape)}")
+        with torch.no_grad():
+            own[name].copy_(value)
+        loaded.add(name)
+
+    t = {k.removeprefix("model."): v for k, v in tensors.items() if "rotary_emb" not in k}
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}."
+        for suffix in ("weight", "bias"):
+            parts = [t.pop(f"{p}self_attn.{n}_proj.{suffix}", None) for n in "qkv"]
+            if all(x is not None for x in parts):
+                put(f"{p}self_attn.qkv_proj.{suffix}", torch.cat(parts, 0))
+        for name, value in layer.mlp.fuse_hf(t, f"{p}mlp.").items():
             put(name, value)
-        missing = set(own) - loaded
-        if missing:
-            raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} missing)")
+    tied = model.config.tie_word_embeddings
+    if "lm_head.weight" in t and not tied:
+        put("lm_head.weight", t.pop("lm_head.weight"))
+    t.pop("lm_head.weight", None)  # tied: identical to the embedding
+    for name, value in t.items():
+        put(name, value)
+    missing = set(own) - loaded
+    if missing:
+        raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} missing)")

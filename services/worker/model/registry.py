@@ -1,8 +1,8 @@
 """Which model class computes each Hugging Face `architectures` name.
 
 Adding a model = its file (the class, or the ModelConfig fields it sets on the Llama decoder)
-plus one line in ARCHITECTURES. Everything else is refused by name: Gemma (scaled embeddings,
-GeGLU, norms of 1 + w), Qwen2-MoE, ... would load as Llama and compute wrong logits.
+plus one line in ARCHITECTURES (docs/adding_a_model.md). Everything else is refused by name:
+Gemma 1, Qwen2-MoE (shared experts), Mixtral, ... would load as Llama and compute wrong logits.
 """
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from typing import Any, Callable
 from torch import nn
 
 from services.worker.model.config import ModelConfig
+from services.worker.model.gemma2 import Gemma2ForCausalLM, gemma2_fields
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.mistral import mistral_fields
 from services.worker.model.phi3 import phi3_fields
 from services.worker.model.qwen3 import qwen3_fields
+from services.worker.model.qwen3_moe import qwen3_moe_fields, qwen3_moe_model
 
 
 def _no_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -25,10 +27,11 @@ def _no_fields(raw: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Architecture:
     model_type: str  # config.json's `model_type` for this architecture
-    # Built from a ModelConfig by model_runner.build_model; the runner calls LlamaForCausalLM's
-    # interface on it (load_hf_tensors, forward, prepack/quantized/decode-stack hooks, and
-    # decode_stack_refusal for what the one-call decode stack does not compute).
-    model_class: type[nn.Module]
+    # Called with a ModelConfig by model_runner.build_model (a class, or a function composing one);
+    # the runner calls LlamaForCausalLM's interface on the module (load_hf_tensors, forward,
+    # prepack/quantized/decode-stack hooks, and decode_stack_refusal for what the one-call decode
+    # stack does not compute).
+    model_class: Callable[[ModelConfig], nn.Module]
     # config.json → ModelConfig fields beyond ModelConfig.from_hf_dict's; raises ValueError for
     # a variant the class does not compute.
     config_fields: Callable[[dict[str, Any]], dict[str, Any]] = _no_fields
@@ -40,6 +43,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture("qwen3", LlamaForCausalLM, qwen3_fields),
     "Phi3ForCausalLM": Architecture("phi3", LlamaForCausalLM, phi3_fields),
     "MistralForCausalLM": Architecture("mistral", LlamaForCausalLM, mistral_fields),
+    "Gemma2ForCausalLM": Architecture("gemma2", Gemma2ForCausalLM, gemma2_fields),
+    "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qwen3_moe_model, qwen3_moe_fields),
 }
 
 
@@ -53,7 +58,7 @@ def by_model_type(model_type: str) -> str | None:
     return next((name for name, a in ARCHITECTURES.items() if a.model_type == model_type), None)
 
 
-def model_class(config: ModelConfig) -> type[nn.Module]:
+def model_class(config: ModelConfig) -> Callable[[ModelConfig], nn.Module]:
     arch = ARCHITECTURES.get(config.architecture)
     if arch is None:
         raise ValueError(f"architecture {config.architecture} is not supported (supported: {supported()})")
