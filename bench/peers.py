@@ -342,14 +342,19 @@ def format_table(rows: list[dict]) -> str:
 
 
 def machine() -> dict:
-    model_name = ""
+    """The CPU the numbers belong to: its name, family/model (a VM often names only the vendor),
+    and the instruction sets radixmesh chose paths by (kernels/cpu_isa.py). Numbers from
+    different CPUs are not comparable: docs/benchmarks.md keeps them apart."""
+    from kernels import cpu_isa
+    fields = {}
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model_name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "")
+        fields = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in out.splitlines())}
     except OSError:
         pass
-    return {"cpu": model_name or platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "platform": platform.platform()}
+    return {"cpu": fields.get("Model name") or platform.processor() or platform.machine(),
+            "family_model": f"{fields.get('CPU family', '?')}/{fields.get('Model', '?')}",
+            "isa": cpu_isa.describe(), "cores": os.cpu_count(), "platform": platform.platform()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
