@@ -3,7 +3,7 @@
     with GatewayThread(FakeBackend()) as gw:
         openai.OpenAI(base_url=gw.url + "/v1", api_key="x").models.list()
 
-The gateway gets its own (uvloop) event loop in the thread; `gw.run(coro)` runs a
+The gateway gets its own event loop in the thread; `gw.run(coro)` runs a
 coroutine there (e.g. to inspect the backend between requests).
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ import threading
 from dataclasses import replace
 from typing import Any, Coroutine
 
-import uvloop
 from aiohttp import web
 
 from services.gateway.app import build_app
@@ -27,7 +26,7 @@ class GatewayThread:
     def __init__(self, backend: Backend, config: GatewayConfig | None = None) -> None:
         self.backend = backend
         self.config = replace(config or GatewayConfig(), host="127.0.0.1", http_port=0)
-        self.loop = uvloop.new_event_loop()  # the production gateway's loop
+        self.loop = asyncio.new_event_loop()  # gRPC aio clients in a side thread: asyncio's loop
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, name="gateway", daemon=True)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import uvloop
 
 from protos.radixmesh.v1 import kvstore_pb2_grpc
 from services.common.hicache_config import HiCacheConfig
@@ -39,7 +38,7 @@ class StoreServer:
         self.config = StoreConfig(memory_bytes=memory_bytes, disk_dir=str(disk_dir), disk_bytes=1 << 30)
         self.port = port or free_port()
         self.store: KVStore | None = None
-        self._loop = uvloop.new_event_loop()
+        self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._server = None

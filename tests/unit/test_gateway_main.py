@@ -18,7 +18,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.radixmesh.v1 import tokenizer_pb2_grpc
@@ -33,7 +32,9 @@ class StubThread:
     """The stub tokenizer (health NOT_SERVING until `serve()`), on a loop in a thread."""
 
     def __init__(self) -> None:
-        self.loop = uvloop.new_event_loop()
+        # asyncio's own loop: grpc.aio servers on uvloop in a second thread of a process missed a
+        # cancellation under load once (CI); the gateway process itself runs on uvloop.
+        self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.port = self.run(self._start())
 
