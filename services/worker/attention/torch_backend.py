@@ -45,9 +45,7 @@ class TorchAttentionBackend:
     soft-capped attention of Gemma 2 in plain torch)."""
 
     def __init__(self, scale: float, native_decode: bool = False, sliding_window: int | None = None):
-        self.scale = scale
-        self.sliding_window = sliding_window
-        self.default = LayerAttention(scale, sliding_window)
+        self.default = LayerAttention(scale, sliding_window)  # the layers that pass no variant of their own
         self.native = None
         if native_decode and sliding_window is None:
             from kernels import paged_decode_cpu
