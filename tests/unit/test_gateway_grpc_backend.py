@@ -39,33 +39,43 @@ class StubTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def Generate(self, request, context):
         self.requests.append(request)
+        # `cancelled` is set when the call ends before this handler did. Neither a CancelledError
+        # here (one that lands while grpc writes a chunk is raised there, not in this generator)
+        # nor grpc.aio's context.cancelled() (False on the server) tells that reliably.
+        loop, answered = asyncio.get_running_loop(), False
+
+        def on_done(_context) -> None:
+            if not answered and not loop.is_closed():
+                loop.call_soon_threadsafe(self.cancelled.set)
+
+        context.add_done_callback(on_done)
+        if self.mode in ("invalid", "full"):
+            answered = True
         if self.mode == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt (70 tokens) exceeds the context")
         if self.mode == "full":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
-        try:
-            for i in range(3 if self.mode != "slow" else self.slow_tokens):
-                lp = common_pb2.TokenLogprob(token_id=5 + i, logprob=-0.5, token=f" t{i}",
-                                             token_bytes=f" t{i}".encode(), top=[
-                    common_pb2.TokenLogprob.Top(token_id=5 + i, logprob=-0.5, token=f" t{i}",
-                                                token_bytes=f" t{i}".encode()),
-                    common_pb2.TokenLogprob.Top(token_id=8, logprob=-1.0, token="bytes:\\xe6",
-                                                token_bytes=b"\xe6"),  # a piece of a character
-                    common_pb2.TokenLogprob.Top(token_id=9, logprob=-2.0)])  # no text: token_id:9
-                yield common_pb2.GenerateResponse(chunk=common_pb2.GenerateChunk(
-                    index=0, token_ids=[5 + i], text=f" t{i}", logprobs=[lp], prompt_tokens=4,
-                    completion_tokens=i + 1, cached_tokens=2))
-                if self.mode == "slow":
-                    await asyncio.sleep(0.05)
-            if self.mode == "error_event":
-                yield common_pb2.GenerateResponse(error=common_pb2.Error(
-                    code=grpc.StatusCode.INTERNAL.value[0], message="worker died"))
-                return
-            yield common_pb2.GenerateResponse(finish=common_pb2.Finish(
-                index=0, finish_reason=common_pb2.FINISH_REASON_STOP, stop_str="###"))
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
+        for i in range(3 if self.mode != "slow" else self.slow_tokens):
+            lp = common_pb2.TokenLogprob(token_id=5 + i, logprob=-0.5, token=f" t{i}",
+                                         token_bytes=f" t{i}".encode(), top=[
+                common_pb2.TokenLogprob.Top(token_id=5 + i, logprob=-0.5, token=f" t{i}",
+                                            token_bytes=f" t{i}".encode()),
+                common_pb2.TokenLogprob.Top(token_id=8, logprob=-1.0, token="bytes:\\xe6",
+                                            token_bytes=b"\xe6"),  # a piece of a character
+                common_pb2.TokenLogprob.Top(token_id=9, logprob=-2.0)])  # no text: token_id:9
+            yield common_pb2.GenerateResponse(chunk=common_pb2.GenerateChunk(
+                index=0, token_ids=[5 + i], text=f" t{i}", logprobs=[lp], prompt_tokens=4,
+                completion_tokens=i + 1, cached_tokens=2))
+            if self.mode == "slow":
+                await asyncio.sleep(0.05)
+        if self.mode == "error_event":
+            answered = True
+            yield common_pb2.GenerateResponse(error=common_pb2.Error(
+                code=grpc.StatusCode.INTERNAL.value[0], message="worker died"))
+            return
+        answered = True
+        yield common_pb2.GenerateResponse(finish=common_pb2.Finish(
+            index=0, finish_reason=common_pb2.FINISH_REASON_STOP, stop_str="###"))
 
 
 @contextlib.asynccontextmanager
