@@ -14,7 +14,7 @@ interleaved per concurrency level (Engine, mesh, Engine, mesh, ...) so that a sl
 machine hits both alike.
 
 Metrics, computed the same way on both sides: an *event* is a streamed text delta (an SSE
-event with text from the gateway; a StreamChunk with text from the Engine: the gateway sends
+event with text from the gateway; a RequestOutput with text from the Engine: the gateway sends
 exactly those). TTFT = first event − send; ITL = gaps between consecutive events of a request
 (the samples of all requests pooled; mean, median, p90); TPOT = (last − first event) /
 (tokens − 1) per request, averaged; output throughput = output tokens / wall time of the run.

@@ -20,18 +20,18 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.common.hicache_config import HiCacheConfig
 from services.common.model_path import resolve_model_path
+from services.common.outputs import FinishReason, RequestOutput
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.detokenizer.incremental import IncrementalDetokenizer
-from services.engine.outputs import GenerateOutput, StreamChunk
 from services.engine.runner_link import RunnerLink
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import carry_counters
 from services.scheduler.driver import DriverHooks, StepDriver
-from services.scheduler.outputs import QueueFull, RequestOutput
+from services.scheduler.outputs import QueueFull
 from services.scheduler.scheduler import ModelLimits, Scheduler
 from services.tokenizer.text_tokenizer import TextTokenizer, load_tokenizer
 from services.worker.config import WorkerConfig
@@ -55,7 +55,7 @@ class _Handle:
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    sink: Callable[[StreamChunk], None]
+    sink: Callable[[RequestOutput], None]
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
 
@@ -112,7 +112,7 @@ class Engine:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
-    def submit(self, ids: list[int], sampling: SamplingParams, sink: Callable[[StreamChunk], None],
+    def submit(self, ids: list[int], sampling: SamplingParams, sink: Callable[[RequestOutput], None],
                rid: str | None = None, namespace: str = "") -> str:
         """Queue a request; `sink` receives its chunks from the engine thread.
         Raises InvalidRequest or QueueFull at once, before anything is queued."""
@@ -139,7 +139,7 @@ class Engine:
 
     def generate(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
                  messages: list[dict] | None = None, input_ids: list[int] | None = None,
-                 timeout: float | None = None) -> GenerateOutput:
+                 timeout: float | None = None) -> RequestOutput:
         """Blocking: the whole completion."""
         q: queue.SimpleQueue = queue.SimpleQueue()
         ids = self.prompt_ids(prompt, messages, input_ids)
@@ -149,10 +149,10 @@ class Engine:
             chunk = q.get(timeout=timeout)
             chunks.append(chunk)
             if chunk.finished:
-                return GenerateOutput.from_chunks(chunks)
+                return RequestOutput.joined(chunks)
 
     def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
-                       ) -> list[GenerateOutput]:
+                       ) -> list[RequestOutput]:
         """Submit all at once (they batch together), wait for all."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(params) != len(prompts):
@@ -165,15 +165,15 @@ class Engine:
             chunks = [q.get()]
             while not chunks[-1].finished:
                 chunks.append(q.get())
-            results.append(GenerateOutput.from_chunks(chunks))
+            results.append(RequestOutput.joined(chunks))
         return results
 
     async def stream(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
                      messages: list[dict] | None = None, input_ids: list[int] | None = None,
-                     rid: str | None = None) -> AsyncIterator[StreamChunk]:
+                     rid: str | None = None) -> AsyncIterator[RequestOutput]:
         """Async streaming; cancelling the consumer aborts the request."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[StreamChunk] = asyncio.Queue()
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         ids = self.prompt_ids(prompt, messages, input_ids)
         rid = self.submit(ids, sampling or SamplingParams(), lambda c: loop.call_soon_threadsafe(q.put_nowait, c),
                           rid=rid)
@@ -221,7 +221,7 @@ class Engine:
         self.scheduler = core
         failed, self._handles = self._handles, {}
         for handle in failed.values():
-            self._send(handle, StreamChunk(handle.rid, finished=True, finish_reason="error", error=reason))
+            self._send(handle, RequestOutput(handle.rid, finished=True, finish_reason=FinishReason.ERROR, error=reason))
         return core, RunnerLink(self.runner, self._executor)
 
     def _drain_inbox(self, core: Scheduler) -> None:
@@ -238,7 +238,7 @@ class Engine:
                 core.submit(handle.rid, handle.prompt_ids, handle.sampling, seed, namespace)
                 self._handles[handle.rid] = handle
             except (InvalidRequest, QueueFull) as exc:
-                self._send(handle, StreamChunk(handle.rid, finished=True, finish_reason="error", error=str(exc)))
+                self._send(handle, RequestOutput(handle.rid, finished=True, finish_reason=FinishReason.ERROR, error=str(exc)))
 
     def flush_kv_writes(self) -> None:
         """Wait until the pages written to the kvstore so far have landed (tests)."""
@@ -255,7 +255,7 @@ class Engine:
                 del self._handles[out.rid]
             self._send(handle, chunk)
 
-    def _send(self, handle: _Handle, chunk: StreamChunk) -> None:
+    def _send(self, handle: _Handle, chunk: RequestOutput) -> None:
         try:
             handle.sink(chunk)
         except Exception:  # a consumer that is gone (its event loop closed) loses its request
@@ -264,21 +264,20 @@ class Engine:
             if not chunk.finished:
                 self.scheduler.abort(handle.rid)
 
-    def _to_chunk(self, handle: _Handle, out: RequestOutput) -> StreamChunk:
+    def _to_chunk(self, handle: _Handle, out: RequestOutput) -> RequestOutput:
         text, finished, reason, matched = "", out.finished, out.finish_reason, out.matched_stop
-        ids = out.new_token_ids
+        ids = out.token_ids
         if ids:
-            visible = [] if finished and reason == "stop" and matched in ids[-1:] else ids
+            visible = [] if finished and reason is FinishReason.STOP and matched in ids[-1:] else ids
             delta = handle.detok.push(visible)
             text = delta.text
             if delta.stopped and not finished:
-                self.scheduler.finish_early(out.rid, "stop", delta.matched_stop)
-                finished, reason, matched = True, "stop", delta.matched_stop
+                self.scheduler.finish_early(out.rid, FinishReason.STOP, delta.matched_stop)
+                finished, reason, matched = True, FinishReason.STOP, delta.matched_stop
             elif delta.stopped:
-                reason, matched = "stop", delta.matched_stop
-        if finished and not (reason == "stop" and isinstance(matched, str)):
+                reason, matched = FinishReason.STOP, delta.matched_stop
+        if finished and not (reason is FinishReason.STOP and isinstance(matched, str)):
             text += handle.detok.flush()
         handle.token_ids.extend(ids)
-        return StreamChunk(out.rid, ids, text, list(out.logprobs), finished, reason, matched,
-                           out.prompt_tokens, out.completion_tokens, out.cached_tokens, out.error)
+        return replace(out, text=text, finished=finished, finish_reason=reason, matched_stop=matched)
 

@@ -5,8 +5,9 @@ tokenizer service, or later a router with the same Generate/Info surface).
 `Backend` is the seam: `GrpcBackend` (grpc_backend.py) speaks gRPC, and
 `FakeBackend` (tests/doubles/fake_backend.py) answers in-process for tests.
 
-Contract of `Backend.generate(call)`: an async iterator of `Chunk` and
-`Finish` events, exactly one Finish per sequence index in [0, call.n).
+Contract of `Backend.generate(call)`: an async iterator of `RequestOutput`
+(services/common/outputs.py): new tokens of a sequence (`finished` False), and
+exactly one finishing output, with no tokens, per sequence index in [0, call.n).
 Failures raise `BackendError` (before the first event or mid-stream).
 Closing the iterator early (aclose, or cancelling the task awaiting it)
 aborts the request in the mesh; callers use `contextlib.aclosing`.
@@ -14,7 +15,7 @@ aborts the request in the mesh; callers use `contextlib.aclosing`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -23,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.radixmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import tracing
 from services.common.convert import sampling_to_proto
+from services.common.outputs import RequestOutput
+from services.common.outputs_convert import finish_reason_from_proto, logprob_from_proto, matched_stop_from_proto
 from services.common.sampling_params import SamplingParams
 
 
@@ -64,43 +67,7 @@ class GenerateCall:
     fill_cap: int | None = None
 
 
-@dataclass
-class TopToken:
-    token_id: int
-    logprob: float
-    token: str | None = None  # the token's text, when the backend knows it
-    bytes: bytes | None = None  # its UTF-8 bytes (None: those of `token`)
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[TopToken] = field(default_factory=list)  # most likely first
-    token: str | None = None
-    bytes: bytes | None = None
-
-
-@dataclass
-class Chunk:
-    """New tokens of sequence `index`; counters are cumulative for the request."""
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-@dataclass
-class Finish:
-    index: int
-    reason: str  # stop | length | abort
-    matched_stop: str | int | None = None
-
-
-Event = Chunk | Finish
+Event = RequestOutput  # one per sequence `index`: token outputs, then one finishing output without tokens
 
 
 class Backend(Protocol):
@@ -120,8 +87,6 @@ class Backend(Protocol):
 # --- the gRPC client -----------------------------------------------------------------
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
-_FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                   common_pb2.FINISH_REASON_ABORT: "abort"}
 
 
 def _rpc_error(e: grpc.aio.AioRpcError) -> BackendError:
@@ -145,24 +110,17 @@ def generate_request(call: GenerateCall) -> tokenizer_pb2.GenerateTextRequest:
     return req
 
 
-def _text(lp) -> tuple[str | None, bytes | None]:
-    """A logprob's token text and bytes; None when the backend sent none (shown as token_id:<id>)."""
-    return (lp.token, lp.token_bytes) if lp.HasField("token") else (None, None)
-
-
-def _event(msg: common_pb2.GenerateResponse) -> Event:
+def _event(rid: str, msg: common_pb2.GenerateResponse) -> Event:
     kind = msg.WhichOneof("event")
     if kind == "chunk":
-        c = msg.chunk
-        return Chunk(c.index, list(c.token_ids), c.text, [
-            TokenLogprob(lp.token_id, lp.logprob, [TopToken(t.token_id, t.logprob, *_text(t)) for t in lp.top],
-                         *_text(lp))
-            for lp in c.logprobs], c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+        c = msg.chunk  # its copy of the Finish, if any, is left for the Finish that follows
+        return RequestOutput(rid, list(c.token_ids), [logprob_from_proto(lp) for lp in c.logprobs], c.text, c.index,
+                             prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                             cached_tokens=c.cached_tokens)
     if kind == "finish":
         f = msg.finish
-        which = f.WhichOneof("matched_stop")
-        return Finish(f.index, _FINISH_REASONS.get(f.finish_reason, "stop"),
-                      getattr(f, which) if which else None)
+        return RequestOutput(rid, index=f.index, finished=True, finish_reason=finish_reason_from_proto(f.finish_reason),
+                             matched_stop=matched_stop_from_proto(f))
     if kind == "error":
         raise BackendError(_CODE_NAMES.get(msg.error.code, "INTERNAL"), msg.error.message)
     raise BackendError("INTERNAL", "backend sent an empty GenerateResponse")
@@ -223,7 +181,7 @@ class GrpcBackend:
         rpc = self._stub.Generate(request)
         try:
             async for msg in rpc:
-                yield _event(msg)
+                yield _event(call.rid, msg)
         except grpc.aio.AioRpcError as e:
             raise _rpc_error(e) from None
         finally:

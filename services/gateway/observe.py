@@ -99,7 +99,7 @@ def generation_done(col, model: str, metrics: GatewayMetrics) -> None:
     model = model or "unknown"
     metrics.prompt.labels(model).inc(usage["prompt_tokens"])
     metrics.generation.labels(model).inc(usage["completion_tokens"])
-    reasons = [c.finish_reason or "unknown" for c in col.choices]
+    reasons = [str(c.finish_reason or "unknown") for c in col.choices]
     for reason in reasons:
         metrics.finished.labels(model, reason).inc()
     span = trace.get_current_span()

@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from services.gateway.backend import Chunk, Finish, TokenLogprob, TopToken
+from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, TopToken
 from services.gateway.openai_protocol import ParsedRequest
 
 
@@ -24,7 +24,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     text_offset: int = 0  # characters of token text so far (completions logprobs)
 
@@ -44,12 +44,12 @@ class Collector:
         self.choices = [Choice() for _ in range(len(req.calls) * req.n)]
         self._usage = [_CallUsage() for _ in req.calls]
 
-    def add(self, call_index: int, event: Chunk | Finish) -> int:
+    def add(self, call_index: int, event: RequestOutput) -> int:
         """Record an event; returns its choice index."""
         index = call_index * self.req.n + event.index
         choice = self.choices[index]
-        if isinstance(event, Finish):
-            choice.finish_reason, choice.matched_stop = event.reason, event.matched_stop
+        if event.finished:
+            choice.finish_reason, choice.matched_stop = event.finish_reason, event.matched_stop
             return index
         u = self._usage[call_index]
         u.prompt, u.cached = max(u.prompt, event.prompt_tokens), max(u.cached, event.cached_tokens)
@@ -116,13 +116,13 @@ def completion_logprobs(lps: list[TokenLogprob], choice: Choice) -> dict:
 
 # --- streamed chunks ---------------------------------------------------------------------
 
-def stream_chunk(col: Collector, index: int, event: Chunk | Finish, first: bool) -> dict | None:
+def stream_chunk(col: Collector, index: int, event: RequestOutput, first: bool) -> dict | None:
     """The SSE object for one event of choice `index` (None when there is nothing
     to send). `first` marks the first event of that choice (chat sends the role)."""
     req, choice = col.req, col.choices[index]
     if req.kind == "generate":
         return generate_object(col, index, meta=True)
-    is_finish = isinstance(event, Finish)
+    is_finish = event.finished
     if not is_finish and not event.text and not event.logprobs and not (first and req.kind == "chat"):
         return None
     out: dict = {"index": index}

@@ -11,32 +11,8 @@ from dataclasses import dataclass, field
 
 from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import scheduler_pb2 as spb
-from services.scheduler.outputs import RequestOutput
-from services.step.contract import TokenLogprobs
-
-_REASONS = {
-    "stop": cpb.FINISH_REASON_STOP,
-    "length": cpb.FINISH_REASON_LENGTH,
-    "abort": cpb.FINISH_REASON_ABORT,
-}
-
-
-def finish_proto(index: int, reason: str | None, matched: int | str | None) -> cpb.Finish:
-    msg = cpb.Finish(index=index, finish_reason=_REASONS.get(reason or "", cpb.FINISH_REASON_UNSPECIFIED))
-    if isinstance(matched, str):
-        msg.stop_str = matched
-    elif isinstance(matched, int):
-        msg.stop_token_id = matched
-    return msg
-
-
-def logprobs_proto(token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> list[cpb.TokenLogprob]:
-    """One entry per token when every token has logprobs, else none (they were not asked for)."""
-    if not logprobs or any(lp is None for lp in logprobs):
-        return []
-    return [cpb.TokenLogprob(token_id=tok, logprob=lp.logprob,
-                             top=[cpb.TokenLogprob.Top(token_id=t, logprob=v) for t, v in lp.top])
-            for tok, lp in zip(token_ids, logprobs)]
+from services.common.outputs import RequestOutput
+from services.common.outputs_convert import finish_to_proto, logprob_to_proto
 
 
 @dataclass
@@ -63,11 +39,10 @@ def output_events(index: int, out: RequestOutput, usage: Usage) -> list[cpb.Gene
     """The stream events of one core output: a chunk (when it has tokens), then its Finish."""
     usage.update(index, out)
     events = []
-    finish = finish_proto(index, out.finish_reason, out.matched_stop) if out.finished else None
-    if out.new_token_ids:
+    finish = finish_to_proto(index, out.finish_reason, out.matched_stop) if out.finished else None
+    if out.token_ids:
         chunk = usage.fill(cpb.GenerateChunk(
-            index=index, token_ids=out.new_token_ids,
-            logprobs=logprobs_proto(out.new_token_ids, out.logprobs)))
+            index=index, token_ids=out.token_ids, logprobs=[logprob_to_proto(lp) for lp in out.logprobs]))
         if finish is not None:
             chunk.finish.CopyFrom(finish)
         events.append(cpb.GenerateResponse(chunk=chunk))

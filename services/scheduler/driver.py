@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from services.scheduler.outputs import RequestOutput
+from services.common.outputs import RequestOutput
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_link import WorkerLink, WorkerLost
 from services.step.contract import StepPlan

@@ -1,27 +1,11 @@
-"""What the scheduler reports per request after a step, and its counters."""
+"""The scheduler's counters, and its refusal when full (what it emits per request: services/common/outputs.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from services.step.contract import TokenLogprobs
+from dataclasses import dataclass
 
 
 class QueueFull(RuntimeError):
     """The waiting queue is at its request or token limit: retry later (HTTP 503)."""
-
-
-@dataclass
-class RequestOutput:
-    rid: str
-    new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | error
-    matched_stop: int | str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
 
 
 @dataclass

@@ -26,11 +26,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.common.hicache_config import HiCacheConfig
+from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, TopToken
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.hicache import PREFETCHING, HiCache, StoreProbe
 from services.scheduler.kv_manager import KVManager
-from services.scheduler.outputs import QueueFull, RequestOutput, SchedulerStats
+from services.scheduler.outputs import QueueFull, SchedulerStats
 from services.scheduler.policy import order_waiting
 from services.scheduler.request import Request, Status
 from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepItem, StepPlan, StepResult
@@ -376,7 +377,8 @@ class Scheduler:
         req.output_ids.append(tok)
         if req.first_token_time is None:
             req.first_token_time = now
-        out = RequestOutput(req.rid, [tok], [lp], prompt_tokens=len(req.prompt_ids),
+        logprobs = [] if lp is None else [TokenLogprob(tok, lp.logprob, [TopToken(t, v) for t, v in lp.top])]
+        out = RequestOutput(req.rid, [tok], logprobs, prompt_tokens=len(req.prompt_ids),
                             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
         reason, matched = self._finish_reason(req, tok)
         if reason:
@@ -397,24 +399,24 @@ class Scheduler:
             req.unsampled -= samples
         return sent.plan
 
-    def _finish_reason(self, req: Request, tok: int) -> tuple[str | None, int | None]:
+    def _finish_reason(self, req: Request, tok: int) -> tuple[FinishReason | None, int | None]:
         sp, n_out = req.sampling, len(req.output_ids)
         if n_out >= sp.min_new_tokens:
             if tok in sp.stop_token_ids:
-                return "stop", tok
+                return FinishReason.STOP, tok
             if not sp.ignore_eos and tok in self.limits.eos_token_ids:
-                return "stop", tok
+                return FinishReason.STOP, tok
         if n_out >= sp.max_new_tokens or req.seq_len >= self.limits.context_length:
-            return "length", None
+            return FinishReason.LENGTH, None
         return None, None
 
-    def finish_early(self, rid: str, reason: str = "stop", matched: str | None = None) -> None:
+    def finish_early(self, rid: str, reason: FinishReason = FinishReason.STOP, matched: str | None = None) -> None:
         """End a running request for a reason found outside (a stop string)."""
         req = self.running.get(rid)
         if req is not None:
             self._finish(req, reason, matched, None)
 
-    def _finish(self, req: Request, reason: str, matched, out: RequestOutput | None) -> None:
+    def _finish(self, req: Request, reason: FinishReason, matched, out: RequestOutput | None) -> None:
         if req.status is Status.WAITING:  # retracted (holds no KV) while its last token was sampled
             self.waiting.remove(req)
         else:
@@ -424,7 +426,7 @@ class Scheduler:
         req.unsampled = 0
         if req.worker_has_state:
             self._release.append(req.rid)
-        if reason == "abort":
+        if reason is FinishReason.ABORT:
             self.stats.aborted += 1
         else:
             self.stats.finished += 1
@@ -443,12 +445,12 @@ class Scheduler:
         for rid in aborts & self.running.keys():
             req = self.running[rid]
             out = self._abort_output(req)
-            self._finish(req, "abort", None, out)
+            self._finish(req, FinishReason.ABORT, None, out)
             self._outputs.append(out)
 
     @staticmethod
     def _abort_output(req: Request) -> RequestOutput:
-        return RequestOutput(req.rid, finished=True, finish_reason="abort", prompt_tokens=len(req.prompt_ids),
+        return RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ABORT, prompt_tokens=len(req.prompt_ids),
                              completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
 
     def _refresh_gauges(self) -> None:

@@ -51,12 +51,14 @@ from protos.radixmesh.v1 import scheduler_pb2_grpc
 from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common import tracing
 from services.common.convert import sampling_from_proto
+from services.common.outputs import FinishReason, RequestOutput
+from services.common.outputs_convert import finish_to_proto
 from services.common.sampling_params import InvalidRequest
 from services.common.server import Readiness
-from services.scheduler.convert import Usage, carry_counters, finish_proto, output_events, stats_proto
+from services.scheduler.convert import Usage, carry_counters, output_events, stats_proto
 from services.scheduler.driver import DriverHooks, StepDriver
 from services.scheduler.grpc_link import GrpcStepLink
-from services.scheduler.outputs import QueueFull, RequestOutput
+from services.scheduler.outputs import QueueFull
 from services.scheduler.scheduler import ModelLimits, Scheduler
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.step.contract import StepPlan
@@ -198,7 +200,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if req is not None:  # it yields no output: count its usage here
                 self._count(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
                 self.telemetry.finished_early(crid, len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
-                core.finish_early(crid, "stop", matched)
+                core.finish_early(crid, FinishReason.STOP, matched)
             else:  # waiting (e.g. retracted): nothing to keep, drop it
                 core.abort(crid)
 
@@ -321,9 +323,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return []  # the sequence already ended (a stop string found downstream)
         if kind == "stop":
             stream.open.discard(a)
-            return [cpb.GenerateResponse(finish=finish_proto(a, "stop", b or None))]
+            return [cpb.GenerateResponse(finish=finish_to_proto(a, FinishReason.STOP, b or None))]
         out: RequestOutput = b
-        if out.finish_reason == "error":
+        if out.finish_reason is FinishReason.ERROR:
             stream.open.clear()
             return [cpb.GenerateResponse(error=cpb.Error(code=grpc.StatusCode.INTERNAL.value[0],
                                                          message=out.error or "request failed"))]

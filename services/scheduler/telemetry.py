@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common import metrics as m
 from services.common import tracing
-from services.scheduler.outputs import RequestOutput
+from services.common.outputs import FinishReason, RequestOutput
 from services.step.contract import StepPlan
 
 
@@ -156,7 +156,7 @@ class SchedulerTelemetry:
             seq = self._seqs.get(out.rid)
             if seq is None:
                 continue
-            if out.new_token_ids:
+            if out.token_ids:
                 if seq.first_token is None:
                     seq.first_token = t
                     self.h.ttft.labels(self.model).observe(t - seq.arrival)
@@ -164,32 +164,32 @@ class SchedulerTelemetry:
                         seq.decode = tracing.tracer().start_span(
                             "decode", context=trace.set_span_in_context(seq.span), start_time=tracing.ns(t))
                 elif seq.last_token is not None:
-                    (self._itl or self.h.itl.labels(self.model)).observe((t - seq.last_token) / len(out.new_token_ids))
+                    (self._itl or self.h.itl.labels(self.model)).observe((t - seq.last_token) / len(out.token_ids))
                 seq.last_token = t
             if out.finished:
-                self._finish(out.rid, out.finish_reason or "stop", out.prompt_tokens, out.completion_tokens,
+                self._finish(out.rid, out.finish_reason or FinishReason.STOP, out.prompt_tokens, out.completion_tokens,
                              out.cached_tokens, out.error, t)
 
     def finished_early(self, crid: str, prompt: int, completion: int, cached: int) -> None:
-        self._finish(crid, "stop", prompt, completion, cached, None, time.monotonic())
+        self._finish(crid, FinishReason.STOP, prompt, completion, cached, None, time.monotonic())
 
     def fail_all(self, message: str) -> None:
         now = time.monotonic()
         for crid in list(self._seqs):
-            self._finish(crid, "error", self._seqs[crid].prompt_tokens, 0, 0, message, now)
+            self._finish(crid, FinishReason.ERROR, self._seqs[crid].prompt_tokens, 0, 0, message, now)
 
-    def _finish(self, crid: str, reason: str, prompt: int, completion: int, cached: int,
+    def _finish(self, crid: str, reason: FinishReason, prompt: int, completion: int, cached: int,
                 error: str | None, t: float) -> None:
         seq = self._seqs.pop(crid, None)
         if seq is None:
             return
         label = self.model
-        if reason == "abort":
+        if reason is FinishReason.ABORT:
             self.aborted.labels(label).inc()
-        elif reason == "error":
+        elif reason is FinishReason.ERROR:
             self.errored.labels(label).inc()
         else:
-            self.success.labels(label, reason).inc()
+            self.success.labels(label, reason.value).inc()
         h = self.h
         e2e = t - seq.arrival
         h.e2e.labels(label).observe(e2e)
@@ -211,7 +211,7 @@ class SchedulerTelemetry:
             seq.decode.end(end)
         attrs = {
             "gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion,
-            "gen_ai.response.finish_reasons": [reason], "radixmesh.cached_tokens": cached,
+            "gen_ai.response.finish_reasons": [reason.value], "radixmesh.cached_tokens": cached,
             "gen_ai.latency.e2e": e2e, "gen_ai.latency.time_in_model_prefill": prefill,
             "gen_ai.latency.time_in_model_decode": decode}
         if seq.scheduled is not None:
@@ -219,6 +219,6 @@ class SchedulerTelemetry:
         if seq.first_token is not None:
             attrs["gen_ai.latency.time_to_first_token"] = seq.first_token - seq.arrival
         seq.span.set_attributes(attrs)
-        if reason == "error":
+        if reason is FinishReason.ERROR:
             seq.span.set_status(Status(StatusCode.ERROR, error or "request failed"))
         seq.span.end(end)

@@ -89,7 +89,7 @@ class StepPlan:
 
 
 @dataclass
-class TokenLogprobs:
+class SampledLogprobs:
     logprob: float  # of the sampled token, under the model's raw distribution
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
 
@@ -101,6 +101,6 @@ class StepResult:
     step_id: int
     rids: list[str] = field(default_factory=list)
     next_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    logprobs: list[SampledLogprobs | None] = field(default_factory=list)
     forward_seconds: float = 0.0
     kv_transfers: list[KVTransferStat] = field(default_factory=list)  # one per plan.kv_copies entry

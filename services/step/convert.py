@@ -24,7 +24,7 @@ from services.step.contract import (
     StepItem,
     StepPlan,
     StepResult,
-    TokenLogprobs,
+    SampledLogprobs,
 )
 
 
@@ -88,7 +88,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
     )
 
 
-def _logprobs_to_proto(lp: TokenLogprobs | None) -> pb.LogprobSlot:
+def _logprobs_to_proto(lp: SampledLogprobs | None) -> pb.LogprobSlot:
     if lp is None:
         return pb.LogprobSlot()
     return pb.LogprobSlot(value=pb.SampledLogprobs(
@@ -98,14 +98,14 @@ def _logprobs_to_proto(lp: TokenLogprobs | None) -> pb.LogprobSlot:
     ))
 
 
-def _logprobs_from_proto(slot: pb.LogprobSlot) -> TokenLogprobs | None:
+def _logprobs_from_proto(slot: pb.LogprobSlot) -> SampledLogprobs | None:
     if not slot.HasField("value"):
         return None
     v = slot.value
     if len(v.top_token_ids) != len(v.top_logprobs):
         raise ValueError(f"top_token_ids ({len(v.top_token_ids)}) and top_logprobs "
                          f"({len(v.top_logprobs)}) must have the same length")
-    return TokenLogprobs(logprob=v.logprob, top=list(zip(v.top_token_ids, v.top_logprobs)))
+    return SampledLogprobs(logprob=v.logprob, top=list(zip(v.top_token_ids, v.top_logprobs)))
 
 
 def result_to_proto(result: StepResult) -> pb.StepResult:

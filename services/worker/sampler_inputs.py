@@ -6,7 +6,7 @@ from typing import Protocol
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.step.contract import TokenLogprobs
+from services.step.contract import SampledLogprobs
 from services.worker.sampling import SamplingBatch, argmax_rows, pad_token_lists, sample, token_logprobs
 
 
@@ -18,7 +18,7 @@ class _SampledRequest(Protocol):
 
 
 def run_sampler(logits: torch.Tensor, reqs: list[_SampledRequest], eos_token_ids: tuple[int, ...]
-                ) -> tuple[list[int], list[TokenLogprobs | None]]:
+                ) -> tuple[list[int], list[SampledLogprobs | None]]:
     """logits [B, V] for the rows of `reqs` → (next token ids, logprobs per row)."""
     params = [r.sampling for r in reqs]
     suppressed = [_suppressed(r, eos_token_ids) for r in reqs]

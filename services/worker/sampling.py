@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from services.common.sampling_params import SamplingParams
-from services.step.contract import TokenLogprobs
+from services.step.contract import SampledLogprobs
 
 # splitmix64 constants as signed int64 (torch has no full uint64 arithmetic);
 # int64 multiply wraps mod 2**64, which is exactly the unsigned product's bits.
@@ -319,13 +319,13 @@ def sample(logits: Tensor, batch: SamplingBatch, prompt_tokens: Tensor | None = 
     return out
 
 
-def token_logprobs(out: SampleOutput, want_logprobs: list[int]) -> list[TokenLogprobs | None]:
-    """SampleOutput -> per-row TokenLogprobs for the StepResult (one host transfer each)."""
+def token_logprobs(out: SampleOutput, want_logprobs: list[int]) -> list[SampledLogprobs | None]:
+    """SampleOutput -> per-row SampledLogprobs for the StepResult (one host transfer each)."""
     if out.logprobs is None:
         return [None] * len(want_logprobs)
     chosen = out.logprobs.tolist()
     no_top = [[] for _ in want_logprobs]
     ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else no_top
     vals = out.top_logprob_values.tolist() if out.top_logprob_values is not None else no_top
-    return [None if k < 0 else TokenLogprobs(chosen[b], list(zip(ids[b][:k], vals[b][:k])))
+    return [None if k < 0 else SampledLogprobs(chosen[b], list(zip(ids[b][:k], vals[b][:k])))
             for b, k in enumerate(want_logprobs)]

@@ -22,9 +22,9 @@ import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, TopToken
 from services.common.sampling_params import InvalidRequest
-from services.gateway.backend import (BackendError, Chunk, Event, Finish, GenerateCall, ModelInfo,
-                                      TokenLogprob, TopToken)
+from services.gateway.backend import BackendError, Event, GenerateCall, ModelInfo
 
 WORDS = ["<eos>"] + [f" {w}" for w in (
     "the quick brown fox jumps over lazy dog while bright stars shine above quiet hills "
@@ -115,12 +115,13 @@ class FakeBackend:
                     if self.fail_after_tokens is not None and produced >= self.fail_after_tokens:
                         raise BackendError("INTERNAL", "worker error: injected failure")
                     produced += 1
-                    chunk = s.step()
+                    chunk = s.step(call.rid)
                     chunk.prompt_tokens, chunk.cached_tokens = len(ids), cached
                     chunk.completion_tokens = produced
                     yield chunk
                     if s.done:
-                        yield Finish(s.index, s.reason, s.matched)
+                        yield RequestOutput(call.rid, index=s.index, finished=True, finish_reason=s.reason,
+                                            matched_stop=s.matched)
             finished = True
         finally:
             self.active.discard(call.rid)
@@ -135,7 +136,7 @@ class _Sequence:
         self.text = ""      # all text so far (stop strings not yet cut)
         self.emitted = 0    # characters of `text` already sent
         self.done = False
-        self.reason = "length"
+        self.reason = FinishReason.LENGTH
         self.matched: str | int | None = None
 
     def _token(self) -> int:
@@ -143,7 +144,7 @@ class _Sequence:
             return EOS
         return 1 + (self.start + self.k) % (len(WORDS) - 1)
 
-    def step(self) -> Chunk:
+    def step(self, rid: str) -> RequestOutput:
         sp = self.sp
         tok = self._token()
         self.k += 1
@@ -151,12 +152,12 @@ class _Sequence:
             TopToken(t, -0.25 * (r + 1), WORDS[t])
             for r, t in enumerate([tok] + [(tok + j) % len(WORDS) for j in range(1, sp.top_logprobs)])
         ][:sp.top_logprobs]) if sp.logprobs else None
-        chunk = Chunk(self.index, [tok], logprobs=[lp] if lp else [])
+        chunk = RequestOutput(rid, [tok], [lp] if lp else [], index=self.index)
         can_stop = self.k > sp.min_new_tokens
         if tok == EOS and can_stop and not sp.ignore_eos:
-            self.done, self.reason = True, "stop"
+            self.done, self.reason = True, FinishReason.STOP
         elif tok in sp.stop_token_ids and can_stop:
-            self.done, self.reason, self.matched = True, "stop", tok
+            self.done, self.reason, self.matched = True, FinishReason.STOP, tok
         else:
             self.text += WORDS[tok] if tok != EOS else ""
         chunk.text = self._release()
@@ -173,7 +174,7 @@ class _Sequence:
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if hits and self.k > self.sp.min_new_tokens:
             pos, s = min(hits)
-            self.done, self.reason, self.matched = True, "stop", s
+            self.done, self.reason, self.matched = True, FinishReason.STOP, s
             out = self.text[self.emitted:pos + (len(s) if self.include_stop else 0)]
             self.emitted = len(self.text)
             return out

@@ -50,7 +50,7 @@ def drive(sched, worker, depth: int = 1, on_round=None, max_rounds: int = 5000) 
     def deliver(outs):
         for o in outs:
             entry = results.setdefault(o.rid, [[], None, 0])
-            entry[0].extend(o.new_token_ids)
+            entry[0].extend(o.token_ids)
             assert entry[1] is None, f"{o.rid} ended twice"
             if o.finished:
                 entry[1], entry[2] = o.finish_reason, o.cached_tokens

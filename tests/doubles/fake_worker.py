@@ -7,7 +7,7 @@ that is a pure function of the sequence, so outputs can be checked exactly.
 """
 from __future__ import annotations
 
-from services.step.contract import LAST_SAMPLED, StepPlan, StepResult, TokenLogprobs
+from services.step.contract import LAST_SAMPLED, StepPlan, StepResult, SampledLogprobs
 
 VOCAB = 50
 
@@ -72,7 +72,7 @@ class FakeWorker:
                 seq.append(tok)
                 result.rids.append(item.rid)
                 result.next_token_ids.append(tok)
-                result.logprobs.append(TokenLogprobs(-0.5))
+                result.logprobs.append(SampledLogprobs(-0.5))
         return result
 
     def _slot(self, table: list[int], pos: int) -> int:

@@ -48,7 +48,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def expected(checkpoint, tokenizer) -> dict:
-    """Greedy outputs of the in-process Engine: ('text'|'chat', i) → GenerateOutput."""
+    """Greedy outputs of the in-process Engine: ('text'|'chat', i) → RequestOutput (joined)."""
     engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=64 << 20, max_requests=8),
                     scheduler=SchedulerConfig(max_running_requests=8), checkpoint=checkpoint, tokenizer=tokenizer)
     try:

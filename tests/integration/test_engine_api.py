@@ -76,8 +76,8 @@ def test_stop_strings_and_logprobs(engine):
     assert len(lp.logprobs) == 4
     for tok, entry in zip(lp.token_ids, lp.logprobs):
         assert entry.logprob <= 0 and len(entry.top) == 3
-        assert entry.top[0][0] == tok  # greedy picks the most likely token
-        assert math.isclose(entry.top[0][1], entry.logprob, abs_tol=1e-5)
+        assert entry.token_id == tok and entry.top[0].token_id == tok  # greedy picks the most likely token
+        assert math.isclose(entry.top[0].logprob, entry.logprob, abs_tol=1e-5)
 
 
 async def test_cancelled_stream_aborts_and_frees_kv(engine):

@@ -122,8 +122,8 @@ def test_tiny_kv_forces_retraction(checkpoint, tokenizer, prompts, references, o
 
 
 def _collect(q):
-    from services.engine.outputs import GenerateOutput
+    from services.common.outputs import RequestOutput
     chunks = [q.get(timeout=300)]
     while not chunks[-1].finished:
         chunks.append(q.get(timeout=300))
-    return GenerateOutput.from_chunks(chunks)
+    return RequestOutput.joined(chunks)

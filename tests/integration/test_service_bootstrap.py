@@ -8,7 +8,6 @@ stream completes, exit status 0.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess

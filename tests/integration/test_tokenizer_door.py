@@ -10,7 +10,6 @@ scripted scheduler that records what reaches it and streams chosen token ids.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 
 import grpc

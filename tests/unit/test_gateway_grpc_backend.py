@@ -16,7 +16,8 @@ from protos.radixmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.convert import sampling_from_proto
 from services.common.sampling_params import SamplingParams
 from services.gateway.app import build_app
-from services.gateway.backend import BackendError, Chunk, Finish, GenerateCall, GrpcBackend
+from services.common.outputs import FinishReason, RequestOutput
+from services.gateway.backend import BackendError, GenerateCall, GrpcBackend
 from services.gateway.config import GatewayConfig
 
 
@@ -120,13 +121,13 @@ async def test_request_conversion_and_events():
     assert sampling_from_proto(text.sampling) == SamplingParams(max_new_tokens=3, temperature=0.0, stop=["###"],
                                                                 seed=4, logprobs=True, top_logprobs=1)
     *chunks, finish = events[0]
-    assert [c.text for c in chunks] == [" t0", " t1", " t2"] and isinstance(chunks[0], Chunk)
+    assert [c.text for c in chunks] == [" t0", " t1", " t2"] and not chunks[0].finished
     assert chunks[-1].completion_tokens == 3 and chunks[0].cached_tokens == 2
     assert chunks[0].logprobs[0].token_id == 5 and chunks[0].logprobs[0].top[0].logprob == -0.5
     assert chunks[1].logprobs[0].token == " t1" and chunks[1].logprobs[0].bytes == b" t1"
     assert [(t.token, t.bytes) for t in chunks[1].logprobs[0].top] == [
         (" t1", b" t1"), ("bytes:\\xe6", b"\xe6"), (None, None)]
-    assert finish == Finish(0, "stop", "###")
+    assert finish == RequestOutput("r1", index=0, finished=True, finish_reason=FinishReason.STOP, matched_stop="###")
     assert (info.name, info.vocab_size, info.context_length) == ("stub", 100, 64)
 
 

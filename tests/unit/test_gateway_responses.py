@@ -12,7 +12,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from services.gateway.app import build_app
-from services.gateway.backend import Chunk, Finish, GenerateCall
+from services.gateway.backend import GenerateCall
 from services.gateway.config import GatewayConfig
 from services.gateway.sse import DONE, frame
 from services.gateway.state import STATE
@@ -235,8 +235,9 @@ async def test_fake_backend_contract():
     """One Finish per index, counters cumulative: what the gateway relies on."""
     call = GenerateCall("r", SamplingParams(max_new_tokens=3), n=2, text="a b")
     events = [e async for e in FakeBackend().generate(call)]
-    assert sorted(e.index for e in events if isinstance(e, Finish)) == [0, 1]
-    counts = [e.completion_tokens for e in events if isinstance(e, Chunk)]
+    assert sorted(e.index for e in events if e.finished) == [0, 1]
+    assert all(not e.token_ids for e in events if e.finished)  # a finishing output carries no tokens
+    counts = [e.completion_tokens for e in events if not e.finished]
     assert counts == sorted(counts) and counts[-1] == 6
 
 

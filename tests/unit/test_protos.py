@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Where the wire shape is not the dataclass's (services/step/convert.py, "Encoding notes").
 TRANSPORT_ONLY = {"NewRequestSpec": {"traceparent"}}  # set by the service shells, not the core
-SPLIT = {("TokenLogprobs", "top"): ("top_token_ids", "top_logprobs")}  # pairs as parallel arrays
+SPLIT = {("SampledLogprobs", "top"): ("top_token_ids", "top_logprobs")}  # pairs as parallel arrays
 WRAPPERS = {"LogprobSlot": "value"}  # a message whose field's presence encodes the dataclass's None
 
 _INT_RANGES = {
@@ -109,7 +109,7 @@ def test_generated_code_is_fresh() -> None:
 def test_the_walk_reaches_every_step_dataclass() -> None:
     names = {cls.__name__ for cls in PAIRS}
     assert {"StepPlan", "NewRequestSpec", "StepItem", "KVCopy", "SamplingParams",
-            "StepResult", "TokenLogprobs", "KVTransferStat"} <= names, names
+            "StepResult", "SampledLogprobs", "KVTransferStat"} <= names, names
 
 
 @pytest.mark.parametrize("cls", list(PAIRS), ids=lambda cls: cls.__name__)

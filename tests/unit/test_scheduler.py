@@ -197,7 +197,7 @@ def test_overlap_plans_decodes_ahead_with_last_sampled_and_wastes_no_step_on_len
     assert sched.steps_in_flight == 2
     assert second.items[0].input_ids == [LAST_SAMPLED] and second.items[0].start_pos == len(prompt)
     outs = sched.process(worker.execute(first))
-    assert [o.new_token_ids for o in outs] == [reference_output(prompt, 1)]
+    assert [o.token_ids for o in outs] == [reference_output(prompt, 1)]
     sched.process(worker.execute(second))
     res = run(sched, worker, overlap=True)
     assert res["a"] == [reference_output(prompt, 8)[2:], "length", 0]
@@ -235,7 +235,7 @@ def test_overlap_abort_and_retraction_while_a_step_is_in_flight():
     for plan in (in_flight, ahead):
         for o in sched.process(worker.execute(plan)):
             assert o.rid != "r0" or (o.finished and o.finish_reason == "abort")
-            early.setdefault(o.rid, []).extend(o.new_token_ids)
+            early.setdefault(o.rid, []).extend(o.token_ids)
     res = run(sched, worker, overlap=True)
     assert sched.stats.retracted > 0  # 24 pages cannot hold 5 x 20 tokens
     for rid, p in prompts.items():
@@ -269,7 +269,7 @@ def test_driver_failure_policy_ends_open_requests_and_goes_on_with_a_fresh_core(
 
     def deliver(outs):
         for o in outs:
-            tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+            tokens.setdefault(o.rid, []).extend(o.token_ids)
             if o.finished:
                 finished[o.rid] = o.finish_reason
 
