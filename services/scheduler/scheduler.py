@@ -70,9 +70,8 @@ class Scheduler:
         self.hicache = HiCache(hicache or HiCacheConfig(), limits.page_size, limits.page_bytes,
                                limits.model_identity, limits.weights_version, limits.kv_layout, store, self.stats)
         self.kv = KVManager(limits.num_pages, limits.page_size, config.disable_radix_cache, limits.host_pages,
-                            write_back=self.hicache.write_back, keys_for=self.hicache.node_keys)
-        self.kv.should_load = self.hicache.should_load
-        self.kv.on_cached = self.hicache.written
+                            write_back=self.hicache.write_back, keys_for=self.hicache.node_keys,
+                            should_load=self.hicache.should_load, on_cached=self.hicache.written)
         self.hicache.cache = self.kv.cache
         self.stats.host_pages_total = limits.host_pages if self.kv.host_allocator else 0
         self.waiting: list[Request] = []
