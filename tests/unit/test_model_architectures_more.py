@@ -1,6 +1,7 @@
 """Gemma 2 and Qwen3-MoE beyond the shared logits / greedy checks of test_model_architectures.py
 (whose CONFIGS hold them): what each refuses, how the layers are laid out, the MoE block against a
-token-by-token reference and a checkpoint with stacked experts, and `radixmesh generate` end to end."""
+token-by-token reference and a checkpoint with stacked experts, and `radixmesh generate` end to end
+(every architecture; the configs are tests/unit/tiny_models.py's)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 from services.worker.loader.checkpoint import load_checkpoint
 from services.worker.model.layer_ops import TorchLayerOps
 from services.worker.model.moe import SparseMoeBlock
-from tests.unit.test_model_architectures import BASE, _logits_by_position, _runner, _save_tiny, _sequences
+from tests.unit.tiny_models import (END_TO_END, greedy_continuation, logits_by_position, runner, save_for_generation,
+                                    save_tiny, sequences)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,7 +33,7 @@ def _edit_config(path: str, **changes) -> None:
 
 def test_gemma2_layer_types_default_to_even_layers_sliding(tmp_path):
     """transformers' Gemma2Config: layer i slides when (i + 1) % 2 == 1, i.e. layers 0, 2, ..."""
-    path, _ = _save_tiny(tmp_path, "gemma2")
+    path, _ = save_tiny(tmp_path, "gemma2")
     c = load_checkpoint(path).config
     assert [c.layer_window(i) for i in range(c.num_hidden_layers)] == [8, None]
     assert (c.query_pre_attn_scalar, c.attn_logit_softcapping, c.final_logit_softcapping) == (24.0, 3.0, 4.0)
@@ -46,7 +48,7 @@ def test_gemma2_layer_types_default_to_even_layers_sliding(tmp_path):
     ({"layer_types": ["chunked_attention", "full_attention"]}, "must name 2 layers"),
 ])
 def test_gemma2_variants_it_does_not_compute_are_refused(tmp_path, changes, message):
-    path, _ = _save_tiny(tmp_path, "gemma2")
+    path, _ = save_tiny(tmp_path, "gemma2")
     _edit_config(path, **changes)
     with pytest.raises(ValueError, match=message):
         load_checkpoint(path)
@@ -59,30 +61,30 @@ def test_gemma2_variants_it_does_not_compute_are_refused(tmp_path, changes, mess
     ({"use_sliding_window": True}, "use_sliding_window"),
 ])
 def test_qwen3_moe_variants_it_does_not_compute_are_refused(tmp_path, changes, message):
-    path, _ = _save_tiny(tmp_path, "qwen3_moe")
+    path, _ = save_tiny(tmp_path, "qwen3_moe")
     _edit_config(path, **changes)
     with pytest.raises(ValueError, match=message):
         load_checkpoint(path)
 
 
 def test_qwen3_moe_sparse_and_dense_layers_follow_transformers(tmp_path):
-    path, hf = _save_tiny(tmp_path, "qwen3_moe_norm_topk_dense_layer")
-    runner = _runner(path, 4, "torch", False)
+    path, hf = save_tiny(tmp_path, "qwen3_moe_norm_topk_dense_layer")
+    ours = runner(path, 4, "torch", False)
     assert [type(layer.mlp).__name__ for layer in hf.model.layers] == ["Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP"]
-    assert [type(layer.mlp).__name__ for layer in runner.model.layers] == ["SparseMoeBlock", "MLP"]
+    assert [type(layer.mlp).__name__ for layer in ours.model.layers] == ["SparseMoeBlock", "MLP"]
 
 
 def test_qwen3_moe_checkpoint_with_stacked_experts_loads(tmp_path):
     """save_original_format=False keeps transformers' in-memory names (experts.gate_up_proj [E, 2I, H]);
     the Hub's per-expert names are what save_pretrained writes by default (the CONFIGS tests)."""
-    _, hf = _save_tiny(tmp_path / "orig", "qwen3_moe")
+    _, hf = save_tiny(tmp_path / "orig", "qwen3_moe")
     hf.save_pretrained(tmp_path / "stacked", safe_serialization=True, save_original_format=False)
     from safetensors import safe_open
     with safe_open(str(tmp_path / "stacked" / "model.safetensors"), framework="pt") as f:
         assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
-    runner = _runner(str(tmp_path / "stacked"), 4, "torch", False)
-    seqs = {"a": _sequences("two")["a"][:30]}
-    ours = _logits_by_position(runner, seqs, {"a": [17]}, 4)
+    stacked = runner(str(tmp_path / "stacked"), 4, "torch", False)
+    seqs = {"a": sequences("two")["a"][:30]}
+    ours = logits_by_position(stacked, seqs, {"a": [17]}, 4)
     with torch.no_grad():
         ref = hf(torch.tensor([seqs["a"]])).logits[0]
     for p, row in ours["a"]:
@@ -112,22 +114,14 @@ def test_grouped_experts_equal_a_token_by_token_loop(norm_topk):
             torch.testing.assert_close(out[t], want, atol=1e-5, rtol=1e-5)
 
 
-def _word_tokenizer(path: str, vocab_size: int) -> None:
-    """tokenizer.json of a word-level vocabulary "t0" .. "t{vocab_size-1}": text "t5 t17" is ids [5, 17]."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(os.path.join(path, "tokenizer.json"))
-
-
 @pytest.mark.slow
-def test_radixmesh_generate_prints_transformers_greedy_tokens(tmp_path):
-    """`radixmesh generate` on a saved random Qwen3-MoE (word-level tokenizer, no EOS): greedy, float32,
-    the printed text's token ids are transformers' greedy continuation."""
-    path, hf = _save_tiny(tmp_path, "qwen3_moe")
-    assert hf.config.eos_token_id is None  # generation runs to max_new_tokens
-    _word_tokenizer(path, BASE["vocab_size"])
-    prompt_ids, n_new = _sequences("two")["b"][:9], 12
+@pytest.mark.parametrize("name", END_TO_END)
+def test_radixmesh_generate_prints_transformers_greedy_tokens(tmp_path, name):
+    """`radixmesh generate --model DIR` on a saved random model of each architecture (word-level
+    tokenizer, no EOS): greedy, float32, a 16-token prompt past every window, and the printed
+    text's token ids are transformers' greedy continuation."""
+    path, hf = save_for_generation(tmp_path, name)
+    prompt_ids, n_new = sequences("two")["a"][:16], 12
     prompt = " ".join(f"t{i}" for i in prompt_ids)
     cmd = [sys.executable, "-m", "services.cli", "generate", "--model", path, "--dtype", "float32",
            "--kv-cache-bytes", str(8 << 20), "--max-new-tokens", str(n_new), "--temperature", "0", "--json", prompt]
@@ -135,9 +129,5 @@ def test_radixmesh_generate_prints_transformers_greedy_tokens(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     ours = [int(m) for m in re.findall(r"t(\d+)", out["text"])]
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(n_new):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert ours == ids[len(prompt_ids):], (out, done.stderr[-2000:])
-    assert out["completion_tokens"] == n_new
+    assert ours == greedy_continuation(hf, prompt_ids, n_new), (out, done.stderr[-2000:])
+    assert (out["completion_tokens"], out["finish_reason"]) == (n_new, "length")

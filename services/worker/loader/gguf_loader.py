@@ -2,8 +2,8 @@
 renamed to Hugging Face names and laid out as HF expects."""
 from __future__ import annotations
 
+import dataclasses
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -13,42 +13,22 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from kernels.quant_gemv import QTYPES, QuantWeight
+from services.worker.loader import gguf_archs
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
 from services.common.gguf_reader import FastGGUFReader
 from services.common.model_path import model_id
-
-# Architectures whose tensors map one-to-one onto HF Llama names. llama.cpp's converter permutes the
-# Q/K rows of `llama` (its RoPE pairs adjacent dims, HF pairs dim i with i + head_dim/2); it does
-# not permute `qwen2`, whose converter already keeps HF's NeoX-style rotation.
-# Qwen2's q/k/v biases are detected from the tensors present, not from the architecture.
-_PERMUTES_QK: dict[str, bool] = {"llama": True, "qwen2": False}
 
 # Types whose dequantization is round-trip tested; K-quants would work through gguf.quants too,
 # but gguf cannot quantize them, so they are left out until a test can cover them.
 SUPPORTED_TYPES = frozenset({QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
                              QType.Q5_0, QType.Q5_1})
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")},
-}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's encoding of Llama-3.1 rope scaling
 
 
 def load_gguf(path: str) -> Checkpoint:
-    """Read `path` (a GGUF of arch llama or qwen2) into float32 HF-named tensors.
+    """Read `path` (a GGUF of an architecture in gguf_archs.ARCHS) into float32 HF-named tensors.
 
     Raises FileNotFoundError for a missing file and ValueError for a file that is not GGUF, an
     unsupported architecture, an unknown tensor name or an unsupported tensor type.
@@ -60,13 +40,15 @@ def load_gguf(path: str) -> Checkpoint:
     except ValueError as e:  # bad magic / version
         raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from e
     meta = reader.fields
-    arch = _scalar(meta, "general.architecture")
-    if arch not in _PERMUTES_QK:
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {sorted(_PERMUTES_QK)})")
+    arch_name = _scalar(meta, "general.architecture")
+    arch = gguf_archs.ARCHS.get(arch_name)
+    if arch is None:
+        raise ValueError(f"{path}: architecture {arch_name!r} is not supported "
+                         f"(supported: {sorted(gguf_archs.ARCHS)})")
     by_name = {t.name: t for t in reader.tensors}
-    config = _config_from_metadata(meta, arch, by_name, path)
+    config = _config_from_metadata(meta, arch_name, arch, by_name, path)
 
-    jobs: list[tuple[str, gguf.ReaderTensor, int | None]] = []  # (hf name, tensor, heads to unpermute)
+    jobs: list[tuple[str, gguf.ReaderTensor, int | None]] = []  # (gguf name, tensor, heads to unpermute)
     for name, t in by_name.items():
         if name == _ROPE_FREQS:
             continue  # folded into config.rope_scaling above
@@ -74,14 +56,20 @@ def load_gguf(path: str) -> Checkpoint:
             raise ValueError(
                 f"{path}: tensor {name} has type {t.tensor_type.name}, which is not supported "
                 f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
-        jobs.append((_hf_name(name, path), t, _permute_heads(name, arch, config)))
+        jobs.append((name, t, gguf_archs.permute_heads(arch, name, config)))
 
     # gguf's numpy kernels release the GIL on large arrays, so tensors dequantize in parallel.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         results = list(pool.map(lambda job: _dequantize(job[1], job[2]), jobs))
-    tensors = {hf: torch.from_numpy(a) for (hf, _, _), (a, _) in zip(jobs, results)}
-    quantized = {hf: QuantWeight.from_blocks(torch.from_numpy(raw), t.tensor_type.name)
-                 for (hf, t, _), (_, raw) in zip(jobs, results) if raw is not None}
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantWeight] = {}
+    for (name, t, _), (values, raw) in zip(jobs, results):
+        for hf, v, blocks in gguf_archs.hf_tensors(arch, name, values, raw, config, path):
+            tensors[hf] = torch.from_numpy(v)
+            if blocks is not None:
+                quantized[hf] = QuantWeight.from_blocks(torch.from_numpy(blocks), t.tensor_type.name)
+    if arch.moe:
+        gguf_archs.stack_experts(tensors)
     return Checkpoint(config=config, tensors=tensors, source=path, quantized=quantized)
 
 
@@ -103,26 +91,6 @@ def _dequantize(t: gguf.ReaderTensor, n_heads: int | None) -> tuple[np.ndarray, 
     return out.astype(np.float32, copy=False), (np.array(raw, dtype=np.uint8) if keep else None)
 
 
-def _permute_heads(gguf_name: str, arch: str, config: ModelConfig) -> int | None:
-    """Number of heads to un-permute for this tensor, or None when it is stored in HF layout."""
-    if not _PERMUTES_QK[arch]:
-        return None
-    if ".attn_q." in gguf_name:
-        return config.num_attention_heads
-    if ".attn_k." in gguf_name:
-        return config.num_key_value_heads
-    return None
-
-
-def _hf_name(gguf_name: str, path: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise ValueError(f"{path}: tensor {gguf_name!r} has no Hugging Face Llama/Qwen2 counterpart")
-
-
 def _scalar(meta: dict[str, gguf.ReaderField], key: str, default: Any = None) -> Any:
     field = meta.get(key)
     if field is None:
@@ -134,12 +102,13 @@ def _scalar(meta: dict[str, gguf.ReaderField], key: str, default: Any = None) ->
     return value
 
 
-def _config_from_metadata(meta: dict[str, gguf.ReaderField], arch: str,
+def _config_from_metadata(meta: dict[str, gguf.ReaderField], arch: str, spec: gguf_archs.GGUFArch,
                           tensors: dict[str, gguf.ReaderTensor], path: str) -> ModelConfig:
     def key(name: str, default: Any = None) -> Any:
         return _scalar(meta, f"{arch}.{name}", default)
 
-    required = ["block_count", "embedding_length", "feed_forward_length", "attention.head_count"]
+    required = ["block_count", "embedding_length", "attention.head_count"]
+    required += [] if spec.moe else ["feed_forward_length"]  # sparse everywhere: no dense size
     missing = [f"{arch}.{k}" for k in required if key(k) is None]
     if missing or "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: incomplete GGUF, missing {missing or ['token_embd.weight']}")
@@ -151,10 +120,10 @@ def _config_from_metadata(meta: dict[str, gguf.ReaderField], arch: str,
     eos = [_scalar(meta, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos_ids = tuple(dict.fromkeys(int(i) for i in eos if i is not None))
     bos = _scalar(meta, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # ggml order: [hidden, vocab]
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=int(key("feed_forward_length", 0)),
         num_hidden_layers=int(key("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
@@ -167,8 +136,14 @@ def _config_from_metadata(meta: dict[str, gguf.ReaderField], arch: str,
         attention_bias=any(n.endswith(".attn_q.bias") for n in tensors),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        architecture=spec.architecture,
         name=model_id(path),
     )
+    try:
+        fields = spec.config_fields(key, set(tensors), config)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return dataclasses.replace(config, **fields)
 
 
 def _rope_scaling(meta: dict[str, gguf.ReaderField], arch: str, tensors: dict[str, gguf.ReaderTensor],

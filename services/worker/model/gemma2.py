@@ -123,7 +123,8 @@ class Gemma2ForCausalLM(nn.Module):
         unpack_linears(self)
 
     def use_quantized(self, quantized: dict, max_rows: int, kernel) -> int:
-        """No quantized blocks: Gemma 2 loads from safetensors only (the GGUF loader maps no Gemma)."""
+        """No quantized blocks: a Gemma 2 GGUF's weights are dequantized at load (the quantized
+        GEMV path is wired for the Llama decoder only)."""
         return 0
 
     def use_decode_stack(self, kernel, team_spin_us: int = 100) -> bool:
