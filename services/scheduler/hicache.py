@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.hicache_config import HiCacheConfig
-from services.common.page_hash import KeyNamespace, PageHasher
 from services.scheduler.outputs import SchedulerStats
-from services.scheduler.radix_cache import RadixCache, TreeNode
+from services.scheduler.page_keys import PageKeys
+from services.scheduler.radix_cache import RadixCache
 from services.scheduler.request import Request
 from services.step.contract import DEVICE, HOST, STORE, KVCopy, KVTransferStat, StepPlan
 
@@ -73,46 +73,16 @@ class _Prefetch:
 
 
 class HiCache:
-    def __init__(self, config: HiCacheConfig, page_size: int, page_bytes: int, model_identity: str,
-                 weights_version: str, kv_layout: str, store: StoreProbe | None, stats: SchedulerStats):
-        if store is not None and not model_identity:
-            raise ValueError("a kvstore needs the worker's model identity to key pages")
-        self.config, self.page_size, self.page_bytes = config, page_size, page_bytes
+    def __init__(self, config: HiCacheConfig, cache: RadixCache, keys: PageKeys, page_bytes: int,
+                 store: StoreProbe | None, stats: SchedulerStats):
+        self.config, self.cache, self.keys = config, cache, keys
+        self.page_size, self.page_bytes = cache.page_size, page_bytes
         self.store, self.stats = store, stats
         self.write_through = store is not None and config.hicache_write_policy == "write_through"
-        self.write_back = store is not None and config.hicache_write_policy == "write_back"
         self.estimates = Estimates()
-        self._ns = (model_identity, weights_version, kv_layout)
-        self._hashers: dict[str, PageHasher] = {}
         self._prefetches: dict[int, _Prefetch] = {}  # id(KVCopy) -> what it loads
         self._sent: list[KVCopy] = []  # the copies of the plan in flight
-        self.cache: RadixCache | None = None  # set by the scheduler once the KV manager exists
         self._publish_estimates()
-
-    # --- keys ---------------------------------------------------------------------------
-    def hasher(self, adapter: str) -> PageHasher:
-        h = self._hashers.get(adapter)
-        if h is None:
-            model, version, layout = self._ns
-            h = self._hashers[adapter] = PageHasher(KeyNamespace(
-                model=model, weights_version=version, adapter=adapter, page_size=self.page_size,
-                kv_layout=layout))
-        return h
-
-    def request_keys(self, req: Request, n_pages: int) -> list[bytes]:
-        """Keys of req.seq's first n_pages pages, extending the request's chain."""
-        have = len(req.page_keys)
-        if have < n_pages:
-            ps = self.page_size
-            parent = req.page_keys[-1] if have else None
-            req.page_keys.extend(self.hasher(req.namespace).keys(req.seq[have * ps:n_pages * ps], parent=parent))
-        return req.page_keys[:n_pages]
-
-    def node_keys(self, node: TreeNode) -> list[bytes]:
-        """Keys of a tree node's pages (write-back names what it writes)."""
-        assert self.cache is not None
-        keys = self.hasher(node.namespace).keys(self.cache.path_tokens(node))
-        return keys[len(keys) - len(node.pages):]
 
     # --- decisions ----------------------------------------------------------------------
     def should_load(self, tier: str, tokens: int) -> bool:
@@ -131,12 +101,12 @@ class HiCache:
         """A waiting request's first look at the store: maybe start a prefetch."""
         req.store_state = PROBED
         cache, ps = self.cache, self.page_size
-        if self.store is None or cache is None or cache.disable or cache.host is None:
+        if self.store is None or cache.disable or cache.host is None:
             return
         n_full = (req.seq_len - 1) // ps  # the last token always runs (its logits are sampled)
         if n_full == 0:
             return
-        keys = self.request_keys(req, n_full)
+        keys = self.keys.request_keys(req, n_full)
         req.store_pages = stored = self.store.exists(keys)
         hit = cache.match_prefix(req.seq[:req.seq_len - 1], req.namespace)
         have = (hit.num_tokens + hit.host_tokens) // ps
@@ -167,8 +137,7 @@ class HiCache:
         lo = max(lo, req.store_pages)
         if hi <= lo:
             return
-        keys = self.request_keys(req, hi)[lo:hi]
-        assert self.cache is not None
+        keys = self.keys.request_keys(req, hi)[lo:hi]
         self.cache.copies.append(KVCopy(DEVICE, STORE, list(req.pages[lo:hi]), [], keys))
         self.stats.pages_written_to_store += hi - lo
         req.store_pages = hi
@@ -177,7 +146,6 @@ class HiCache:
     def take_copies(self, plan: StepPlan | None) -> bool:
         """Move the copies decided since the last plan into `plan` (None: only say
         whether there are any). They must travel in the next plan, in order."""
-        assert self.cache is not None
         if plan is None:
             return bool(self.cache.copies)
         plan.kv_copies, self.cache.copies = self.cache.copies, []
@@ -213,7 +181,6 @@ class HiCache:
             self.estimates.observe_prefill(tokens, forward_seconds - sum(t.seconds for t in transfers))
 
     def _finish_prefetch(self, pf: _Prefetch, loaded: int) -> None:
-        assert self.cache is not None
         req, ps = pf.req, self.page_size
         self.cache.host.free(pf.host_pages[loaded:])  # type: ignore[union-attr]
         if loaded:

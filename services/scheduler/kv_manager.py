@@ -14,20 +14,24 @@ from services.scheduler.request import Request
 from services.step.contract import HOST
 
 
+def new_radix_cache(num_pages: int, page_size: int, disable_cache: bool, host_pages: int = 0,
+                    write_back: bool = False, keys_for: Callable[[TreeNode], list[bytes]] | None = None) -> RadixCache:
+    """The device pool's pages and their prefix tree; host_pages > 0 adds a host tier below
+    the pool (see radix_cache.py)."""
+    host = PageAllocator(host_pages, page_size) if host_pages > 0 and not disable_cache else None
+    return RadixCache(PageAllocator(num_pages, page_size), page_size, disable=disable_cache, host_allocator=host,
+                      write_back=write_back, keys_for=keys_for)
+
+
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, disable_cache: bool, host_pages: int = 0,
-                 write_back: bool = False, keys_for: Callable[[TreeNode], list[bytes]] | None = None,
+    def __init__(self, cache: RadixCache,
                  should_load: Callable[[str, int], bool] = lambda tier, tokens: True,
                  on_cached: Callable[[Request, int, int], None] = lambda req, lo, hi: None):
-        """host_pages > 0 adds a host tier below the pool (see radix_cache.py). HiCache's hooks:
-        should_load(tier, tokens): load them from that tier rather than recompute them?;
-        on_cached(req, lo, hi): pages [lo, hi) of a request were just given to the tree."""
-        self.page_size = page_size
-        self.allocator = PageAllocator(num_pages, page_size)
-        self.host_allocator = PageAllocator(host_pages, page_size) if host_pages > 0 and not disable_cache else None
-        self.cache = RadixCache(self.allocator, page_size, disable=disable_cache, host_allocator=self.host_allocator,
-                                write_back=write_back, keys_for=keys_for)
-        self.cache_enabled = not disable_cache
+        """HiCache's hooks: should_load(tier, tokens): load them from that tier rather than
+        recompute them?; on_cached(req, lo, hi): pages [lo, hi) of a request were just given to the tree."""
+        self.cache, self.page_size = cache, cache.page_size
+        self.allocator, self.host_allocator = cache.allocator, cache.host
+        self.cache_enabled = not cache.disable
         self.should_load, self.on_cached = should_load, on_cached
         self.host_hit_tokens = 0  # tokens loaded host -> device, for the stats
 

@@ -487,10 +487,11 @@ class RadixCache:
             self._refresh(n)
         self._refresh(parent)
 
-    def path_tokens(self, node: TreeNode) -> list[int]:
-        """The token ids from the namespace root down to the end of `node`."""
-        parts = []
-        while node.parent is not None:
-            parts.append(node.key)
-            node = node.parent
-        return [t for part in reversed(parts) for t in part]
+
+def path_tokens(node: TreeNode) -> list[int]:
+    """The token ids from the namespace root down to the end of `node`."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    return [t for part in reversed(parts) for t in part]

@@ -30,7 +30,8 @@ from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, T
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.hicache import PREFETCHING, HiCache, StoreProbe
-from services.scheduler.kv_manager import KVManager
+from services.scheduler.kv_manager import KVManager, new_radix_cache
+from services.scheduler.page_keys import PageKeys
 from services.scheduler.outputs import QueueFull, SchedulerStats
 from services.scheduler.policy import order_waiting
 from services.scheduler.request import Request, Status
@@ -67,12 +68,15 @@ class Scheduler:
         the host tier on; `store` answers the kvstore's Exists)."""
         self.config, self.limits = config, limits
         self.stats = SchedulerStats(kv_pages_total=limits.num_pages)
-        self.hicache = HiCache(hicache or HiCacheConfig(), limits.page_size, limits.page_bytes,
-                               limits.model_identity, limits.weights_version, limits.kv_layout, store, self.stats)
-        self.kv = KVManager(limits.num_pages, limits.page_size, config.disable_radix_cache, limits.host_pages,
-                            write_back=self.hicache.write_back, keys_for=self.hicache.node_keys,
-                            should_load=self.hicache.should_load, on_cached=self.hicache.written)
-        self.hicache.cache = self.kv.cache
+        hicache = hicache or HiCacheConfig()
+        if store is not None and not limits.model_identity:
+            raise ValueError("a kvstore needs the worker's model identity to key pages")
+        keys = PageKeys(limits.page_size, limits.model_identity, limits.weights_version, limits.kv_layout)
+        cache = new_radix_cache(limits.num_pages, limits.page_size, config.disable_radix_cache, limits.host_pages,
+                                write_back=store is not None and hicache.hicache_write_policy == "write_back",
+                                keys_for=keys.node_keys)
+        self.hicache = HiCache(hicache, cache, keys, limits.page_bytes, store, self.stats)
+        self.kv = KVManager(cache, should_load=self.hicache.should_load, on_cached=self.hicache.written)
         self.stats.host_pages_total = limits.host_pages if self.kv.host_allocator else 0
         self.waiting: list[Request] = []
         self.running: dict[str, Request] = {}
@@ -462,7 +466,7 @@ class Scheduler:
         c = self.kv.cache.counters
         s.pages_demoted = c["demoted"]
         s.pages_dropped = c["dropped_host"] + c["dropped_device"]
-        if self.hicache.write_back:
+        if self.kv.cache.write_back:
             s.pages_written_to_store = c["written_back"]
 
     def flush_cache(self) -> bool:

@@ -190,7 +190,7 @@ def test_disk_tier_across_a_restart_damaged_pages_and_a_dead_store(checkpoint, t
         b = engine(checkpoint, tokenizer, page_size, kvstore_addr=server.address)
         try:
             # Two early pages of the shared prefix: one truncated, one with a flipped payload byte.
-            keys = b.scheduler.hicache.hasher("").keys(prompts[1][:64])
+            keys = b.scheduler.hicache.keys.hasher("").keys(prompts[1][:64])
             files = [tmp_path / "kv" / f"{k[0]:02x}" / f"{k.hex()}.page" for k in keys[1:3]]
             files[0].write_bytes(files[0].read_bytes()[:-7])
             raw = bytearray(files[1].read_bytes())

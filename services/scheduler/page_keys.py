@@ -1,0 +1,40 @@
+"""The store's page keys: one PageHasher per adapter namespace, for requests and tree nodes.
+
+A page's key chains over every token before it (services/common/page_hash.py), so a
+request extends its own chain as it grows and a tree node's keys come from its path.
+"""
+from __future__ import annotations
+
+from services.common.page_hash import KeyNamespace, PageHasher
+from services.scheduler.radix_cache import TreeNode, path_tokens
+from services.scheduler.request import Request
+
+
+class PageKeys:
+    def __init__(self, page_size: int, model_identity: str, weights_version: str, kv_layout: str) -> None:
+        self.page_size = page_size
+        self._ns = (model_identity, weights_version, kv_layout)
+        self._hashers: dict[str, PageHasher] = {}
+
+    def hasher(self, adapter: str) -> PageHasher:
+        h = self._hashers.get(adapter)
+        if h is None:
+            model, version, layout = self._ns
+            h = self._hashers[adapter] = PageHasher(KeyNamespace(
+                model=model, weights_version=version, adapter=adapter, page_size=self.page_size,
+                kv_layout=layout))
+        return h
+
+    def request_keys(self, req: Request, n_pages: int) -> list[bytes]:
+        """Keys of req.seq's first n_pages pages, extending the request's chain."""
+        have = len(req.page_keys)
+        if have < n_pages:
+            ps = self.page_size
+            parent = req.page_keys[-1] if have else None
+            req.page_keys.extend(self.hasher(req.namespace).keys(req.seq[have * ps:n_pages * ps], parent=parent))
+        return req.page_keys[:n_pages]
+
+    def node_keys(self, node: TreeNode) -> list[bytes]:
+        """Keys of a tree node's pages (write-back names what it writes)."""
+        keys = self.hasher(node.namespace).keys(path_tokens(node))
+        return keys[len(keys) - len(node.pages):]
