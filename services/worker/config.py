@@ -22,7 +22,9 @@ class WorkerConfig:
     kv_cache_bytes: int | None = field(default=3 << 30, metadata={"help": "KV pool byte budget (default 3 GiB: ~70k tokens of SmolLM2 in float32)"})
     kv_mem_fraction: float | None = field(default=None, metadata={"help": "size the KV pool as this fraction of free memory instead of a byte budget"})
     attention_backend: str = field(default="cpu", metadata={
-        "help": "cpu: torch + a C++ paged decode kernel (built on first use); torch: the plain reference"})
+        "help": "cpu: torch + a C++ paged decode kernel (built on first use), and the CPU tuning: allocator, "
+                "quantized weights, one-call decode steps, lead CPU (services/worker/attention/cpu_backend.py); "
+                "torch: the plain reference"})
     max_requests: int = field(default=64, metadata={"help": "page-table rows: requests the worker holds at once (>= the scheduler's max_running_requests)"})
     context_length: int | None = field(default=None, metadata={"help": "cap the model's context length"})
     prepack_weights: bool = field(default=True, metadata={

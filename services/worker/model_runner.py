@@ -6,7 +6,6 @@ runs one forward for the whole batch and samples every row at once.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -17,13 +16,10 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepPlan, StepResult
-from services.worker.attention.backend import create_backend
+from services.worker.attention.backend import DecodeStep, create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
-from services.worker.cpu_tuning import keep_freed_memory
-from services.worker.fallbacks import warn_cpu_fallbacks
 from services.worker.kv_pool import KVPool, KVPoolSpec
-from services.worker.lead_cpu import LeadCpu, LeadPriority
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
 from services.worker.model.layer_ops import create_layer_ops
@@ -57,10 +53,8 @@ class ModelRunner:
     on_compute: Callable[[], None] | None = None
 
     def __init__(self, config: WorkerConfig, checkpoint: Checkpoint):
-        if config.num_threads:
+        if config.num_threads:  # every backend's torch ops
             torch.set_num_threads(config.num_threads)
-        if config.device == "cpu":
-            keep_freed_memory()
         self.config = config
         self.device = torch.device(config.device)
         mc = checkpoint.config
@@ -70,19 +64,15 @@ class ModelRunner:
         self.model = build_model(mc, checkpoint.tensors, config.torch_dtype, self.device)
         self.prepacked = config.prepack_weights and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
-        self.quantized_weights = self._use_quantized(checkpoint)
-        self.decode_stack = self._use_decode_stack()
-        self.cpu_fallbacks = warn_cpu_fallbacks(config, self.prepacked)
-        self.lead_cpu = LeadCpu(config.lead_cpu) if config.lead_cpu is not None else None
-        self.lead_priority = LeadPriority(config.lead_nice) if self.decode_stack else None
-        if self.lead_cpu and self.decode_stack:
-            self.model.decode_stack.set_helper_cpus(sorted(self.lead_cpu.others))
+        # The backend's own tuning (the cpu backend's threads, quantized weights, one-call decode steps).
+        self.backend = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
+                                      sliding_window=mc.sliding_window)
+        attached = self.backend.attach(self.model, config, checkpoint, self.prepacked)
+        self.quantized_weights, self.decode_stack = attached.quantized_weights, attached.one_call_steps
         self.kv_spec = KVPoolSpec.from_budget(
             mc, config.page_size, config.torch_dtype,
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
         self.pool = KVPool(self.kv_spec, self.device)
-        self.backend = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
-                                      sliding_window=mc.sliding_window)
         max_pages = -(-mc.max_position_embeddings // config.page_size)
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
@@ -93,32 +83,6 @@ class ModelRunner:
                  f"({self.quantized_weights} weights)" if self.quantized_weights else "no quantized weights",
                  type(self.model.ops).__name__, ", one-call decode steps" if self.decode_stack else "", self.kv_spec.num_pages,
                  self.kv_spec.page_size, self.kv_spec.total_bytes / 2**30)
-
-    def _use_quantized(self, checkpoint: Checkpoint) -> int:
-        """Small steps on the file's Q8_0/Q4_1 blocks (Linear.set_quant) where they exist, the
-        device is a CPU and the kernel builds → the number of weights that got them."""
-        if not (self.config.quant_max_rows and checkpoint.quantized and self.device.type == "cpu"):
-            return 0
-        from kernels import quant_gemv
-        kernel = quant_gemv.load()
-        if kernel is None:
-            return 0
-        return self.model.use_quantized(checkpoint.quantized, self.config.quant_max_rows, kernel)
-
-    def _use_decode_stack(self) -> bool:
-        """Pure-decode steps on the quantized blocks as one C++ call (LlamaForCausalLM.use_decode_stack),
-        where that matches what the op-by-op path would run: fused ops and the native attention kernel.
-        A model whose math the stack lacks declines it (LlamaForCausalLM.decode_stack_refusal)."""
-        from services.worker.model.layer_ops import FusedCpuLayerOps
-        if not (self.config.decode_stack and self.quantized_weights and isinstance(self.model.ops, FusedCpuLayerOps)
-                and self.config.attention_backend == "cpu"):
-            return False
-        refusal = self.model.decode_stack_refusal()
-        if refusal is not None:
-            log.info("one-call decode steps declined for %s (%s): op by op", self.model_config.name, refusal)
-            return False
-        from kernels import decode_stack
-        return self.model.use_decode_stack(decode_stack.load(), self.config.step_team_spin_us)
 
     # --- request state -------------------------------------------------------------
     def _admit(self, spec: NewRequestSpec) -> None:
@@ -188,8 +152,13 @@ class ModelRunner:
                 self._append_pages(req, item.new_pages, item.reset_pages)
             if item.input_ids[0] == LAST_SAMPLED:
                 item.input_ids = [_last_sampled(item.rid, req, item.start_pos)]
-        if self._runs_on_decode_stack(plan):
-            return self._decode_stack_step(plan, reqs)
+        sampled = [i for i, item in enumerate(plan.items) if item.sample]
+        if all(len(item.input_ids) == 1 for item in plan.items):
+            logits = self.backend.one_call_step(DecodeStep(
+                [item.input_ids[0] for item in plan.items], [item.start_pos for item in plan.items],
+                [r.row for r in reqs], sampled, self.page_table, self.kv_spec.page_size, self.pool), self._computing)
+            if logits is not None:
+                return logits, sampled
         q_lens = [len(item.input_ids) for item in plan.items]
         start = [item.start_pos for item in plan.items]
         max_pages = -(-max(s + q for s, q in zip(start, q_lens)) // self.kv_spec.page_size)
@@ -199,7 +168,6 @@ class ModelRunner:
         self.backend.prepare(layout, self.pool)
         flat_ids = [t for item in plan.items for t in item.input_ids]
         input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)
-        sampled = [i for i, item in enumerate(plan.items) if item.sample]
         ends = torch.cumsum(layout.q_lens, 0) - 1
         logits_indices = ends[torch.tensor(sampled, dtype=torch.int64)]
         meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
@@ -210,28 +178,6 @@ class ModelRunner:
         if self.on_compute is not None:
             self.on_compute()
 
-
-    def _runs_on_decode_stack(self, plan: StepPlan) -> bool:
-        """A step of few one-token items (the pool is in the model's dtype: the stack checks it)."""
-        return (self.decode_stack and len(plan.items) <= self.model.decode_stack_rows
-                and all(len(item.input_ids) == 1 for item in plan.items))
-
-    def _decode_stack_step(self, plan: StepPlan, reqs: list[_Request]) -> tuple[torch.Tensor, list[int]]:
-        """The whole step as one C++ call, its inputs straight from Python ints: no
-        per-step layout or attention-metadata tensors."""
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64)
-
-        sampled = [i for i, item in enumerate(plan.items) if item.sample]
-        token_ids = i64([item.input_ids[0] for item in plan.items])
-        positions = i64([item.start_pos for item in plan.items])
-        rows, logits_rows = i64([r.row for r in reqs]), i64(sampled)
-        self._computing()
-        pinned = self.lead_cpu.leading() if self.lead_cpu else contextlib.nullcontext()
-        with pinned, self.lead_priority.leading():
-            logits = self.model.decode_step(token_ids, positions, self.page_table, rows, self.kv_spec.page_size,
-                                            self.pool, logits_rows)
-        return logits, sampled
 
 
 def _last_sampled(rid: str, req: _Request, start_pos: int) -> int:

@@ -85,14 +85,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         from services.worker.loader.checkpoint import load_checkpoint
         from services.worker.model_runner import ModelRunner
 
+        from services.worker.attention.cpu_backend import CpuBackend
         from services.worker.lead_cpu import thread_ids
 
         before = thread_ids() - {threading.get_native_id()}  # the event loop's and gRPC's threads
         path = resolve_model_path(self.config.model)
         checkpoint = load_checkpoint(path)
         runner = ModelRunner(self.config, checkpoint)
-        if runner.lead_cpu is not None:  # threads they start later inherit their CPUs
-            runner.lead_cpu.move_off(before)
+        lead_cpu = runner.backend.lead_cpu if isinstance(runner.backend, CpuBackend) else None
+        if lead_cpu is not None:  # threads they start later inherit their CPUs
+            lead_cpu.move_off(before)
         if self.hicache is not None:
             from services.worker.host_pool import attach_tiers
             self.kvstore, self._tiers = attach_tiers(runner, self.hicache, checkpoint.source)

@@ -81,7 +81,7 @@ def test_the_step_runs_at_the_lead_priority_and_gives_it_back(checkpoint, monkey
     """--lead-nice: a higher priority during one-call decode steps only (where permitted)."""
     runner = ModelRunner(WorkerConfig(dtype="bfloat16", kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2,
                                       lead_nice=-5), checkpoint)
-    if not runner.lead_priority.usable:
+    if not runner.backend.lead_priority.usable:
         pytest.skip("no CAP_SYS_NICE here")
     tid = threading.get_native_id()
     own = os.getpriority(os.PRIO_PROCESS, tid)

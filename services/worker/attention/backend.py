@@ -1,13 +1,22 @@
-"""What an attention backend implements (torch reference now; Triton and FlashInfer later)."""
+"""What an attention backend implements (torch reference now; Triton and FlashInfer later).
+
+Besides attention itself (prepare, forward), a backend owns the tuning of the device it runs
+on: `attach` applies it once to the built model, and `one_call_step` runs a whole pure-decode
+step in one call where the backend has such a path, the runner running every other step op by op.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from services.worker.config import WorkerConfig
+    from services.worker.loader.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -20,7 +29,39 @@ class LayerAttention:
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask
 
 
+@dataclass(frozen=True)
+class Attached:
+    """What a backend's attach did to the model (the worker's ready line says it)."""
+
+    quantized_weights: int = 0  # weights that run on the checkpoint's quantized blocks in small steps
+    one_call_steps: bool = False  # small pure-decode steps run as one call (one_call_step)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A pure-decode step (one token per item) in plain ints, for a backend's one-call path:
+    no per-step layout or attention-metadata tensors."""
+
+    token_ids: list[int]  # [B]
+    positions: list[int]  # [B] each token's position
+    rows: list[int]  # [B] each item's row of page_table
+    sampled: list[int]  # indices into B whose logits come back
+    page_table: torch.Tensor  # [N, P] int64: the runner's, row r holds request r's pages
+    page_size: int
+    pool: KVPool
+
+
 class AttentionBackend(Protocol):
+    def attach(self, model: torch.nn.Module, config: WorkerConfig, checkpoint: Checkpoint,
+               prepacked: bool) -> Attached:
+        """Once, after the runner built the model (weights loaded, linears prepacked when
+        `prepacked`, layer ops installed): this backend's tuning of the process and the model."""
+
+    def one_call_step(self, step: DecodeStep, before_compute: Callable[[], None]) -> torch.Tensor | None:
+        """The whole step in one call, KV written → float32 logits [len(step.sampled), V], calling
+        before_compute right before its compute; None when this backend has no such path or the
+        step is not one it takes (nothing done): the runner runs it op by op."""
+
     def prepare(self, layout: BatchLayout, pool: KVPool) -> None:
         """Build per-step index tensors once; every layer's `forward` reuses them."""
 
@@ -33,8 +74,8 @@ class AttentionBackend(Protocol):
 # name -> (factory "module:attr", keyword arguments)
 _BACKENDS: dict[str, tuple[str, dict]] = {
     "torch": ("services.worker.attention.torch_backend:TorchAttentionBackend", {}),
-    # torch, plus the C++ paged decode kernel (built on first use; falls back if it cannot be)
-    "cpu": ("services.worker.attention.torch_backend:TorchAttentionBackend", {"native_decode": True}),
+    # torch with the C++ paged decode kernel, plus the CPU worker's tuning and one-call decode steps
+    "cpu": ("services.worker.attention.cpu_backend:CpuBackend", {}),
 }
 
 

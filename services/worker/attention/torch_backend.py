@@ -8,11 +8,12 @@ There is no loop over requests: gathers through slot matrices do the paging.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from services.worker.attention.backend import LayerAttention
+from services.worker.attention.backend import Attached, DecodeStep, LayerAttention
 from services.worker.attention.batch_layout import BatchLayout, slots_of
 from services.worker.kv_pool import KVPool
 
@@ -55,6 +56,12 @@ class TorchAttentionBackend:
         self.groups: list[_Group] = []
         self._kbuf: torch.Tensor | None = None  # gather buffers, grown on demand
         self._vbuf: torch.Tensor | None = None
+
+    def attach(self, model, config, checkpoint, prepacked: bool) -> Attached:
+        return Attached()  # no tuning of its own: the plain reference
+
+    def one_call_step(self, step: DecodeStep, before_compute: Callable[[], None]) -> torch.Tensor | None:
+        return None  # every step op by op
 
     def prepare(self, layout: BatchLayout, pool: KVPool) -> None:
         self.pool, self.layout = pool, layout

@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
             p = f"layers.{i}."
             give(layer.self_attn.qkv_proj, [f"{p}self_attn.{n}_proj.weight" for n in "qkv"])
             give(layer.self_attn.o_proj, [f"{p}self_attn.o_proj.weight"])
-            if isinstance(layer.mlp, MLP):  # the GGUF loader maps no MoE architecture: experts stay dense
+            if isinstance(layer.mlp, MLP):  # experts (stacked, not Linear) stay dequantized
                 give(layer.mlp.gate_up_proj, [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")])
                 give(layer.mlp.down_proj, [f"{p}mlp.down_proj.weight"])
         give(self.lm_head, ["embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
