@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.sampling_params import SamplingParams
-from services.step.contract import NewRequestSpec, StepItem, StepPlan
 from services.worker.config import WorkerConfig
 from services.worker.loader.checkpoint import load_checkpoint
 from services.worker.model_runner import ModelRunner
+from tests.unit.tiny_models import assert_logits_match, logits_by_position
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=512)
@@ -49,39 +48,7 @@ def test_logits_match_transformers(tmp_path, name, page_size, backend, fused):
     g = torch.Generator().manual_seed(1)
     seqs = {"a": torch.randint(0, 256, (70,), generator=g).tolist(),  # past the llama3 original context
             "b": torch.randint(0, 256, (23,), generator=g).tolist()}
-    ours = _logits_by_position(runner, seqs, {"a": 60, "b": 20}, page_size)
-    with torch.no_grad():
-        for rid, s in seqs.items():
-            ref = hf(torch.tensor([s])).logits[0]  # [L, V]
-            for p, row in ours[rid]:
-                torch.testing.assert_close(row, ref[p], atol=2e-4, rtol=1e-4,
-                                           msg=lambda m: f"{name} {rid} position {p}: {m}")
-
-
-def _logits_by_position(runner: ModelRunner, seqs: dict[str, list[int]], prefill: dict[str, int],
-                        page_size: int) -> dict[str, list[tuple[int, torch.Tensor]]]:
-    """Prefill every sequence's first prefill[rid] tokens in one step, then decode the rest
-    token by token, all requests in each step → rid → [(position, logits row)]."""
-    sp = SamplingParams(temperature=0.0)
-    n_pages = -(-max(map(len, seqs.values())) // page_size) + 1  # distinct pages per request
-    pages_per = {rid: list(range(i * n_pages, (i + 1) * n_pages)) for i, rid in enumerate(seqs)}
-    plan = StepPlan(1, [NewRequestSpec(rid, s[:prefill[rid]], [], sp, 0) for rid, s in seqs.items()],
-                    [StepItem(rid, s[:prefill[rid]], 0, pages_per[rid], True, True) for rid, s in seqs.items()])
-    runner.execute(StepPlan(0, plan.new_requests))  # admit only; compute_logits runs the items
-    ours = {rid: [] for rid in seqs}
-    logits, _ = runner.compute_logits(plan)
-    for rid, row in zip(seqs, logits):
-        ours[rid].append((prefill[rid] - 1, row))
-    pos = dict(prefill)
-    step = 2
-    while any(pos[r] < len(s) for r, s in seqs.items()):
-        items = [StepItem(r, [s[pos[r]]], pos[r], []) for r, s in seqs.items() if pos[r] < len(s)]
-        logits, _ = runner.compute_logits(StepPlan(step, [], items))
-        for item, row in zip(items, logits):
-            ours[item.rid].append((pos[item.rid], row))
-            pos[item.rid] += 1
-        step += 1
-    return ours
+    assert_logits_match(runner, hf, seqs, {"a": [60], "b": [20]}, page_size, name)  # prefill, then decode
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2)])  # head_dim 64: the AVX512-BF16 decode kernel
@@ -99,7 +66,7 @@ def test_bfloat16_native_decode_matches_gather_sdpa(tmp_path, heads, kv_heads):
     for backend in ("cpu", "torch"):
         runner = ModelRunner(WorkerConfig(dtype="bfloat16", page_size=16, kv_cache_bytes=4 << 20, max_requests=4,
                                           attention_backend=backend), ckpt)
-        runs[backend] = _logits_by_position(runner, seqs, prefill, 16)
+        runs[backend] = logits_by_position(runner, seqs, {r: [n] for r, n in prefill.items()}, 16)
     for rid in seqs:
         for (p, ours), (_, ref) in zip(runs["cpu"][rid], runs["torch"][rid]):
             scale = ref.abs().max()
