@@ -64,11 +64,12 @@ class ModelRunner:
         self.model = build_model(mc, checkpoint.tensors, config.torch_dtype, self.device)
         self.prepacked = config.prepack_weights and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
-        # The backend's own tuning (the cpu backend's threads, quantized weights, one-call decode steps).
+        # The backend's own tuning (the cpu backend's allocator, quantized weights, one-call decode steps).
         self.backend = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
                                       sliding_window=mc.sliding_window)
         attached = self.backend.attach(self.model, config, checkpoint, self.prepacked)
-        self.quantized_weights, self.decode_stack = attached.quantized_weights, attached.one_call_steps
+        self.quantized_weights, self.one_call_rows = attached.quantized_weights, attached.one_call_rows
+        self.decode_stack = self.one_call_rows > 0
         self.kv_spec = KVPoolSpec.from_budget(
             mc, config.page_size, config.torch_dtype,
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
@@ -153,7 +154,7 @@ class ModelRunner:
             if item.input_ids[0] == LAST_SAMPLED:
                 item.input_ids = [_last_sampled(item.rid, req, item.start_pos)]
         sampled = [i for i, item in enumerate(plan.items) if item.sample]
-        if all(len(item.input_ids) == 1 for item in plan.items):
+        if len(plan.items) <= self.one_call_rows and all(len(item.input_ids) == 1 for item in plan.items):
             logits = self.backend.one_call_step(DecodeStep(
                 [item.input_ids[0] for item in plan.items], [item.start_pos for item in plan.items],
                 [r.row for r in reqs], sampled, self.page_table, self.kv_spec.page_size, self.pool), self._computing)

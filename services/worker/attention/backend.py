@@ -34,7 +34,7 @@ class Attached:
     """What a backend's attach did to the model (the worker's ready line says it)."""
 
     quantized_weights: int = 0  # weights that run on the checkpoint's quantized blocks in small steps
-    one_call_steps: bool = False  # small pure-decode steps run as one call (one_call_step)
+    one_call_rows: int = 0  # pure-decode steps of at most this many items run as one call (one_call_step)
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,8 @@ class AttentionBackend(Protocol):
 
     def one_call_step(self, step: DecodeStep, before_compute: Callable[[], None]) -> torch.Tensor | None:
         """The whole step in one call, KV written → float32 logits [len(step.sampled), V], calling
-        before_compute right before its compute; None when this backend has no such path or the
-        step is not one it takes (nothing done): the runner runs it op by op."""
+        before_compute right before its compute; None when it does not take the step (nothing
+        done): the runner runs it op by op. Only called for steps of at most attach's one_call_rows."""
 
     def prepare(self, layout: BatchLayout, pool: KVPool) -> None:
         """Build per-step index tensors once; every layer's `forward` reuses them."""

@@ -54,7 +54,7 @@ class CpuBackend:
         self.lead_priority = LeadPriority(config.lead_nice) if self.decode_stack else None
         if self.lead_cpu and self.decode_stack:
             model.decode_stack.set_helper_cpus(sorted(self.lead_cpu.others))
-        return Attached(self.quantized_weights, self.decode_stack)
+        return Attached(self.quantized_weights, model.decode_stack_rows if self.decode_stack else 0)
 
     def one_call_step(self, step: DecodeStep, before_compute: Callable[[], None]) -> torch.Tensor | None:
         """Steps of at most the stack's rows (the pool is in the model's dtype: the stack checks it)."""
