@@ -1,8 +1,8 @@
 """What generation hands back, one representation from the scheduler to the gateway.
 
 The scheduler emits a `RequestOutput` per request per step (token ids only); the
-in-process Engine and the detokenizer fill its `text`; the gateway reads the same
-type off the wire (services/gateway/backend.py), one per sequence `index`. The
+in-process Engine fills its `text`; in the mesh the chunk travels as protobuf and the
+gateway reads it back into the same type (services/gateway/backend.py), one per sequence `index`. The
 worker's packed per-step form of a sampled token's logprobs stays in the step
 contract (services/step/contract.SampledLogprobs); everything above it uses
 `TokenLogprob`.
