@@ -68,7 +68,8 @@ class GatewayProcess:
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: queue.Queue = queue.Queue()
         self.log: list[dict] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         listening = self.wait_log("listening")
         self.grpc_addr = f"127.0.0.1:{listening['port']}"
         self.url = listening["url"]
@@ -91,6 +92,13 @@ class GatewayProcess:
             if event.get("msg") == msg:
                 return event
         raise AssertionError(f"no {msg!r} log line; saw {self.log}")
+
+    def wait_exit(self, timeout: float) -> int:
+        """Wait for the process, then for its reader to reach EOF: the last log lines are in
+        `lines` only once the reader has read them, which can be after the process has exited."""
+        code = self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=10)
+        return code
 
     def health(self) -> str:
         with grpc.insecure_channel(self.grpc_addr) as ch:
@@ -180,7 +188,7 @@ def test_sigterm_cancels_requests_past_the_deadline(stub, streaming):
             time.sleep(0.5)
         t0 = time.monotonic()
         gw.proc.send_signal(signal.SIGTERM)
-        assert gw.proc.wait(timeout=15) == 0
+        assert gw.wait_exit(timeout=15) == 0
         assert time.monotonic() - t0 < 3  # drain deadline 1 s, then cancel: well within the launcher's grace
         assert any(e.get("msg") == "cancelling requests still running" for e in gw.log + _drain_queue(gw))
         assert stub.run(asyncio.wait_for(stub.stub.cancelled.wait(), 5)) is True  # the gRPC call was cancelled
