@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import fields
 
 from protos.radixmesh.v1 import common_pb2 as pb
+from services.common.grammar.constraint import Constraint
 from services.common.sampling_params import SamplingParams
 
 _REPEATED = ("stop_token_ids", "stop")
-_SCALARS = tuple(f.name for f in fields(SamplingParams) if f.name not in _REPEATED)
+_MESSAGES = ("constraint",)
+_SCALARS = tuple(f.name for f in fields(SamplingParams) if f.name not in _REPEATED + _MESSAGES)
 
 
 def sampling_to_proto(params: SamplingParams, *, unset_max_new_tokens: bool = False) -> pb.SamplingParams:
@@ -27,9 +29,11 @@ def sampling_to_proto(params: SamplingParams, *, unset_max_new_tokens: bool = Fa
     scalars = {name: getattr(params, name) for name in _SCALARS}
     if unset_max_new_tokens:
         del scalars["max_new_tokens"]
+    c = params.constraint
     return pb.SamplingParams(
         stop_token_ids=params.stop_token_ids,
         stop=params.stop,
+        constraint=None if c is None else pb.Constraint(kind=c.kind, spec=c.spec),
         **{name: value for name, value in scalars.items() if value is not None},
     )
 
@@ -37,4 +41,6 @@ def sampling_to_proto(params: SamplingParams, *, unset_max_new_tokens: bool = Fa
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Unset optionals keep the dataclass defaults; lists are copied."""
     present = {name: getattr(msg, name) for name in _SCALARS if msg.HasField(name)}
-    return SamplingParams(stop_token_ids=list(msg.stop_token_ids), stop=list(msg.stop), **present)
+    constraint = Constraint(msg.constraint.kind, msg.constraint.spec) if msg.HasField("constraint") else None
+    return SamplingParams(stop_token_ids=list(msg.stop_token_ids), stop=list(msg.stop), constraint=constraint,
+                          **present)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from services.common.grammar.constraint import Constraint
+
 
 class InvalidRequest(ValueError):
     """Bad user input. Transports map it to HTTP 400 / gRPC INVALID_ARGUMENT."""
@@ -26,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    constraint: Constraint | None = None  # structured output: masked in the worker (services/common/grammar)
 
     @property
     def is_greedy(self) -> bool:

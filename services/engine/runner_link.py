@@ -45,6 +45,10 @@ class RunnerLink:
     async def idle(self, wake: asyncio.Event) -> None:
         await wake.wait()
 
+    async def prepare_grammar(self, constraint) -> None:
+        """On the loop's default executor: the step thread goes on stepping meanwhile."""
+        await asyncio.get_running_loop().run_in_executor(None, self._runner.grammars.prepare, constraint)
+
     def close(self) -> None:
         """Drop the plans not started yet (one already running ends on its own)."""
         for queued in self._queued:

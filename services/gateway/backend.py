@@ -14,6 +14,7 @@ aborts the request in the mesh; callers use `contextlib.aclosing`.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -56,7 +57,8 @@ class GenerateCall:
     sampling: SamplingParams
     n: int = 1
     text: str | None = None
-    messages: list[dict] | None = None  # [{"role", "content", optional "name"}]
+    messages: list[dict] | None = None  # [{"role", "content", optional "name", "tool_calls", "tool_call_id"}]
+    tools: list[dict] | None = None  # OpenAI's function tools, for the chat template
     input_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -104,10 +106,18 @@ def generate_request(call: GenerateCall) -> tokenizer_pb2.GenerateTextRequest:
     if call.input_ids is not None:
         req.input_ids.ids.extend(call.input_ids)
     elif call.messages is not None:
-        req.conversation.messages.extend(tokenizer_pb2.ChatMessage(**m) for m in call.messages)
+        req.conversation.messages.extend(_chat_message(m) for m in call.messages)
+        if call.tools:
+            req.conversation.tools_json = json.dumps(call.tools)
     else:
         req.text = call.text or ""
     return req
+
+
+def _chat_message(m: dict) -> tokenizer_pb2.ChatMessage:
+    calls = m.get("tool_calls")
+    return tokenizer_pb2.ChatMessage(**{k: v for k, v in m.items() if k != "tool_calls"},
+                                     tool_calls_json=json.dumps(calls) if calls else "")
 
 
 def _event(rid: str, msg: common_pb2.GenerateResponse) -> Event:

@@ -19,6 +19,8 @@ from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.gateway import schemas
 from services.gateway.backend import GenerateCall, ModelInfo
 from services.gateway.errors import APIError, invalid
+from services.gateway.structured import constraint_of
+from services.gateway.tools import ToolPlan, plan_tools
 
 # Fields that exist in OpenAI's API but not here: the reason replaces the schema's message.
 _UNSUPPORTED = {
@@ -26,9 +28,6 @@ _UNSUPPORTED = {
     "best_of": "best_of is not supported: use n to get several completions",
     "logit_bias": "logit_bias is not supported",
     "suffix": "suffix is not supported",
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "response_format": "only response_format {\"type\": \"text\"} is supported (structured output comes later)",
 }
 MAX_SEQUENCES = 64  # prompts x n in one request
 
@@ -44,6 +43,7 @@ class ParsedRequest:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    tools: ToolPlan | None = None  # chat with tools: how the output becomes tool_calls
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -211,6 +211,7 @@ def parse_completion(body: dict, info: ModelInfo, served: Sequence[str], default
     fills = _fills_context(values, True)
     sp = _finish_sampling(_sampling(values, info, default_max_tokens, names, fill=True), info,
                           logprobs is not None, logprobs or 0)
+    sp.constraint = constraint_of(body)
     prompt = body["prompt"]
     if isinstance(prompt, str):
         prompts = [{"text": prompt}]
@@ -248,16 +249,31 @@ def parse_chat(body: dict, info: ModelInfo, served: Sequence[str], default_max_t
     values, names = _max_tokens_alias(body)
     fills = _fills_context(values, True)
     sp = _finish_sampling(_sampling(values, info, default_max_tokens, names, fill=True), info, logprobs, top)
-    messages = []
-    for m in body["messages"]:
-        content = m["content"] if isinstance(m["content"], str) else "\n".join(p["text"] for p in m["content"])
-        msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
-        if m.get("name") is not None:
-            msg["name"] = m["name"]
-        messages.append(msg)
+    tools = plan_tools(body)
+    sp.constraint = constraint_of(body)
+    if tools is not None and tools.mode != "auto" and sp.constraint is not None:
+        raise invalid(f"tool_choice {body['tool_choice']!r} constrains the output already: drop the other "
+                      "output constraint", param="tool_choice")
+    if tools is not None and sp.constraint is None:
+        sp.constraint = tools.constraint()
+    messages = [_chat_message(m) for m in body["messages"]]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    return ParsedRequest("chat", rid, model, _calls(rid, sp, n, [{"messages": messages}], body, default_max_tokens,
-                                                    fills), n, stream, include_usage, logprobs, top)
+    prompt = {"messages": messages, "tools": tools.tools if tools is not None else None}
+    return ParsedRequest("chat", rid, model, _calls(rid, sp, n, [prompt], body, default_max_tokens, fills), n,
+                         stream, include_usage, logprobs, top, tools)
+
+
+def _chat_message(m: dict) -> dict:
+    """A schema-checked message → the tokenizer's (content joined; null content, as an assistant
+    message with tool_calls may have, is empty)."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "\n".join(p["text"] for p in content)
+    msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
+    for key in ("name", "tool_call_id", "tool_calls"):
+        if m.get(key) is not None:
+            msg[key] = m[key]
+    return msg
 
 
 def parse_generate(body: dict, info: ModelInfo, served: Sequence[str], default_max_tokens: int | None = None
@@ -272,6 +288,7 @@ def parse_generate(body: dict, info: ModelInfo, served: Sequence[str], default_m
     sp = _sampling(values, info, default_max_tokens, names)
     logprobs, top = bool(body.get("return_logprob")), body.get("top_logprobs_num") or 0
     sp = _finish_sampling(sp, info, logprobs or top > 0, top)
+    sp.constraint = constraint_of(params, json_schema_field=True)
     if "input_ids" in body:
         _check_ids(body["input_ids"], info, "input_ids")
         prompt = {"input_ids": body["input_ids"]}

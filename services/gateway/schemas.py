@@ -87,6 +87,29 @@ OPENAI_SAMPLING = {
     "stream_options": {"type": ["object", "null"], "additionalProperties": False,
                        "properties": {"include_usage": BOOL}},
     "user": {"type": ["string", "null"]},
+    # Structured outputs beyond response_format (vLLM's and SGLang's extras): at most one constraint.
+    "regex": {"type": ["string", "null"], "minLength": 1, "description": "the output matches this regular expression"},
+    "ebnf": {"type": ["string", "null"], "minLength": 1, "description": "the output is a sentence of this EBNF "
+                                                                        "grammar (xgrammar's dialect, start rule root)"},
+    "choice": {"type": ["array", "null"], "items": {"type": "string", "minLength": 1}, "minItems": 1,
+               "maxItems": 1024, "description": "the output is exactly one of these strings"},
+    "structural_tag": {"type": ["object", "string", "null"],
+                       "description": "an xgrammar structural tag (JSON): free text with constrained tagged parts"},
+}
+
+_JSON_SCHEMA_FORMAT = {
+    "type": "object", "additionalProperties": False, "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 64},
+        "description": {"type": ["string", "null"]},
+        "schema": {"type": ["object", "null"], "description": "the JSON schema the output validates against"},
+        "strict": BOOL,
+    },
+}
+RESPONSE_FORMAT = {
+    "type": ["object", "null"], "additionalProperties": False, "required": ["type"],
+    "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": _JSON_SCHEMA_FORMAT},
+    "description": "text, any JSON object (json_object), or JSON that validates against json_schema.schema",
 }
 
 COMPLETION_REQUEST = {
@@ -104,18 +127,52 @@ COMPLETION_REQUEST = {
         "best_of": _int(1, 1, description="only 1 (use n for several completions)"),
         "logit_bias": {"type": ["object", "null"], "maxProperties": 0, "description": "not supported"},
         "suffix": {"type": "null", "description": "not supported"},
+        "response_format": RESPONSE_FORMAT,
     },
 }
 
 _TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
               "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
-CHAT_MESSAGE = {
-    "type": "object", "additionalProperties": False, "required": ["role", "content"],
+_TOOL_CALL = {
+    "type": "object", "additionalProperties": False, "required": ["id", "type", "function"],
     "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART, "maxItems": 64}]},
-        "name": {"type": ["string", "null"]},
+        "id": {"type": "string"},
+        "type": {"enum": ["function"]},
+        "function": {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                     "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}},
     },
+}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART, "maxItems": 64}]}
+_NAME = {"type": ["string", "null"]}
+CHAT_MESSAGE = {"anyOf": [
+    {"type": "object", "additionalProperties": False, "required": ["role", "content"],
+     "properties": {"role": {"enum": ["system", "developer", "user"]}, "content": _CONTENT, "name": _NAME}},
+    {"type": "object", "additionalProperties": False, "required": ["role"],
+     "description": "content may be null or left out when tool_calls is given",
+     "properties": {"role": {"enum": ["assistant"]}, "content": {"anyOf": [*_CONTENT["anyOf"], {"type": "null"}]},
+                    "name": _NAME, "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL, "maxItems": 64}}},
+    {"type": "object", "additionalProperties": False, "required": ["role", "content", "tool_call_id"],
+     "properties": {"role": {"enum": ["tool"]}, "content": _CONTENT, "tool_call_id": {"type": "string"},
+                    "name": _NAME}},
+]}
+
+TOOL = {
+    "type": "object", "additionalProperties": False, "required": ["type", "function"],
+    "properties": {
+        "type": {"enum": ["function"]},
+        "function": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 64},
+            "description": {"type": ["string", "null"]},
+            "parameters": {"type": ["object", "null"], "description": "a JSON schema of the arguments object"},
+            "strict": BOOL,
+        }},
+    },
+}
+_NAMED_TOOL_CHOICE = {
+    "type": "object", "additionalProperties": False, "required": ["type", "function"],
+    "properties": {"type": {"enum": ["function"]},
+                   "function": {"type": "object", "additionalProperties": False, "required": ["name"],
+                                "properties": {"name": {"type": "string"}}}},
 }
 
 CHAT_REQUEST = {
@@ -125,12 +182,12 @@ CHAT_REQUEST = {
         "messages": {"type": "array", "items": CHAT_MESSAGE, "minItems": 1, "maxItems": 1024},
         "logprobs": BOOL,
         "top_logprobs": _int(0, MAX_TOP_LOGPROBS, description="needs logprobs=true"),
-        "tools": {"type": ["array", "null"], "maxItems": 0, "description": "tool calling is not supported"},
-        "tool_choice": {"enum": ["none", None]},
+        "tools": {"type": ["array", "null"], "items": TOOL, "maxItems": 128},
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, _NAMED_TOOL_CHOICE],
+                        "description": "none, auto (default with tools), required (at least one call), or a "
+                                       "named function; required and named are constrained to the tool's schema"},
         "parallel_tool_calls": BOOL,
-        "response_format": {"type": ["object", "null"], "additionalProperties": False, "required": ["type"],
-                            "properties": {"type": {"enum": ["text"]}},
-                            "description": "only {\"type\": \"text\"} (structured output comes later)"},
+        "response_format": RESPONSE_FORMAT,
         "logit_bias": {"type": ["object", "null"], "maxProperties": 0, "description": "not supported"},
     },
 }
@@ -154,6 +211,12 @@ NATIVE_SAMPLING = {
         "skip_special_tokens": BOOL,
         "include_stop_str_in_output": BOOL,
         "n": _int(1, MAX_N),
+        "json_schema": {"type": ["string", "null"], "minLength": 1, "description": "the output validates against "
+                                                                                "this JSON schema (a JSON string)"},
+        "regex": OPENAI_SAMPLING["regex"],
+        "ebnf": OPENAI_SAMPLING["ebnf"],
+        "choice": OPENAI_SAMPLING["choice"],
+        "structural_tag": OPENAI_SAMPLING["structural_tag"],
     },
 }
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, TopToken
 from services.gateway.openai_protocol import ParsedRequest
+from services.gateway.tools import ToolCallStream, parse_output
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Collector:
         self.created = int(time.time())
         self.choices = [Choice() for _ in range(len(req.calls) * req.n)]
         self._usage = [_CallUsage() for _ in req.calls]
+        # chat with tools, streamed: each choice's text → delta.tool_calls
+        self.tool_streams = [ToolCallStream(req.tools) for _ in self.choices] if req.tools is not None else None
 
     def add(self, call_index: int, event: RequestOutput) -> int:
         """Record an event; returns its choice index."""
@@ -129,7 +132,13 @@ def stream_chunk(col: Collector, index: int, event: RequestOutput, first: bool) 
     if req.kind == "chat":
         obj = col._envelope("chat.completion.chunk")
         delta: dict = {"role": "assistant", "content": ""} if first else {}
-        if not is_finish and (event.text or not first):
+        if col.tool_streams is not None:
+            tools = col.tool_streams[index]
+            parts = tools.finish() if is_finish else tools.feed(event.text)
+            delta.update(merge_deltas(parts))
+            if not parts and not first and not is_finish and not event.logprobs:
+                return None
+        elif not is_finish and (event.text or not first):
             delta["content"] = event.text
         out["delta"] = delta
         out["logprobs"] = chat_logprobs(event.logprobs) if req.logprobs and not is_finish else None
@@ -137,13 +146,37 @@ def stream_chunk(col: Collector, index: int, event: RequestOutput, first: bool) 
         obj = col._envelope("text_completion")
         out["text"] = "" if is_finish else event.text
         out["logprobs"] = completion_logprobs(event.logprobs, choice) if req.logprobs and not is_finish else None
-    out["finish_reason"] = choice.finish_reason if is_finish else None
+    out["finish_reason"] = _finish_reason(col, index) if is_finish else None
     if is_finish:
         out["matched_stop"] = choice.matched_stop
     obj["choices"] = [out]
     if req.include_usage:
         obj["usage"] = None
     return obj
+
+
+def merge_deltas(parts: list[dict]) -> dict:
+    """Several deltas of one event as one: content joined, fragments of one tool call joined."""
+    delta: dict = {}
+    for part in parts:
+        if "content" in part:
+            delta["content"] = delta.get("content", "") + part["content"]
+        for call in part.get("tool_calls", []):
+            calls = delta.setdefault("tool_calls", [])
+            if calls and calls[-1]["index"] == call["index"]:
+                fn = calls[-1].setdefault("function", {})
+                fn["arguments"] = fn.get("arguments", "") + call["function"].get("arguments", "")
+            else:
+                calls.append({**call, "function": dict(call["function"])})
+    return delta
+
+
+def _finish_reason(col: Collector, index: int) -> FinishReason | str | None:
+    """A choice that called a tool and stopped on its own ends with "tool_calls" (OpenAI's reason)."""
+    reason = col.choices[index].finish_reason
+    if reason is FinishReason.STOP and col.tool_streams is not None and col.tool_streams[index].called:
+        return "tool_calls"
+    return reason
 
 
 def usage_chunk(col: Collector) -> dict:
@@ -165,10 +198,22 @@ def completion_response(col: Collector) -> dict:
 
 def chat_response(col: Collector) -> dict:
     return {**col._envelope("chat.completion"), "choices": [{
-        "index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
-        "logprobs": chat_logprobs(c.logprobs) if col.req.logprobs else None,
-        "finish_reason": c.finish_reason, "matched_stop": c.matched_stop,
+        "index": i, **_message(col, c),
+        "logprobs": chat_logprobs(c.logprobs) if col.req.logprobs else None, "matched_stop": c.matched_stop,
     } for i, c in enumerate(col.choices)], "usage": col.usage()}
+
+
+def _message(col: Collector, c: Choice) -> dict:
+    """The assistant message and finish_reason of a whole choice (tool calls parsed out of its text)."""
+    message: dict = {"role": "assistant", "content": c.text, "refusal": None}
+    reason = c.finish_reason
+    if col.req.tools is not None and reason is not FinishReason.ABORT:
+        content, calls = parse_output(col.req.tools, c.text)
+        if calls:
+            message["content"] = content
+            message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
+            reason = "tool_calls" if reason is FinishReason.STOP else reason
+    return {"message": message, "finish_reason": reason}
 
 
 def generate_object(col: Collector, index: int, meta: bool = True) -> dict:

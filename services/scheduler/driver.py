@@ -56,6 +56,7 @@ class StepDriver:
             raise ValueError(f"depth must be 1 or 2, got {depth}")
         self.hooks, self.core, self.link, self.depth = hooks, core, link, depth
         self.wake, self.busy_wait_s = wake, busy_wait_s
+        self._compiles: set[asyncio.Task] = set()  # grammar compiles in flight (services/scheduler/grammar_queue.py)
 
     async def run(self) -> None:
         """Drive until cancelled (or idle, without `wake`), recovering from failures."""
@@ -81,6 +82,10 @@ class StepDriver:
         last_read = time.monotonic()
         while True:
             hooks.between_steps(core)
+            for constraint in core.take_grammar_jobs():
+                task = asyncio.create_task(self._prepare_grammar(core, link, constraint))
+                self._compiles.add(task)
+                task.add_done_callback(self._compiles.discard)
             plan = core.schedule() if len(sent) < self.depth else None
             taken = core.take_outputs()
             hooks.emitted(taken, time.monotonic())
@@ -103,6 +108,21 @@ class StepDriver:
             sent.popleft()
             outputs = core.process(result)
             hooks.stepped(oldest, started, last_read, outputs)
+
+    async def _prepare_grammar(self, core: Scheduler, link: WorkerLink, constraint) -> None:
+        """Compile at the worker while the loop goes on; then release the requests waiting for it."""
+        error = None
+        try:
+            await link.prepare_grammar(constraint)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the request fails; the loop does not
+            error = f"grammar compilation failed: {exc}"
+            log.error("grammar compilation failed", extra={"key": constraint.key, "error": str(exc)})
+        if self.core is core:
+            core.grammar_prepared(constraint.key, error)
+            if self.wake is not None:
+                self.wake.set()
 
     async def _wait_for_work(self, core: Scheduler, link: WorkerLink) -> bool:
         """Nothing in flight: False when driving should end (idle, no `wake`)."""

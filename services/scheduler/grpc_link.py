@@ -15,7 +15,9 @@ from typing import Callable
 
 import grpc
 
-from protos.radixmesh.v1 import worker_pb2
+from protos.radixmesh.v1 import common_pb2, worker_pb2
+from services.common.grammar.constraint import Constraint
+from services.common.sampling_params import InvalidRequest
 from services.scheduler.worker_link import WorkerLost
 from services.step.contract import StepPlan, StepResult
 from services.step.convert import result_from_proto
@@ -25,8 +27,11 @@ log = logging.getLogger(__name__)
 
 class GrpcStepLink:
     def __init__(self, call, to_proto: Callable[[StepPlan], worker_pb2.StepPlan],
-                 bound_s: Callable[[StepPlan], float], stalled: Callable[[str | None], None]) -> None:
+                 bound_s: Callable[[StepPlan], float], stalled: Callable[[str | None], None],
+                 stub=None) -> None:
+        """call: the Step stream; stub: the WorkerStub, for the unary RPCs (PrepareGrammar)."""
         self._call, self._to_proto, self._bound_s, self._stalled = call, to_proto, bound_s, stalled
+        self._stub = stub
         self._reading: asyncio.Future | None = None  # a read left open while idle
 
     async def send(self, plan: StepPlan) -> None:
@@ -46,6 +51,14 @@ class GrpcStepLink:
         if msg is grpc.aio.EOF:
             raise WorkerLost("worker stream broke: the worker closed the step stream")
         return result_from_proto(msg)
+
+    async def prepare_grammar(self, constraint: Constraint) -> None:
+        try:
+            await self._stub.PrepareGrammar(common_pb2.Constraint(kind=constraint.kind, spec=constraint.spec))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequest(exc.details()) from None
+            raise RuntimeError(f"PrepareGrammar failed: {exc.code().name}: {exc.details()}") from None
 
     async def _watched(self, read: asyncio.Future, plan: StepPlan, started: float):
         """The read's message; while it is overdue the worker counts as stalled."""

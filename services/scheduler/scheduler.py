@@ -25,10 +25,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from services.common.grammar.backend import GrammarBackend, create_backend as create_grammar_backend
+from services.common.grammar.constraint import Constraint
 from services.common.hicache_config import HiCacheConfig
 from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, TopToken
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.grammar_queue import GrammarQueue
 from services.scheduler.hicache import PREFETCHING, HiCache, StoreProbe
 from services.scheduler.kv_manager import KVManager, new_radix_cache
 from services.scheduler.page_keys import PageKeys
@@ -82,6 +85,8 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self.new_token_ratio = config.init_new_token_ratio
         self._aborts: set[str] = set()
+        self.grammars = GrammarQueue(config.grammar_cache_size)
+        self._grammar_checker: GrammarBackend | None = None  # built on the first constraint (imports xgrammar)
         self._release: list[str] = []  # worker state to drop at the next step
         self._sent: deque[_SentStep] = deque()  # plans the worker has not answered yet, oldest first
         self._outputs: list[RequestOutput] = []
@@ -97,6 +102,10 @@ class Scheduler:
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {lim.vocab_size})")
         sampling.validate(lim.vocab_size)
+        if sampling.constraint is not None:
+            if self._grammar_checker is None:
+                self._grammar_checker = create_grammar_backend(self.config.grammar_backend)
+            self._grammar_checker.check(sampling.constraint)
         total = len(prompt_ids) + sampling.max_new_tokens
         if total > lim.context_length:
             raise InvalidRequest(
@@ -113,11 +122,31 @@ class Scheduler:
         if rid in self.running or any(r.rid == rid for r in self.waiting):
             raise InvalidRequest(f"request id {rid!r} is already in use")
         self.check_capacity(len(prompt_ids))
-        self.waiting.append(Request(rid, list(prompt_ids), sampling, seed, namespace))
+        req = Request(rid, list(prompt_ids), sampling, seed, namespace)
+        if sampling.constraint is not None and not self.grammars.is_ready(sampling.constraint):
+            self.grammars.hold(req)  # until the worker compiled its grammar: grammar_prepared()
+        else:
+            self.waiting.append(req)
+
+    def take_grammar_jobs(self) -> list[Constraint]:
+        """Constraints the worker should compile (each asked for once) before their requests are admitted."""
+        return self.grammars.take_jobs()
+
+    def grammar_prepared(self, key: str, error: str | None = None) -> None:
+        """The worker compiled grammar `key` (or failed: its requests end with `error`)."""
+        for req in self.grammars.prepared(key, error is None):
+            if error is None:
+                self.waiting.append(req)
+            else:
+                req.status = Status.FINISHED
+                self.stats.finished += 1
+                self._outputs.append(RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ERROR,
+                                                   prompt_tokens=len(req.prompt_ids), error=error))
 
     def check_capacity(self, prompt_len: int) -> None:
-        if len(self.waiting) >= self.config.max_queued_requests:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (limit {self.config.max_queued_requests})")
+        queued_requests = len(self.waiting) + len(self.grammars)
+        if queued_requests >= self.config.max_queued_requests:
+            raise QueueFull(f"{queued_requests} requests are waiting (limit {self.config.max_queued_requests})")
         queued = sum(r.seq_len for r in self.waiting)
         if queued + prompt_len > self.config.max_queued_tokens:
             raise QueueFull(f"{queued} prompt tokens are waiting (limit {self.config.max_queued_tokens})")
@@ -127,7 +156,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborts or self._release)
+        return bool(self.waiting or self.running or self._aborts or self._release or len(self.grammars))
 
     @property
     def steps_in_flight(self) -> int:
@@ -440,8 +469,9 @@ class Scheduler:
         if not self._aborts:
             return
         aborts, self._aborts = self._aborts, set()
-        for req in [r for r in self.waiting if r.rid in aborts]:
-            self.waiting.remove(req)
+        for req in self.grammars.remove(aborts) + [r for r in self.waiting if r.rid in aborts]:
+            if req in self.waiting:  # else it waited for its grammar
+                self.waiting.remove(req)
             req.status = Status.FINISHED
             self.stats.aborted += 1
             self._outputs.append(self._abort_output(req))

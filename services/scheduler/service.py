@@ -141,7 +141,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             carry_counters(self.core.stats, core.stats)
         self.core, self.info = core, info
         self.telemetry.connected(m.name)
-        self._link = GrpcStepLink(self._worker.Step(), self._plan_message, self.step_bound_s, self._set_stalled)
+        self._link = GrpcStepLink(self._worker.Step(), self._plan_message, self.step_bound_s, self._set_stalled,
+                                  self._worker)
         self.connected, self.stalled = True, None
         self.readiness.set(True)
         log.info("worker connected", extra={"worker": self.config.worker_addr, "model": m.name,

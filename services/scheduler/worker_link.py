@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from services.common.grammar.constraint import Constraint
 from services.step.contract import StepPlan, StepResult
 
 
@@ -30,6 +31,10 @@ class WorkerLink(Protocol):
     async def idle(self, wake: asyncio.Event) -> None:
         """Nothing is in flight: return once `wake` is set. Raises WorkerLost when the
         worker goes away meanwhile."""
+
+    async def prepare_grammar(self, constraint: Constraint) -> None:
+        """Have the worker compile `constraint`'s grammar, off its step thread (raises what
+        the compile raised: InvalidRequest for one that does not compile)."""
 
     def close(self) -> None:
         """Give up on the plans in flight (after a failure, or at shutdown)."""

@@ -13,6 +13,7 @@ the scheduler and detokenizer carry the trace (services/common/tracing.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -35,6 +36,7 @@ from services.common.request_limits import check_request_limits
 from services.common.sampling_params import InvalidRequest
 from services.tokenizer.pipeline import Pipeline, StageError
 from services.tokenizer.text_tokenizer import load_tokenizer
+from services.tokenizer.tool_prompt import inline_tools, template_takes_tools
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,26 @@ def messages_from_proto(conv: pb.Conversation) -> list[dict]:
         msg = {"role": m.role, "content": m.content}
         if m.HasField("name"):
             msg["name"] = m.name
+        if m.HasField("tool_call_id"):
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls_json:
+            msg["tool_calls"] = _json_list(m.tool_calls_json, "tool_calls_json")
         out.append(msg)
     return out
+
+
+def tools_from_proto(conv: pb.Conversation) -> list[dict] | None:
+    return _json_list(conv.tools_json, "tools_json") if conv.tools_json else None
+
+
+def _json_list(text: str, name: str) -> list:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidRequest(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name} must be a JSON list")
+    return value
 
 
 class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
@@ -152,14 +172,17 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         if which == "text":
             add = request.add_special_tokens if request.HasField("add_special_tokens") else True
             return await asyncio.to_thread(self.tokenizer.encode, request.text, add)
-        text = self._render(messages_from_proto(request.conversation), True)
+        text = self._render(messages_from_proto(request.conversation), True, tools_from_proto(request.conversation))
         return await asyncio.to_thread(self.tokenizer.encode, text, False)
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         if not messages:
             raise InvalidRequest("the conversation has no messages")
+        if tools and not template_takes_tools(self.tokenizer.chat_template):
+            messages, tools = inline_tools(messages, tools), None
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tools=tools)
         except (ValueError, jinja2.TemplateError) as e:  # no template, or the template rejects the input
             raise InvalidRequest(f"cannot apply the chat template: {e}") from e
 
@@ -171,7 +194,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                 texts = list(request.texts.texts)
             elif which == "conversations":
                 gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-                texts = [self._render(messages_from_proto(c), gen) for c in request.conversations.conversations]
+                texts = [self._render(messages_from_proto(c), gen, tools_from_proto(c))
+                         for c in request.conversations.conversations]
                 add = False  # the template wrote the special tokens
             else:
                 raise InvalidRequest("give texts or conversations")
@@ -184,7 +208,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                                 context: grpc.aio.ServicerContext) -> pb.ApplyChatTemplateResponse:
         gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         try:
-            prompts = [self._render(messages_from_proto(c), gen) for c in request.conversations]
+            prompts = [self._render(messages_from_proto(c), gen, tools_from_proto(c)) for c in request.conversations]
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.ApplyChatTemplateResponse(prompts=prompts)

@@ -52,6 +52,11 @@ class WorkerConfig:
                 "(negative: the mesh's other threads rarely preempt it, and a preempted step-team helper "
                 "costs about half as much as a preempted lead; needs CAP_SYS_NICE, else ignored with a "
                 "warning); 0: leave it"})
+    grammar_backend: str = field(default="xgrammar", metadata={
+        "help": "structured outputs: the grammar backend that compiles constraints and masks tokens "
+                "(services/common/grammar/backend.py)"})
+    grammar_cache_size: int = field(default=64, metadata={
+        "help": "compiled grammars kept (an LRU keyed by the constraint's canonical hash)"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
 
     def __post_init__(self) -> None:
@@ -68,6 +73,8 @@ class WorkerConfig:
             raise ValueError(f"--lead-nice must be in [-20, 0], got {self.lead_nice}")
         if self.step_team_spin_us < -1:
             raise ValueError(f"--step-team-spin-us must be >= -1, got {self.step_team_spin_us}")
+        if self.grammar_cache_size < 1:
+            raise ValueError(f"--grammar-cache-size must be >= 1, got {self.grammar_cache_size}")
         if self.quant_max_rows < 0:
             raise ValueError(f"--quant-max-rows must be >= 0, got {self.quant_max_rows}")
 

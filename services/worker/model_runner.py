@@ -14,11 +14,14 @@ from typing import Callable
 
 import torch
 
+from services.common.grammar.backend import Matcher, create_backend as create_grammar_backend
 from services.common.sampling_params import SamplingParams
 from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepPlan, StepResult
 from services.worker.attention.backend import DecodeStep, create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
+from services.worker.grammar_cache import GrammarCache
+from services.worker.grammar_vocab import grammar_vocab
 from services.worker.kv_pool import KVPool, KVPoolSpec
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
@@ -38,6 +41,7 @@ class _Request:
     sampling: SamplingParams
     seed: int
     num_pages: int = 0
+    matcher: Matcher | None = None  # its constraint's grammar state, advanced with every sampled token
 
 
 @dataclass
@@ -78,6 +82,9 @@ class ModelRunner:
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
         self.requests: dict[str, _Request] = {}
+        self.grammars = GrammarCache(lambda: create_grammar_backend(
+            config.grammar_backend, grammar_vocab(checkpoint.source, mc.vocab_size, list(mc.eos_token_ids))),
+            config.grammar_cache_size)
         log.info("worker ready: %s %s, %s, %s, %s%s, %d KV pages x %d tokens (%.2f GiB)", mc.name,
                  config.resolved_dtype, "prepacked linears" if self.prepacked else "plain linears",
                  f"file's quantized weights for steps of <= {config.quant_max_rows} tokens "
@@ -93,8 +100,12 @@ class ModelRunner:
         if not self.free_rows:
             raise RuntimeError(f"worker holds {self.config.max_requests} requests already "
                                "(scheduler's max_running_requests exceeds the worker's)")
-        self.requests[spec.rid] = _Request(self.free_rows.pop(), list(spec.prompt_ids),
-                                           list(spec.output_ids), spec.sampling, spec.seed)
+        req = self.requests[spec.rid] = _Request(self.free_rows.pop(), list(spec.prompt_ids),
+                                                 list(spec.output_ids), spec.sampling, spec.seed)
+        if spec.sampling.constraint is not None:
+            req.matcher = self.grammars.matcher(spec.sampling.constraint)
+            for token in req.output_ids:  # re-admitted after a retraction: replay what it generated
+                req.matcher.accept_token(token)
 
     def _release(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
@@ -136,9 +147,12 @@ class ModelRunner:
         if not sampled:
             return
         reqs = [self.requests[plan.items[i].rid] for i in sampled]
-        tokens, logprobs = run_sampler(logits, reqs, self.model_config.eos_token_ids)
+        grammar = self.grammars.backend if any(r.matcher is not None for r in reqs) else None
+        tokens, logprobs = run_sampler(logits, reqs, self.model_config.eos_token_ids, grammar, self.grammars.stats)
         for i, req, token, lp in zip(sampled, reqs, tokens, logprobs):
             req.output_ids.append(token)
+            if req.matcher is not None and not req.matcher.terminated and not req.matcher.accept_token(token):
+                log.warning("a sampled token broke its request's grammar", extra={"rid": plan.items[i].rid, "token": token})
             result.rids.append(plan.items[i].rid)
             result.next_token_ids.append(token)
             result.logprobs.append(lp)

@@ -16,6 +16,7 @@ batch mates, its row position or a shared generator's state.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -273,13 +274,15 @@ def _candidates(scaled: Tensor, batch: SamplingBatch,
 
 def sample(logits: Tensor, batch: SamplingBatch, prompt_tokens: Tensor | None = None,
            output_tokens: Tensor | None = None,
-           want_logprobs: list[int] | None = None) -> SampleOutput:
+           want_logprobs: list[int] | None = None,
+           apply_mask: Callable[[Tensor], None] | None = None) -> SampleOutput:
     """Pick the next token of every row. logits [B, V] float32 (left untouched).
 
     prompt_tokens [B, P] / output_tokens [B, O]: int64 histories padded with -1,
     read only when batch.any_penalties. want_logprobs[b]: -1 none, 0 the chosen
     token's logprob, k > 0 also the top k; when any row asks, every row gets them
-    (rows slice their own k) from log_softmax of the raw logits.
+    (rows slice their own k) from log_softmax of the raw logits. apply_mask: sets the tokens
+    a grammar forbids to -inf in a [B, V] tensor, after the penalties and suppression.
     """
     V = logits.shape[1]
     processed = logits
@@ -292,6 +295,10 @@ def sample(logits: Tensor, batch: SamplingBatch, prompt_tokens: Tensor | None = 
             processed = logits.clone()
         processed.index_put_((batch.suppress_rows, batch.suppress_cols),
                              torch.tensor(float("-inf"), device=logits.device))
+    if apply_mask is not None:
+        if processed is logits:
+            processed = logits.clone()
+        apply_mask(processed)
 
     if batch.all_greedy:
         next_ids = argmax_rows(processed)

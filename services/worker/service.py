@@ -33,11 +33,14 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
 
+from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import worker_pb2 as pb
 from protos.radixmesh.v1 import worker_pb2_grpc
 from services.common import metrics as m
 from services.common import tracing
+from services.common.grammar.constraint import Constraint
 from services.common.model_path import resolve_model_path
+from services.common.sampling_params import InvalidRequest
 from services.step.convert import plan_from_proto, result_to_proto
 from services.worker.config import WorkerConfig
 from services.worker.step_loop import StepLoop
@@ -63,9 +66,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._step_tokens = m.counter(r, "worker_tokens", "tokens run through the model (prefill + decode)")
         self._batch = m.histogram(r, "worker_batch_size", "requests per step", m.TOKEN_BUCKETS)
         self._model = "unknown"
+        self._compile_time = m.histogram(r, "worker_grammar_compile_seconds",
+                                         "compiling a constraint's grammar (cache misses)", m.LATENCY_BUCKETS)
+        self._grammar_executor = ThreadPoolExecutor(1, thread_name_prefix="worker-grammar")
         r.register(m.LiveCollector(lambda: self._model if self.info is not None else None, lambda: {
             "kv_pages_total": ("gauge", "KV pages in the pool", self.info.num_kv_pages),
-            "kv_page_size": ("gauge", "tokens per KV page", self.info.page_size)}))
+            "kv_page_size": ("gauge", "tokens per KV page", self.info.page_size),
+            **self._grammar_metrics()}))
 
     async def start(self) -> None:
         """Load the model on the step thread (health stays NOT_SERVING meanwhile)."""
@@ -102,6 +109,37 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.WorkerInfo:
         return self.info
+
+    async def PrepareGrammar(self, request: cpb.Constraint, context: grpc.aio.ServicerContext
+                             ) -> pb.PrepareGrammarResponse:
+        """Compile on the grammar thread (the step thread goes on); INVALID_ARGUMENT with the reason."""
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+        constraint = Constraint(request.kind, request.spec)
+        with tracing.tracer().start_as_current_span("grammar.compile", attributes={
+                "radixmesh.grammar.kind": constraint.kind, "radixmesh.grammar.key": constraint.key}) as span:
+            try:
+                cached, seconds = await asyncio.get_running_loop().run_in_executor(
+                    self._grammar_executor, self.runner.grammars.prepare, constraint)
+            except InvalidRequest as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            span.set_attributes({"radixmesh.grammar.cached": cached, "radixmesh.grammar.compile_seconds": seconds})
+        if not cached:
+            self._compile_time.labels(self._model).observe(seconds)
+        return pb.PrepareGrammarResponse(cached=cached, compile_seconds=seconds)
+
+    def _grammar_metrics(self) -> dict:
+        g = self.runner.grammars.stats if self.runner is not None else None
+        if g is None:
+            return {}
+        return {
+            "worker_grammar_cache_hits": ("counter", "constraints whose grammar was compiled already", g.hits),
+            "worker_grammar_cache_misses": ("counter", "constraints compiled", g.misses),
+            "worker_grammar_cache_entries": ("gauge", "compiled grammars cached", len(self.runner.grammars)),
+            "worker_grammar_masked_rows": ("counter", "sampled rows masked by a grammar", g.masked_rows),
+            "worker_grammar_jump_forward_tokens": ("counter", "tokens a grammar forced, appended without a model step",
+                                                   g.jump_forward_tokens),
+        }
 
     async def Step(self, request_iterator: AsyncIterator[pb.StepPlan],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
@@ -204,6 +242,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._grammar_executor.shutdown(wait=False, cancel_futures=True)
 
 
 class _Traced:

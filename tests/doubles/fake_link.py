@@ -35,6 +35,12 @@ class FakeLink:
     async def idle(self, wake: asyncio.Event) -> None:
         await wake.wait()
 
+    async def prepare_grammar(self, constraint) -> None:
+        """The worker's grammar cache, when the fake worker has one (else nothing to compile)."""
+        grammars = getattr(self.worker, "grammars", None)
+        if grammars is not None:
+            await asyncio.to_thread(grammars.prepare, constraint)
+
     def close(self) -> None:
         self.closed = True
         self.sent.clear()

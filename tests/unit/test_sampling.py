@@ -311,6 +311,7 @@ def test_run_sampler_takes_the_argmax_shortcut_only_when_nothing_else_applies() 
         prompt_ids: list = field(default_factory=lambda: [1, 2, 3])
         output_ids: list = field(default_factory=lambda: [4])
         seed: int = 7
+        matcher: object = None
 
     torch.manual_seed(0)
     logits = torch.randn(3, 50)

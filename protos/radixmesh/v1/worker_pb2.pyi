@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrepareGrammarResponse(_message.Message):
+    __slots__ = ("cached", "compile_seconds")
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    cached: bool
+    compile_seconds: float
+    def __init__(self, cached: _Optional[bool] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
+
 class NewRequestSpec(_message.Message):
     __slots__ = ("rid", "prompt_ids", "output_ids", "sampling", "seed", "traceparent")
     RID_FIELD_NUMBER: _ClassVar[int]

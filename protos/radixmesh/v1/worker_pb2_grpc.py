@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos.radixmesh.v1 import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 from protos.radixmesh.v1 import worker_pb2 as radixmesh_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -44,6 +45,11 @@ class WorkerStub:
                 request_serializer=radixmesh_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.PrepareGrammar = channel.unary_unary(
+                '/radixmesh.v1.Worker/PrepareGrammar',
+                request_serializer=radixmesh_dot_v1_dot_common__pb2.Constraint.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -62,6 +68,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGrammar(self, request, context):
+        """Compile a constraint's grammar into the worker's cache, off the step thread (the
+        scheduler's grammar queue asks before it admits the request). INVALID_ARGUMENT with the
+        grammar backend's reason when it does not compile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +89,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=radixmesh_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGrammar,
+                    request_deserializer=radixmesh_dot_v1_dot_common__pb2.Constraint.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_worker__pb2.PrepareGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +150,33 @@ class Worker:
             '/radixmesh.v1.Worker/GetInfo',
             radixmesh_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
             radixmesh_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Worker/PrepareGrammar',
+            radixmesh_dot_v1_dot_common__pb2.Constraint.SerializeToString,
+            radixmesh_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,
