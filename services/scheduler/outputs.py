@@ -23,6 +23,7 @@ class SchedulerStats:
     aborted: int = 0
     finished: int = 0
     steps: int = 0
+    jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a model step of their own
     schedule_seconds: float = 0.0  # the scheduler's own CPU time, summed
     # HiCache: the host tier (gauges) and the moves between tiers (counters).
     host_pages_total: int = 0

@@ -36,6 +36,10 @@ class Request:
     # Tokens sampled by steps sent but not processed yet (overlapped scheduling: the
     # next plan is built while the worker runs the last one): not in output_ids yet.
     unsampled: int = 0
+    # Jump-forward: the tokens the grammar forces after the last output token (the worker's draft,
+    # planned as a verify item), and whether the request is between a draft and its verify.
+    draft: list[int] = field(default_factory=list)
+    jumping: bool = False
     cached_tokens: int = 0  # prefix reused from the cache at (first) admission
     pages_changed: bool = True  # worker must receive the full page table next step
     sent_pages: int = 0  # pages the worker already has for this request

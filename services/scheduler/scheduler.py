@@ -214,6 +214,13 @@ class Scheduler:
         return StepItem(req.rid, req.tokens(start, n), start, list(new_pages), reset,
                         sample=start + n == req.seq_len)
 
+    def _verify_item(self, req: Request) -> StepItem:
+        """[last token, *draft]: the worker keeps what its masked sampling agrees with (jump-forward)."""
+        item = self._item(req, 1)
+        item.input_ids = item.input_ids + req.draft
+        item.verify, req.draft = True, []
+        return item
+
     @staticmethod
     def _commit(scheduled: list[Request], items: list[StepItem]) -> list[tuple[Request, int, bool]]:
         """Count a planned step as done: the next plan continues after it."""
@@ -233,20 +240,22 @@ class Scheduler:
         return n_out >= req.sampling.max_new_tokens or req.seq_len + req.unsampled >= self.limits.context_length
 
     def _schedule_decodes(self, items: list[StepItem], scheduled: list[Request]) -> None:
-        decoding = [r for r in self.running.values() if r.pending == 1 and not self._ends_in_flight(r)]
-        need = sum(max(self.kv.pages_for(r.computed + 1) - len(r.pages), 0) for r in decoding)
+        decoding = [r for r in self.running.values() if r.pending == 1 and not self._ends_in_flight(r)
+                    and not (r.jumping and r.unsampled)]  # a jump-forward waits for its step in flight
+        need = sum(max(self.kv.pages_for(r.computed + 1 + len(r.draft)) - len(r.pages), 0) for r in decoding)
         while need > self.kv.available_pages:
             victim = self._pick_victim()
             if victim is None:
                 break
             if victim in decoding:
                 decoding.remove(victim)
-                need -= max(self.kv.pages_for(victim.computed + 1) - len(victim.pages), 0)
+                need -= max(self.kv.pages_for(victim.computed + 1 + len(victim.draft)) - len(victim.pages), 0)
             self._retract(victim)
         for req in decoding:
-            if not self.kv.grow(req, req.computed + 1):  # cannot happen after the loop above
+            n = 1 + len(req.draft)
+            if not self.kv.grow(req, req.computed + n):  # cannot happen after the loop above
                 raise RuntimeError(f"KV accounting error: no page for decoding request {req.rid}")
-            items.append(self._item(req, 1))
+            items.append(self._item(req, 1) if not req.draft else self._verify_item(req))
             scheduled.append(req)
 
     def _pick_victim(self) -> Request | None:
@@ -386,36 +395,64 @@ class Scheduler:
             raise RuntimeError(f"result of step {result.step_id} arrived, step {plan.step_id} was expected")
         self.hicache.completed(plan.kv_copies, result.kv_transfers)
         self.hicache.observe_step(plan, result.forward_seconds, result.kv_transfers)
-        sampled = {rid: (tok, lp) for rid, tok, lp in
-                   zip(result.rids, result.next_token_ids, result.logprobs or [None] * len(result.rids))}
+        none = [None] * len(result.rids)
+        sampled = {rid: row for rid, *row in zip(result.rids, result.next_token_ids, result.logprobs or none,
+                                                 result.accepted or none, result.drafts or none)}
         now = time.monotonic()
-        for req, n, samples in sent.runs:
+        for (req, n, samples), item in zip(sent.runs, plan.items):
             if req.status is Status.FINISHED:  # ended while the step ran: its token is dropped
                 continue
             if samples:
                 if req.rid not in sampled:
                     raise RuntimeError(f"step {plan.step_id}: the worker sampled no token for {req.rid}")
-                self._take_token(req, *sampled[req.rid], now)
+                tok, lp, more, draft = sampled[req.rid]
+                tokens = [tok] + (more.ids if more is not None else [])
+                if item.verify and req.status is Status.RUNNING:
+                    req.computed -= n - len(tokens)  # the draft after the first disagreement has no valid KV
+                self._take_token(req, tokens, lp, now)
+                self._note_draft(req, draft.ids if draft is not None else [])
             if n > 1 and req.status is Status.RUNNING:
                 self.kv.cache_progress(req)
         self.stats.steps += 1
         self._refresh_gauges()
         return self.take_outputs()
 
-    def _take_token(self, req: Request, tok: int, lp, now: float) -> None:
-        """A sampled token: append it, stream it, and end the request if it says so. The request
-        may have been retracted since the step was planned: it keeps the token for its recompute."""
+    def _take_token(self, req: Request, tokens: list[int], lp, now: float) -> None:
+        """A row's tokens (one sampled; more from a verify item: jump-forward): append them, stream
+        them, and end the request if one says so. The request may have been retracted since the
+        step was planned: it keeps the tokens for its recompute."""
         req.unsampled -= 1
-        req.output_ids.append(tok)
+        taken, reason, matched = [], None, None
+        for tok in tokens:
+            req.output_ids.append(tok)
+            taken.append(tok)
+            reason, matched = self._finish_reason(req, tok)
+            if reason:
+                break
+        self.stats.jump_forward_tokens += len(taken) - 1
         if req.first_token_time is None:
             req.first_token_time = now
-        logprobs = [] if lp is None else [TokenLogprob(tok, lp.logprob, [TopToken(t, v) for t, v in lp.top])]
-        out = RequestOutput(req.rid, [tok], logprobs, prompt_tokens=len(req.prompt_ids),
+        logprobs = [] if lp is None else [TokenLogprob(tokens[0], lp.logprob, [TopToken(t, v) for t, v in lp.top])]
+        out = RequestOutput(req.rid, taken, logprobs, prompt_tokens=len(req.prompt_ids),
                             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
-        reason, matched = self._finish_reason(req, tok)
         if reason:
             self._finish(req, reason, matched, out)
         self._outputs.append(out)
+
+    def _more_in_flight(self, req: Request) -> bool:
+        """A step still in flight (after the one being processed) samples for req."""
+        return any(r is req and samples for step in self._sent for r, _, samples in step.runs)
+
+    def _note_draft(self, req: Request, draft: list[int]) -> None:
+        """Jump-forward: a draft is planned as a verify item once nothing is in flight for req
+        (overlapped scheduling: a step planned ahead is waited out, its own draft used instead)."""
+        if req.status is not Status.RUNNING:
+            req.draft, req.jumping = [], False
+            return
+        stale = self._more_in_flight(req)
+        room = min(req.remaining_new_tokens, self.limits.context_length - req.seq_len) - 1
+        req.draft = [] if stale else draft[:max(room, 0)]
+        req.jumping = bool(draft)
 
     def step_failed(self) -> StepPlan | None:
         """The oldest step in flight will never be answered (the worker failed it): undo

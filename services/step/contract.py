@@ -44,6 +44,10 @@ class StepItem:
     new_pages: list[int]
     reset_pages: bool = False
     sample: bool = True  # False for a prefill chunk that is not the prompt's last
+    # Jump-forward: input_ids[1:] is a draft, the tokens the request's grammar forces (from the
+    # worker's last StepResult.drafts); the worker samples at every position and keeps the
+    # longest prefix its own masked sampling agrees with, plus the token after it.
+    verify: bool = False
 
 
 # KV tiers: the worker's device pool, its host pool, and the shared kvstore.
@@ -95,8 +99,18 @@ class SampledLogprobs:
 
 
 @dataclass
+class TokenRun:
+    ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class StepResult:
-    """Sampled tokens for the items of the plan that had sample=True, in plan order."""
+    """Sampled tokens for the items of the plan that had sample=True, in plan order.
+
+    Jump-forward: `drafts[i]` holds the tokens row i's grammar forces after its last token (the
+    scheduler may plan them as a verify item); `accepted[i]`, for a verify item, the tokens
+    after next_token_ids[i] that it produced too (each as masked sampling would have picked it).
+    Both are parallel to rids, or empty when no row has any."""
 
     step_id: int
     rids: list[str] = field(default_factory=list)
@@ -104,3 +118,5 @@ class StepResult:
     logprobs: list[SampledLogprobs | None] = field(default_factory=list)
     forward_seconds: float = 0.0
     kv_transfers: list[KVTransferStat] = field(default_factory=list)  # one per plan.kv_copies entry
+    accepted: list[TokenRun] = field(default_factory=list)
+    drafts: list[TokenRun] = field(default_factory=list)

@@ -24,6 +24,7 @@ from services.step.contract import (
     StepItem,
     StepPlan,
     StepResult,
+    TokenRun,
     SampledLogprobs,
 )
 
@@ -49,6 +50,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 new_pages=it.new_pages,
                 reset_pages=it.reset_pages,
                 sample=None if it.sample else False,  # None leaves it unset (= True)
+                verify=it.verify,
             )
             for it in plan.items
         ],
@@ -79,6 +81,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
                 new_pages=list(it.new_pages),
                 reset_pages=it.reset_pages,
                 sample=it.sample if it.HasField("sample") else True,
+                verify=it.verify,
             )
             for it in msg.items
         ],
@@ -117,6 +120,8 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
         forward_seconds=result.forward_seconds,
         kv_transfers=[pb.KVTransferStat(pages=t.pages, bytes=t.bytes, seconds=t.seconds)
                       for t in result.kv_transfers],
+        accepted=[pb.TokenRun(ids=r.ids) for r in result.accepted],
+        drafts=[pb.TokenRun(ids=r.ids) for r in result.drafts],
     )
 
 
@@ -129,4 +134,6 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
         logprobs=[_logprobs_from_proto(slot) for slot in msg.logprobs],
         forward_seconds=msg.forward_seconds,
         kv_transfers=[KVTransferStat(t.pages, t.bytes, t.seconds) for t in msg.kv_transfers],
+        accepted=[TokenRun(list(r.ids)) for r in msg.accepted],
+        drafts=[TokenRun(list(r.ids)) for r in msg.drafts],
     )

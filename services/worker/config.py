@@ -55,6 +55,9 @@ class WorkerConfig:
     grammar_backend: str = field(default="xgrammar", metadata={
         "help": "structured outputs: the grammar backend that compiles constraints and masks tokens "
                 "(services/common/grammar/backend.py)"})
+    jump_forward: bool = field(default=True, metadata={
+        "help": "structured outputs: append the tokens a grammar forces without a model step of their own "
+                "(they run as an extend with the next step); not for requests asking for logprobs"})
     grammar_cache_size: int = field(default=64, metadata={
         "help": "compiled grammars kept (an LRU keyed by the constraint's canonical hash)"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})

@@ -16,12 +16,13 @@ import torch
 
 from services.common.grammar.backend import Matcher, create_backend as create_grammar_backend
 from services.common.sampling_params import SamplingParams
-from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepPlan, StepResult
+from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepPlan, StepResult, TokenRun
 from services.worker.attention.backend import DecodeStep, create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
 from services.worker.grammar_cache import GrammarCache
 from services.worker.grammar_vocab import grammar_vocab
+from services.worker.jump_forward import accepted, draft, verify_rows
 from services.worker.kv_pool import KVPool, KVPoolSpec
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
@@ -143,24 +144,56 @@ class ModelRunner:
         return result
 
     def _run_items(self, plan: StepPlan, result: StepResult) -> None:
-        logits, sampled = self.compute_logits(plan)
+        logits, sampled = self.compute_logits(plan)  # [R, V]: a row per sampled item, per position of a verify item
         if not sampled:
             return
-        reqs = [self.requests[plan.items[i].rid] for i in sampled]
-        grammar = self.grammars.backend if any(r.matcher is not None for r in reqs) else None
-        tokens, logprobs = run_sampler(logits, reqs, self.model_config.eos_token_ids, grammar, self.grammars.stats)
-        for i, req, token, lp in zip(sampled, reqs, tokens, logprobs):
-            req.output_ids.append(token)
-            if req.matcher is not None and not req.matcher.terminated and not req.matcher.accept_token(token):
-                log.warning("a sampled token broke its request's grammar", extra={"rid": plan.items[i].rid, "token": token})
-            result.rids.append(plan.items[i].rid)
-            result.next_token_ids.append(token)
-            result.logprobs.append(lp)
+        items = [plan.items[i] for i in sampled]
+        reqs = [self.requests[item.rid] for item in items]
+        rows, spans = [], []  # sampler rows; each item's slice of them
+        for req, item in zip(reqs, items):
+            start = len(rows)
+            if item.verify:
+                rows += verify_rows(req, item.input_ids[1:], self.grammars.backend)
+            else:
+                rows.append(req)
+            spans.append((start, len(rows)))
+        grammar = self.grammars.backend if any(r.matcher is not None for r in rows) else None
+        picked, logprobs = run_sampler(logits, rows, self.model_config.eos_token_ids, grammar, self.grammars.stats)
+        drafts: list[list[int]] = []
+        for req, item, (lo, hi) in zip(reqs, items, spans):
+            tokens = accepted(item.input_ids[1:], picked[lo:hi]) if item.verify else [picked[lo]]
+            drafts.append(self._take(req, item.rid, tokens))
+            result.rids.append(item.rid)
+            result.next_token_ids.append(tokens[0])
+            result.logprobs.append(logprobs[lo])
+            result.accepted.append(TokenRun(tokens[1:]))
+            self.grammars.stats.jump_forward_tokens += len(tokens) - 1
+        if not any(run.ids for run in result.accepted):
+            result.accepted = []
+        if any(drafts):
+            result.drafts = [TokenRun(d) for d in drafts]
+
+    def _take(self, req: _Request, rid: str, tokens: list[int]) -> list[int]:
+        """Append a row's tokens and advance its grammar over them → the draft its grammar forces
+        next (jump-forward; none for requests asking for logprobs: a draft's tokens get none)."""
+        req.output_ids += tokens
+        m = req.matcher
+        if m is None:
+            return []
+        for token in tokens:
+            if m.terminated or not m.accept_token(token):
+                if not m.terminated:
+                    log.warning("a sampled token broke its request's grammar", extra={"rid": rid, "token": token})
+                return []
+        if not self.config.jump_forward or req.sampling.logprobs or m.terminated:
+            return []
+        return draft(m, req.sampling.max_new_tokens - len(req.output_ids) - 1)
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
-        """Run the plan's items (KV written) → (logits [S, V] of the S sampled items,
-        their indices in plan.items). Requests must have been admitted."""
+        """Run the plan's items (KV written) → (logits [R, V] of the sampled items: one row each,
+        one per position for a verify item; their indices in plan.items). Requests must have
+        been admitted."""
         reqs = [self.requests[item.rid] for item in plan.items]
         for req, item in zip(reqs, plan.items):
             if item.new_pages or item.reset_pages:
@@ -185,6 +218,12 @@ class ModelRunner:
         input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)
         ends = torch.cumsum(layout.q_lens, 0) - 1
         logits_indices = ends[torch.tensor(sampled, dtype=torch.int64)]
+        if any(plan.items[i].verify for i in sampled):  # a verify item: every position's logits
+            wanted = []
+            for i, end in zip(sampled, logits_indices.tolist()):
+                n = len(plan.items[i].input_ids) if plan.items[i].verify else 1
+                wanted += range(end - n + 1, end + 1)
+            logits_indices = torch.tensor(wanted, dtype=torch.int64)
         meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
         self._computing()
         return self.model(input_ids, meta, logits_indices.to(self.device)), sampled

@@ -32,20 +32,22 @@ class NewRequestSpec(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class StepItem(_message.Message):
-    __slots__ = ("rid", "input_ids", "start_pos", "new_pages", "reset_pages", "sample")
+    __slots__ = ("rid", "input_ids", "start_pos", "new_pages", "reset_pages", "sample", "verify")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
     RESET_PAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
     new_pages: _containers.RepeatedScalarFieldContainer[int]
     reset_pages: bool
     sample: bool
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_pages: _Optional[_Iterable[int]] = ..., reset_pages: _Optional[bool] = ..., sample: _Optional[bool] = ...) -> None: ...
+    verify: bool
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_pages: _Optional[_Iterable[int]] = ..., reset_pages: _Optional[bool] = ..., sample: _Optional[bool] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class KVCopy(_message.Message):
     __slots__ = ("src_tier", "dst_tier", "src_pages", "dst_pages", "keys")
@@ -102,20 +104,30 @@ class LogprobSlot(_message.Message):
     def __init__(self, value: _Optional[_Union[SampledLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds", "kv_transfers")
+    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds", "kv_transfers", "accepted", "drafts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RIDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rids: _containers.RepeatedScalarFieldContainer[str]
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[LogprobSlot]
     forward_seconds: float
     kv_transfers: _containers.RepeatedCompositeFieldContainer[KVTransferStat]
-    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv_transfers: _Optional[_Iterable[_Union[KVTransferStat, _Mapping]]] = ...) -> None: ...
+    accepted: _containers.RepeatedCompositeFieldContainer[TokenRun]
+    drafts: _containers.RepeatedCompositeFieldContainer[TokenRun]
+    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv_transfers: _Optional[_Iterable[_Union[KVTransferStat, _Mapping]]] = ..., accepted: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ...) -> None: ...
+
+class TokenRun(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
