@@ -60,23 +60,36 @@ class GrammarCache:
     def prepare(self, c: Constraint) -> tuple[bool, float]:
         """Compile `c` unless cached → (was cached, compile seconds). Raises the backend's
         InvalidRequest for a constraint that does not compile."""
+        _, cached, seconds = self._get(c)
+        return cached, seconds
+
+    def matcher(self, c: Constraint) -> Matcher:
+        """A fresh matcher for `c` (compiling here only when the entry was evicted)."""
+        with self._lock:
+            present = c.key in self._entries
+        if not present:
+            self.stats.compiles_on_step_thread += 1
+            log.warning("grammar compiled on the step thread (evicted before admission)",
+                        extra={"key": c.key, "cache_size": self.max_entries})
+        compiled, _, _ = self._get(c)
+        return self.backend.matcher(compiled)
+
+    def _get(self, c: Constraint) -> tuple[Any, bool, float]:
+        """(compiled grammar, was cached, compile seconds); one compile per key at a time."""
         backend = self.backend
         key = c.key
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
-                return True, 0.0
+                return self._entries[key], True, 0.0
             pending = self._compiling.get(key)
-            if pending is None:
+            owner = pending is None
+            if owner:
                 self.stats.misses += 1
                 pending = self._compiling[key] = Future()
-                owner = True
-            else:
-                owner = False
         if not owner:
-            pending.result()  # raises the owner's error
-            return True, 0.0
+            return pending.result(), True, 0.0  # raises the owner's error
         t0 = time.perf_counter()
         try:
             compiled = backend.compile(c)
@@ -93,20 +106,4 @@ class GrammarCache:
             del self._compiling[key]
             self.stats.compile_seconds.append(seconds)
         pending.set_result(compiled)
-        return False, seconds
-
-    def matcher(self, c: Constraint) -> Matcher:
-        """A fresh matcher for `c` (compiling here only when the entry was evicted)."""
-        with self._lock:
-            compiled = self._entries.get(c.key)
-            if compiled is not None:
-                self._entries.move_to_end(c.key)
-                self.stats.hits += 1
-        if compiled is None:
-            self.stats.compiles_on_step_thread += 1
-            log.warning("grammar compiled on the step thread (evicted before admission)",
-                        extra={"key": c.key, "cache_size": self.max_entries})
-            self.prepare(c)
-            with self._lock:
-                compiled = self._entries[c.key]
-        return self.backend.matcher(compiled)
+        return compiled, False, seconds

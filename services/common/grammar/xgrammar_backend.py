@@ -89,6 +89,7 @@ class XGrammarBackend:
 
 def _build(c: Constraint) -> xgr.Grammar:
     if c.kind == JSON_SCHEMA:
+        _refuse_what_xgrammar_ignores(c.spec)
         return xgr.Grammar.from_json_schema(c.spec, any_whitespace=False, separators=_SEPARATORS, strict_mode=True)
     if c.kind == REGEX:
         return xgr.Grammar.from_regex(c.spec)
@@ -99,6 +100,30 @@ def _build(c: Constraint) -> xgr.Grammar:
     if c.kind == STRUCTURAL_TAG:
         return xgr.Grammar.from_structural_tag(c.spec)
     raise InvalidRequest(f"unknown constraint kind {c.kind!r}")
+
+
+def _refuse_what_xgrammar_ignores(spec: str) -> None:
+    """xgrammar 0.2.9 compiles a string with both `format` and a length bound but drops the
+    bound (it prints a warning to stderr): the output could then break the user's schema. Refuse."""
+    try:
+        schema = json.loads(spec)
+    except ValueError:
+        return  # xgrammar's own parse error says why
+
+    def walk(node, path: str) -> None:
+        if isinstance(node, dict):
+            bounded = isinstance(node.get("minLength"), int) or isinstance(node.get("maxLength"), int)
+            if isinstance(node.get("format"), str) and bounded:
+                raise InvalidRequest(f"invalid json_schema: {path or 'the schema'} combines format "
+                                     f"{node['format']!r} with minLength/maxLength, which xgrammar cannot "
+                                     "enforce together; use a pattern instead")
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else k)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+
+    walk(schema, "")
 
 
 def choice_ebnf(spec: str) -> str:
