@@ -10,12 +10,15 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.integration.mesh_harness import SMALL_MESH, Mesh
+from protos.radixmesh.v1 import common_pb2, tokenizer_pb2
+
+from tests.integration.mesh_harness import SMALL_MESH, Mesh, collect
 from tests.integration.otlp_receiver import Receiver
 from tests.integration.test_mesh_observability import scrape, total
 from tests.structured_cases import MAX_TOKENS, SCHEMA_CASES
@@ -194,3 +197,18 @@ def test_the_worker_reports_compiles_cache_hits_and_masked_rows(mesh, client, mo
         time.sleep(0.1)
     assert spans and {s.attributes["radixmesh.grammar.kind"] for s in spans} >= {"json_schema"}
     assert all(s.service == "radixmesh-worker" for s in spans)
+
+
+def test_grpc_clients_get_invalid_argument_and_constrained_output(mesh):
+    """The tokenizer's Generate, the gRPC door: the constraint travels in SamplingParams."""
+    bad = common_pb2.SamplingParams(max_new_tokens=8, constraint=common_pb2.Constraint(kind="regex", spec="a(b"))
+    with pytest.raises(grpc.RpcError) as err:
+        collect(mesh.tokenizer().Generate(tokenizer_pb2.GenerateTextRequest(text="x", sampling=bad), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "The parenthesis is not closed" in err.value.details()
+    good = common_pb2.SamplingParams(max_new_tokens=12, temperature=0.0,
+                                     constraint=common_pb2.Constraint(kind="regex", spec=r"[0-9]{4}"))
+    seqs = collect(mesh.tokenizer().Generate(
+        tokenizer_pb2.GenerateTextRequest(text="The year is", sampling=good), timeout=60))
+    seq = seqs[0]
+    assert re.fullmatch(r"[0-9]{4}", seq["text"]), seq
