@@ -60,14 +60,19 @@ def requests_for(concurrency: int) -> list[tuple[str, dict]]:
     return [cases[i % len(cases)] for i in range(n)]
 
 
-def run_workload(url: str, model: str, concurrency: int, constrained: bool) -> dict:
-    """All requests with `concurrency` in flight → tokens/s, validity, errors."""
-    jobs = requests_for(concurrency)
+def run_workload(url: str, model: str, concurrency: int, constrained: bool,
+                 lengths: list[int] | None = None) -> dict:
+    """All requests with `concurrency` in flight → tokens/s, validity, errors. `lengths`: each
+    request generates exactly that many tokens (ignore_eos): the free run matched to the
+    constrained run's output lengths, so per-request costs (prefill, HTTP) weigh the same."""
+    jobs = [(i, *job) for i, job in enumerate(requests_for(concurrency))]
 
     def one(job):
-        prompt, schema = job
+        i, prompt, schema = job
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
                 "temperature": 0}
+        if lengths is not None:
+            body.update(max_tokens=max(lengths[i], 1), ignore_eos=True)
         if constrained:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "out", "schema": schema, "strict": True}}
@@ -76,6 +81,8 @@ def run_workload(url: str, model: str, concurrency: int, constrained: bool) -> d
         except urllib.error.HTTPError as e:
             return 0, False, f"{e.code}: {e.read()[:200]!r}"
         text = out["choices"][0]["message"]["content"] or ""
+        if not constrained:
+            return out["usage"]["completion_tokens"], False, None
         try:
             jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
             valid = True
@@ -92,6 +99,7 @@ def run_workload(url: str, model: str, concurrency: int, constrained: bool) -> d
     errors = [r[2] for r in results if r[2]]
     return {"concurrency": concurrency, "constrained": constrained, "requests": len(jobs), "seconds": round(wall, 2),
             "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 2),
+            "lengths": [r[0] for r in results],
             "valid_rate": round(sum(r[1] for r in results) / len(results), 3), "errors": errors[:3],
             "error_count": len(errors)}
 
@@ -101,25 +109,34 @@ def radixmesh(args) -> dict:
     out = {"command": "radixmesh " + shlex.join(cmd[4:])}
     with peers.Server(cmd, None) as server:
         model = json.load(urllib.request.urlopen(server.url + "/v1/models"))["data"][0]["id"]
+        # Cold: every schema compiles on first use (28 distinct schemas, each used once at 1 client);
+        # then warm, as a service whose schemas repeat sees it: the grammars come from the cache.
+        out["c1_constrained_cold"] = run_workload(server.url, model, 1, True)
         for c in (1, 32):
-            for constrained in (False, True):
-                run = run_workload(server.url, model, c, constrained)
-                print(f"radixmesh c={c} constrained={constrained}: {run['output_tokens_per_s']} tok/s, "
-                      f"valid {run['valid_rate']}", file=sys.stderr, flush=True)
-                out[f"c{c}_{'constrained' if constrained else 'free'}"] = run
+            out[f"c{c}_constrained"] = con = run_workload(server.url, model, c, True)
+            out[f"c{c}_free"] = run_workload(server.url, model, c, False)
+            out[f"c{c}_free_same_lengths"] = run_workload(server.url, model, c, False, con["lengths"])
+            print(f"radixmesh c={c}: constrained {con['output_tokens_per_s']} tok/s (valid {con['valid_rate']}), "
+                  f"free {out[f'c{c}_free']['output_tokens_per_s']}, free at the same lengths "
+                  f"{out[f'c{c}_free_same_lengths']['output_tokens_per_s']}", file=sys.stderr, flush=True)
     return out
 
 
 def jump_forward_steps() -> dict:
-    """Model steps per output token, one request at a time, jump-forward off and on."""
+    """Model steps per output token and time, one request at a time: jump-forward off (the CPU
+    default), on over every forced run (min 1), and only over runs of 8 or more tokens."""
     from services.common.grammar.constraint import json_schema
     from services.common.sampling_params import SamplingParams
     from services.engine.engine import Engine
     from services.worker.config import WorkerConfig
     out = {}
-    for jf in (False, True):
-        engine = Engine(worker=WorkerConfig(jump_forward=jf))
+    for name, cfg in (("off", WorkerConfig(jump_forward=False)),
+                      ("on_min1", WorkerConfig(jump_forward=True, jump_forward_min_tokens=1)),
+                      ("on_min8", WorkerConfig(jump_forward=True, jump_forward_min_tokens=8))):
+        engine = Engine(worker=cfg)
         try:
+            engine.generate(messages=[{"role": "user", "content": "Hi"}], sampling=SamplingParams(
+                max_new_tokens=4, constraint=json_schema(LONG_KEYS)))  # compile and warm outside the timing
             steps0, tokens, t0 = engine.scheduler.stats.steps, 0, time.perf_counter()
             for who in CUSTOMERS:
                 res = engine.generate(messages=[{"role": "user", "content": f"Make a customer record: {who}."}],
@@ -127,7 +144,7 @@ def jump_forward_steps() -> dict:
                                                               constraint=json_schema(LONG_KEYS)))
                 tokens += len(res.token_ids)
             steps = engine.scheduler.stats.steps - steps0
-            out["on" if jf else "off"] = {"steps": steps, "output_tokens": tokens,
+            out[name] = {"steps": steps, "output_tokens": tokens,
                                          "steps_per_token": round(steps / tokens, 3),
                                          "seconds": round(time.perf_counter() - t0, 2),
                                          "forced_tokens": engine.scheduler.stats.jump_forward_tokens}
@@ -144,6 +161,7 @@ def llama(args, model_path: str) -> dict:
     cmd = peers.llama_server_command(binary, model_path, port, 32, 1024, args.threads, "on") + ["-kvu"]
     out = {"command": shlex.join(cmd)}
     with peers.Server(cmd, f"http://127.0.0.1:{port}") as server:
+        run_workload(server.url, "default", 32, True)  # warm, as for radixmesh
         for constrained in (False, True):
             run = run_workload(server.url, "default", 32, constrained)
             print(f"llama-server c=32 constrained={constrained}: {run['output_tokens_per_s']} tok/s, "
@@ -162,6 +180,7 @@ def vllm(args) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     out = {"command": shlex.join(cmd)}
     with peers.Server(cmd, f"http://127.0.0.1:{port}", ready_timeout_s=600) as server:
+        run_workload(server.url, "smollm2", 32, True)  # warm, as for radixmesh
         for constrained in (False, True):
             run = run_workload(server.url, "smollm2", 32, constrained)
             print(f"vLLM c=32 constrained={constrained}: {run['output_tokens_per_s']} tok/s, "
@@ -176,11 +195,18 @@ def ratio(a, b):
 
 def summary(res: dict) -> dict:
     rm, jf = res["radixmesh"], res["jump_forward"]
-    s = {f"radixmesh constrained/free tok/s at {c}": ratio(rm[f"c{c}_constrained"]["output_tokens_per_s"],
-                                                           rm[f"c{c}_free"]["output_tokens_per_s"]) for c in (1, 32)}
+    s = {}
+    for c in (1, 32):
+        con = rm[f"c{c}_constrained"]["output_tokens_per_s"]
+        s[f"radixmesh constrained/free tok/s at {c}, same lengths"] = ratio(
+            con, rm[f"c{c}_free_same_lengths"]["output_tokens_per_s"])
+        s[f"radixmesh constrained/free tok/s at {c}, free runs on"] = ratio(con, rm[f"c{c}_free"]["output_tokens_per_s"])
+    s["radixmesh constrained tok/s at 1, cold/warm grammar cache"] = ratio(
+        rm["c1_constrained_cold"]["output_tokens_per_s"], rm["c1_constrained"]["output_tokens_per_s"])
     s["radixmesh constrained valid rate"] = rm["c32_constrained"]["valid_rate"]
-    s["jump-forward steps per token on/off"] = ratio(jf["on"]["steps_per_token"], jf["off"]["steps_per_token"])
-    s["jump-forward wall on/off"] = ratio(jf["on"]["seconds"], jf["off"]["seconds"])
+    for name in [k for k in jf if k != "off"]:
+        s[f"jump-forward {name}/off steps per token"] = ratio(jf[name]["steps_per_token"], jf["off"]["steps_per_token"])
+        s[f"jump-forward {name}/off time"] = ratio(jf[name]["seconds"], jf["off"]["seconds"])
     for peer in ("llama-server", "vllm"):
         p = res.get(peer, {})
         if "c32_constrained" in p:

@@ -187,7 +187,8 @@ class ModelRunner:
                 return []
         if not self.config.jump_forward or req.sampling.logprobs or m.terminated:
             return []
-        return draft(m, req.sampling.max_new_tokens - len(req.output_ids) - 1)
+        forced = draft(m, req.sampling.max_new_tokens - len(req.output_ids) - 1)
+        return forced if len(forced) >= self.config.jump_forward_min_tokens else []
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:

@@ -85,6 +85,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 num_host_pages=t["host_pages"], page_bytes=t["page_bytes"], model_identity=t["model_identity"],
                 kv_layout=t["kv_layout"], kvstore_addr=self.hicache.kvstore_addr or ""))
         self._model = self.info.model.name
+        # The grammar backend (xgrammar, the vocabulary's bytes: ~2 s) is built now, off the step
+        # thread, so the first constrained request does not wait for it.
+        loop.run_in_executor(self._grammar_executor, self._warm_grammars)
 
     def _load(self):
         # torch is imported here, not at module level: `radixmesh serve` of the
@@ -127,6 +130,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if not cached:
             self._compile_time.labels(self._model).observe(seconds)
         return pb.PrepareGrammarResponse(cached=cached, compile_seconds=seconds)
+
+    def _warm_grammars(self) -> None:
+        try:
+            self.runner.grammars.backend
+        except Exception as e:  # e.g. weights without a tokenizer: constraints fail when asked for
+            log.warning("grammar backend unavailable", extra={"error": str(e)})
 
     def _grammar_metrics(self) -> dict:
         g = self.runner.grammars.stats if self.runner is not None else None
