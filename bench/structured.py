@@ -159,14 +159,19 @@ def llama(args, model_path: str) -> dict:
         return {"skipped": "llama-server is not built: run bench/peers.py once (it builds it)"}
     port = peers.free_port()
     cmd = peers.llama_server_command(binary, model_path, port, 32, 1024, args.threads, "on") + ["-kvu"]
-    out = {"command": shlex.join(cmd)}
     with peers.Server(cmd, f"http://127.0.0.1:{port}") as server:
-        run_workload(server.url, "default", 32, True)  # warm, as for radixmesh
-        for constrained in (False, True):
-            run = run_workload(server.url, "default", 32, constrained)
-            print(f"llama-server c=32 constrained={constrained}: {run['output_tokens_per_s']} tok/s, "
-                  f"valid {run['valid_rate']}, errors {run['error_count']}", file=sys.stderr, flush=True)
-            out[f"c32_{'constrained' if constrained else 'free'}"] = run
+        return peer_runs("llama-server", server, "default")
+
+
+def peer_runs(name: str, server: peers.Server, model: str) -> dict:
+    """A peer's free and constrained runs at 32 clients, after a warm-up pass (as for radixmesh)."""
+    out = {"command": shlex.join(server.cmd)}
+    run_workload(server.url, model, 32, True)
+    for constrained in (False, True):
+        run = run_workload(server.url, model, 32, constrained)
+        print(f"{name} c=32 constrained={constrained}: {run['output_tokens_per_s']} tok/s, "
+              f"valid {run['valid_rate']}, errors {run['error_count']}", file=sys.stderr, flush=True)
+        out[f"c32_{'constrained' if constrained else 'free'}"] = run
     return out
 
 
@@ -178,15 +183,8 @@ def vllm(args) -> dict:
            "--max-model-len", "4096", "--max-num-seqs", "64", "--enable-prefix-caching", "--served-model-name",
            "smollm2", "--port", str(port), "--host", "127.0.0.1"]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    out = {"command": shlex.join(cmd)}
     with peers.Server(cmd, f"http://127.0.0.1:{port}", ready_timeout_s=600) as server:
-        run_workload(server.url, "smollm2", 32, True)  # warm, as for radixmesh
-        for constrained in (False, True):
-            run = run_workload(server.url, "smollm2", 32, constrained)
-            print(f"vLLM c=32 constrained={constrained}: {run['output_tokens_per_s']} tok/s, "
-                  f"valid {run['valid_rate']}, errors {run['error_count']}", file=sys.stderr, flush=True)
-            out[f"c32_{'constrained' if constrained else 'free'}"] = run
-    return out
+        return peer_runs("vLLM", server, "smollm2")
 
 
 def ratio(a, b):

@@ -18,9 +18,9 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from protos.radixmesh.v1 import common_pb2, tokenizer_pb2
 
-from tests.integration.mesh_harness import SMALL_MESH, Mesh, collect
-from tests.integration.otlp_receiver import Receiver
-from tests.integration.test_mesh_observability import scrape, total
+from tests.integration.mesh_harness import collect
+# The observability module's mesh (gateway, --metrics-port 0, traces to an OTLP receiver), one per module.
+from tests.integration.test_mesh_observability import mesh, receiver, scrape, total  # noqa: F401
 from tests.structured_cases import MAX_TOKENS, SCHEMA_CASES
 
 pytestmark = pytest.mark.slow
@@ -35,28 +35,6 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "additionalProperties": False, "required": ["timezone"],
                    "properties": {"timezone": {"type": "string", "maxLength": 40}}}}}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris right now?"}]
-
-
-@pytest.fixture(scope="module")
-def receiver():
-    with Receiver() as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def mesh(receiver):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
-    m = Mesh(*SMALL_MESH, "--metrics-port", "0", gateway=True, env=env)
-    try:
-        m.wait_ready()
-        listening = {e["service"]: e for e in m.log if e.get("msg") == "listening"}
-        m.url = f"http://127.0.0.1:{listening['gateway']['http_port']}"
-        m.worker_metrics = f"http://127.0.0.1:{listening['worker']['metrics_port']}/metrics"
-        yield m
-        assert m.stop() == 0
-    finally:
-        m.kill_all()
 
 
 @pytest.fixture(scope="module")
@@ -180,11 +158,11 @@ def test_bad_constraints_are_400s_and_the_mesh_keeps_serving(client, model, kw, 
 def test_the_worker_reports_compiles_cache_hits_and_masked_rows(mesh, client, model, receiver):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     reordered = {"required": ["n"], "properties": {"n": {"type": "integer"}}, "type": "object"}
-    before = scrape(mesh.worker_metrics)
+    before = scrape(mesh.metrics_urls["worker"])
     for s in (schema, reordered):  # the same canonical schema: one compile
         chat_text(client, model, False, messages=[{"role": "user", "content": "Pick a number."}],
                   response_format=schema_format("n", s), max_tokens=12, temperature=0)
-    after = scrape(mesh.worker_metrics)
+    after = scrape(mesh.metrics_urls["worker"])
 
     def grew(name):
         return total(after, name) - total(before, name)
