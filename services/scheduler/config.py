@@ -22,10 +22,11 @@ class SchedulerConfig:
     init_new_token_ratio: float = field(default=0.7, metadata={"help": "share of max_new_tokens reserved per running request"})
     min_new_token_ratio: float = field(default=0.15, metadata={"help": "floor the reservation decays to"})
     new_token_ratio_decay: float = field(default=0.002, metadata={"help": "per-step decay of the reservation ratio"})
-    grammar_backend: str = field(default="xgrammar", metadata={
-        "help": "structured outputs: the backend that checks constraints (the worker's compiles them)"})
-    grammar_cache_size: int = field(default=64, metadata={
-        "help": "grammars remembered as compiled at the worker (match the worker's --grammar-cache-size)"})
+    grammar_checker: str = field(default="xgrammar", metadata={
+        "help": "structured outputs: the grammar backend that checks constraints here (the worker's "
+                "--grammar-backend compiles them)"})
+    grammars_remembered: int = field(default=64, metadata={
+        "help": "grammars remembered as compiled at the worker (as many as its --grammar-cache-size)"})
     disable_overlap_schedule: bool = field(default=False, metadata={
         "help": "plan each step only after the last one's result is back; by default the scheduler "
                 "(the service, and the in-process Engine) plans step n+1 while the worker runs step n"})

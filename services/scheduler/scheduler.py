@@ -85,7 +85,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self.new_token_ratio = config.init_new_token_ratio
         self._aborts: set[str] = set()
-        self.grammars = GrammarQueue(config.grammar_cache_size)
+        self.grammars = GrammarQueue(config.grammars_remembered)
         self._grammar_checker: GrammarBackend | None = None  # built on the first constraint (imports xgrammar)
         self._release: list[str] = []  # worker state to drop at the next step
         self._sent: deque[_SentStep] = deque()  # plans the worker has not answered yet, oldest first
@@ -104,7 +104,7 @@ class Scheduler:
         sampling.validate(lim.vocab_size)
         if sampling.constraint is not None:
             if self._grammar_checker is None:
-                self._grammar_checker = create_grammar_backend(self.config.grammar_backend)
+                self._grammar_checker = create_grammar_backend(self.config.grammar_checker)
             self._grammar_checker.check(sampling.constraint)
         total = len(prompt_ids) + sampling.max_new_tokens
         if total > lim.context_length:
