@@ -12,6 +12,7 @@ loads the default model by itself fails, saying so.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -67,6 +68,15 @@ def _fast_tests_load_no_model(request: pytest.FixtureRequest, monkeypatch: pytes
         return load(path)
 
     monkeypatch.setattr(gguf_loader, "load_gguf", guarded)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_garbage_between_modules():
+    """In-process engines keep their KV pools and weights in reference cycles (threads, event loops):
+    collect them as each module ends, or the slow lane's memory piles up module after module (the
+    suite was OOM-killed on 24 GiB)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,8 @@ extends, and only float32 makes logits independent of how tokens were batched), 
 and lockstep scheduling; and it saves model steps (a verify item carries the forced tokens)."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from services.common.grammar.constraint import EBNF, REGEX, Constraint, choice, json_schema
@@ -32,7 +34,8 @@ def cases() -> list[tuple[str, Constraint]]:
 
 def run_all(checkpoint, tokenizer, jump_forward: bool, overlap: bool) -> tuple[list[list[int]], int, int]:
     """(token ids per case and sampling, model steps, tokens that rode a verify item)."""
-    engine = Engine(worker=WorkerConfig(dtype="float32", jump_forward=jump_forward, kv_cache_bytes=1 << 30),
+    # One request at a time: a small pool is plenty (and four engines in one module stay light).
+    engine = Engine(worker=WorkerConfig(dtype="float32", jump_forward=jump_forward, kv_cache_bytes=64 << 20),
                     scheduler=SchedulerConfig(disable_overlap_schedule=not overlap), checkpoint=checkpoint,
                     tokenizer=tokenizer)
     try:
@@ -46,6 +49,8 @@ def run_all(checkpoint, tokenizer, jump_forward: bool, overlap: bool) -> tuple[l
         return ids, engine.scheduler.stats.steps, engine.scheduler.stats.jump_forward_tokens
     finally:
         engine.shutdown()
+        del engine
+        gc.collect()  # the engine's threads and loop form cycles: free its KV pool and weights now
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "lockstep"])

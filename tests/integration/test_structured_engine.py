@@ -6,6 +6,7 @@ the grammar cache shared by equal schemas, and masking that stays in its own row
 All the cases run as one batch (module fixture `outputs`), so the suite takes seconds, not minutes."""
 from __future__ import annotations
 
+import gc
 import json
 import re
 
@@ -31,10 +32,12 @@ FORMATS = jsonschema.FormatChecker()
 def engine(checkpoint, tokenizer):
     """float32, as the reference tests run: "auto" is bfloat16 on a CPU with fast bf16, where a batch's
     shape alone flips greedy near-ties, and test_masking_stays_in_its_row compares batched with alone."""
-    eng = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=1 << 30), checkpoint=checkpoint,
+    eng = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=512 << 20), checkpoint=checkpoint,
                  tokenizer=tokenizer)
     yield eng
     eng.shutdown()
+    del eng
+    gc.collect()  # free the KV pool and weights before the next module
 
 
 def chat(engine: Engine, prompt: str) -> list[int]:
