@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.grammar.constraint import STRUCTURAL_TAG, Constraint, json_schema
@@ -122,7 +122,6 @@ class ToolCallStream:
     _started: bool = False  # the first tool call's header was sent (named / required)
     _count: int = 0  # tool calls sent (auto)
     _held: str = ""  # required: the one character held back (the wrapper's closing brace)
-    deltas: list[dict] = field(default_factory=list)
 
     def feed(self, text: str) -> list[dict]:
         if self.plan.mode == "named":

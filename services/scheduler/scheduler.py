@@ -446,7 +446,7 @@ class Scheduler:
     def _note_draft(self, req: Request, draft: list[int]) -> None:
         """Jump-forward: a draft is planned as a verify item once nothing is in flight for req
         (overlapped scheduling: a step planned ahead is waited out, its own draft used instead)."""
-        if req.status is not Status.RUNNING:
+        if not draft or req.status is not Status.RUNNING:  # the common case: no scan of the steps in flight
             req.draft, req.jumping = [], False
             return
         stale = self._more_in_flight(req)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,7 +30,7 @@ class GrammarCacheStats:
     compiles_on_step_thread: int = 0
     masked_rows: int = 0  # sampled rows a grammar masked
     jump_forward_tokens: int = 0  # tokens appended without a model step
-    compile_seconds: list[float] = field(default_factory=list)  # drained by the metrics
+    compile_seconds: deque = field(default_factory=lambda: deque(maxlen=256))  # the latest compiles' times
 
 
 class GrammarCache:

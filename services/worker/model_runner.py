@@ -149,7 +149,30 @@ class ModelRunner:
             return
         items = [plan.items[i] for i in sampled]
         reqs = [self.requests[item.rid] for item in items]
-        rows, spans = [], []  # sampler rows; each item's slice of them
+        verifying = any(item.verify for item in items)  # jump-forward; the common step has one row per item
+        rows, spans = self._verify_rows(reqs, items) if verifying else (reqs, None)
+        grammar = self.grammars.backend if any(r.matcher is not None for r in rows) else None
+        picked, logprobs = run_sampler(logits, rows, self.model_config.eos_token_ids, grammar, self.grammars.stats)
+        if spans is None:
+            runs = [[token] for token in picked]
+        else:
+            runs = [accepted(item.input_ids[1:], picked[lo:hi]) if item.verify else [picked[lo]]
+                    for item, (lo, hi) in zip(items, spans)]
+            logprobs = [logprobs[lo] for lo, _ in spans]
+        drafts = [self._take(req, item.rid, run) for req, item, run in zip(reqs, items, runs)]
+        result.rids += [item.rid for item in items]
+        result.next_token_ids += [run[0] for run in runs]
+        result.logprobs += logprobs
+        if verifying:
+            result.accepted = [TokenRun(run[1:]) for run in runs]
+            self.grammars.stats.jump_forward_tokens += sum(len(run) - 1 for run in runs)
+        if any(drafts):
+            result.drafts = [TokenRun(d) for d in drafts]
+
+    def _verify_rows(self, reqs: list[_Request], items: list) -> tuple[list, list[tuple[int, int]]]:
+        """Sampler rows when a verify item is in the step: one per position of each verify item
+        (jump_forward.verify_rows), one per other item; and each item's slice of them."""
+        rows, spans = [], []
         for req, item in zip(reqs, items):
             start = len(rows)
             if item.verify:
@@ -157,21 +180,7 @@ class ModelRunner:
             else:
                 rows.append(req)
             spans.append((start, len(rows)))
-        grammar = self.grammars.backend if any(r.matcher is not None for r in rows) else None
-        picked, logprobs = run_sampler(logits, rows, self.model_config.eos_token_ids, grammar, self.grammars.stats)
-        drafts: list[list[int]] = []
-        for req, item, (lo, hi) in zip(reqs, items, spans):
-            tokens = accepted(item.input_ids[1:], picked[lo:hi]) if item.verify else [picked[lo]]
-            drafts.append(self._take(req, item.rid, tokens))
-            result.rids.append(item.rid)
-            result.next_token_ids.append(tokens[0])
-            result.logprobs.append(logprobs[lo])
-            result.accepted.append(TokenRun(tokens[1:]))
-            self.grammars.stats.jump_forward_tokens += len(tokens) - 1
-        if not any(run.ids for run in result.accepted):
-            result.accepted = []
-        if any(drafts):
-            result.drafts = [TokenRun(d) for d in drafts]
+        return rows, spans
 
     def _take(self, req: _Request, rid: str, tokens: list[int]) -> list[int]:
         """Append a row's tokens and advance its grammar over them → the draft its grammar forces
