@@ -1,7 +1,8 @@
 """Turns the runner's per-request state into the sampler's batched inputs."""
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -28,10 +29,10 @@ def run_sampler(logits: torch.Tensor, reqs: list[_SampledRequest], eos_token_ids
     suppressed = [_suppressed(r, eos_token_ids) for r in reqs]
     mask = _grammar_mask(reqs, grammar, stats)
     if not any(suppressed) and all(map(_plain_greedy, params)):  # the common case: skip the batch tensors
+        picked = argmax_rows(logits)  # [B]
         if mask is not None:
-            logits = logits.clone()
-            mask(logits)
-        return argmax_rows(logits).tolist(), [None] * len(reqs)
+            mask.repick_greedy(logits, picked)
+        return picked.tolist(), [None] * len(reqs)
     batch = SamplingBatch.build(
         params, [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
         suppressed, logits.shape[-1], logits.device)
@@ -40,15 +41,39 @@ def run_sampler(logits: torch.Tensor, reqs: list[_SampledRequest], eos_token_ids
         prompt_tokens = pad_token_lists([r.prompt_ids for r in reqs], logits.device)
         output_tokens = pad_token_lists([r.output_ids for r in reqs], logits.device)
     want = [p.top_logprobs if p.logprobs else -1 for p in params]
-    out = sample(logits, batch, prompt_tokens, output_tokens, want, mask)
+    out = sample(logits, batch, prompt_tokens, output_tokens, want, mask.apply if mask is not None else None)
     return out.next_token_ids.tolist(), token_logprobs(out, want)
 
 
-def _grammar_mask(reqs: list[_SampledRequest], grammar: GrammarBackend | None,
-                  stats) -> Callable[[torch.Tensor], None] | None:
-    """The grammar rows' bitmask, filled now (the matchers hold the state after the last token);
-    returns what applies it to a logits tensor [B, V] in place, or None when no row is constrained.
-    A matcher that accepted its stop token is left out (its request ends; the token is dropped)."""
+@dataclass
+class GrammarMask:
+    """The batch's grammar bitmask, filled for the constrained `rows` (the others allow all)."""
+    grammar: GrammarBackend
+    bitmask: Any  # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 set = token t allowed
+    rows: list[int]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """logits [B, V]: -inf where the constrained rows' grammars forbid, in place."""
+        self.grammar.apply_bitmask(logits, self.bitmask, self.rows)
+
+    def repick_greedy(self, logits: torch.Tensor, picked: torch.Tensor) -> None:
+        """picked [B]: the raw argmax of each row; the constrained rows whose argmax their grammar
+        forbids get the argmax of their masked logits instead, in place. A row whose raw argmax
+        is allowed needs no mask: masking only lowers other tokens. Only those rows are copied."""
+        rows = torch.tensor(self.rows, dtype=torch.int64)
+        tokens = picked[rows]
+        words = self.bitmask[rows, tokens >> 5]  # [R] int32
+        refused = rows[((words >> (tokens & 31)) & 1) == 0]
+        if refused.numel():
+            sub = logits[refused]  # [n, V], a copy
+            self.grammar.apply_bitmask(sub, self.bitmask[refused].contiguous(), list(range(len(refused))))
+            picked[refused] = argmax_rows(sub)
+
+
+def _grammar_mask(reqs: list[_SampledRequest], grammar: GrammarBackend | None, stats) -> GrammarMask | None:
+    """The grammar rows' bitmask, filled now (the matchers hold the state after the last token),
+    or None when no row is constrained. A matcher that accepted its stop token is left out (its
+    request ends; the token is dropped)."""
     rows = [b for b, r in enumerate(reqs) if r.matcher is not None and not r.matcher.terminated]
     if not rows or grammar is None:
         return None
@@ -57,7 +82,7 @@ def _grammar_mask(reqs: list[_SampledRequest], grammar: GrammarBackend | None,
         reqs[b].matcher.fill_bitmask(bitmask, b)
     if stats is not None:
         stats.masked_rows += len(rows)
-    return lambda logits: grammar.apply_bitmask(logits, bitmask, rows)
+    return GrammarMask(grammar, bitmask, rows)
 
 
 def _suppressed(req: _SampledRequest, eos_token_ids: tuple[int, ...]) -> list[int]:
