@@ -14,6 +14,7 @@ import torch
 import xgrammar as xgr
 
 from kernels import token_bitmask_cpu
+from kernels.triton import grammar_bitmask
 from services.common.grammar.backend import GrammarVocab
 from services.common.grammar.constraint import CHOICE, EBNF, JSON_SCHEMA, MAX_SPEC_CHARS, REGEX, STRUCTURAL_TAG, Constraint
 from services.common.sampling_params import InvalidRequest
@@ -73,6 +74,9 @@ class XGrammarBackend:
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         if logits.device.type == "cpu":  # ours: several times faster than xgrammar's CPU kernel
             token_bitmask_cpu.apply_token_bitmask_(logits, bitmask, rows)
+            return
+        if logits.is_cuda:  # ours, in Triton (kernels/triton/grammar_bitmask.py)
+            grammar_bitmask.apply_token_bitmask_(logits, bitmask.to(logits.device, non_blocking=True), rows)
             return
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
