@@ -60,14 +60,15 @@ class GrammarMask:
         """picked [B]: the raw argmax of each row; the constrained rows whose argmax their grammar
         forbids get the argmax of their masked logits instead, in place. A row whose raw argmax
         is allowed needs no mask: masking only lowers other tokens. Only those rows are copied."""
-        rows = torch.tensor(self.rows, dtype=torch.int64)
-        tokens = picked[rows]
+        rows = torch.tensor(self.rows, dtype=torch.int64)  # on the host, as the bitmask
+        tokens = picked.cpu()[rows]  # the step brings them to the host anyway
         words = self.bitmask[rows, tokens >> 5]  # [R] int32
         refused = rows[((words >> (tokens & 31)) & 1) == 0]
         if refused.numel():
-            sub = logits[refused]  # [n, V], a copy
+            on_device = refused.to(logits.device)
+            sub = logits[on_device]  # [n, V], a copy
             self.grammar.apply_bitmask(sub, self.bitmask[refused].contiguous(), list(range(len(refused))))
-            picked[refused] = argmax_rows(sub)
+            picked[on_device] = argmax_rows(sub)
 
 
 def _grammar_mask(reqs: list[_SampledRequest], grammar: GrammarBackend | None, stats) -> GrammarMask | None:
