@@ -36,7 +36,9 @@ from services.common.request_limits import check_request_limits
 from services.common.sampling_params import InvalidRequest
 from services.tokenizer.pipeline import Pipeline, StageError
 from services.tokenizer.text_tokenizer import load_tokenizer
-from services.tokenizer.tool_prompt import inline_tools, template_takes_tools
+from services.common.tool_formats.base import ToolFormat
+from services.common.tool_formats.registry import tool_format
+from services.tokenizer.tool_prompt import inline_tools, native_format, template_takes_tools
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,13 @@ def messages_from_proto(conv: pb.Conversation) -> list[dict]:
 
 def tools_from_proto(conv: pb.Conversation) -> list[dict] | None:
     return _json_list(conv.tools_json, "tools_json") if conv.tools_json else None
+
+
+def tool_format_from_proto(conv: pb.Conversation) -> ToolFormat:
+    try:
+        return tool_format(conv.tool_call_format)
+    except ValueError as e:
+        raise InvalidRequest(f"tool_call_format: {e}") from None
 
 
 def _json_list(text: str, name: str) -> list:
@@ -172,14 +181,15 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         if which == "text":
             add = request.add_special_tokens if request.HasField("add_special_tokens") else True
             return await asyncio.to_thread(self.tokenizer.encode, request.text, add)
-        text = self._render(messages_from_proto(request.conversation), True, tools_from_proto(request.conversation))
+        text = self._render(request.conversation, True)
         return await asyncio.to_thread(self.tokenizer.encode, text, False)
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    def _render(self, conv: pb.Conversation, add_generation_prompt: bool) -> str:
+        messages, tools = messages_from_proto(conv), tools_from_proto(conv)
         if not messages:
             raise InvalidRequest("the conversation has no messages")
         if tools and not template_takes_tools(self.tokenizer.chat_template):
-            messages, tools = inline_tools(messages, tools), None
+            messages, tools = inline_tools(messages, tools, tool_format_from_proto(conv)), None
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tools=tools)
@@ -194,8 +204,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                 texts = list(request.texts.texts)
             elif which == "conversations":
                 gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-                texts = [self._render(messages_from_proto(c), gen, tools_from_proto(c))
-                         for c in request.conversations.conversations]
+                texts = [self._render(c, gen) for c in request.conversations.conversations]
                 add = False  # the template wrote the special tokens
             else:
                 raise InvalidRequest("give texts or conversations")
@@ -208,7 +217,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                                 context: grpc.aio.ServicerContext) -> pb.ApplyChatTemplateResponse:
         gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         try:
-            prompts = [self._render(messages_from_proto(c), gen, tools_from_proto(c)) for c in request.conversations]
+            prompts = [self._render(c, gen) for c in request.conversations]
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.ApplyChatTemplateResponse(prompts=prompts)
@@ -216,7 +225,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         m, tok = self.model_info.model, self.tokenizer
         resp = pb.InfoResponse(model_name=m.name, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids,
-                               context_length=m.max_position_embeddings, has_chat_template=tok.chat_template is not None)
+                               context_length=m.max_position_embeddings,
+                               has_chat_template=tok.chat_template is not None,
+                               tool_call_format=native_format(tok.chat_template))
         if tok.bos_token_id is not None:
             resp.bos_token_id = tok.bos_token_id
         pad = tok.special_tokens.get("pad_token")

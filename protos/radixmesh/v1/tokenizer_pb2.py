@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.radixmesh.v1 import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v1/tokenizer.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\"\x8d\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\tB\x07\n\x05_nameB\x0f\n\r_tool_call_id\"O\n\x0c\x43onversation\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.radixmesh.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x1a\n\tTextBatch\x12\r\n\x05texts\x18\x01 \x03(\t\"F\n\x11\x43onversationBatch\x12\x31\n\rconversations\x18\x01 \x03(\x0b\x32\x1a.radixmesh.v1.Conversation\"\xf4\x01\n\x0fTokenizeRequest\x12(\n\x05texts\x18\x01 \x01(\x0b\x32\x17.radixmesh.v1.TextBatchH\x00\x12\x38\n\rconversations\x18\x02 \x01(\x0b\x32\x1f.radixmesh.v1.ConversationBatchH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x10TokenizeResponse\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.radixmesh.v1.TokenIds\"\x8b\x01\n\x18\x41pplyChatTemplateRequest\x12\x31\n\rconversations\x18\x01 \x03(\x0b\x32\x1a.radixmesh.v1.Conversation\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\",\n\x19\x41pplyChatTemplateResponse\x12\x0f\n\x07prompts\x18\x01 \x03(\t\"\r\n\x0bInfoRequest\"\xd8\x01\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\xcc\x03\n\x13GenerateTextRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x32\n\x0c\x63onversation\x18\x03 \x01(\x0b\x32\x1a.radixmesh.v1.ConversationH\x00\x12+\n\tinput_ids\x18\x04 \x01(\x0b\x32\x16.radixmesh.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x0e\n\x01n\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tnamespace\x18\x07 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x02\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x03\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12#\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x0b \x01(\rH\x04\x88\x01\x01\x42\x08\n\x06promptB\x04\n\x02_nB\x15\n\x13_add_special_tokensB\x16\n\x14_skip_special_tokensB\x19\n\x17_default_max_new_tokens\"\x0e\n\x0cReadyRequest\"N\n\x0bStageHealth\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"I\n\rReadyResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12)\n\x06stages\x18\x02 \x03(\x0b\x32\x19.radixmesh.v1.StageHealth\"\x10\n\x0eGetLoadRequest\"\xa9\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x01\x12\x18\n\x10\x63\x61\x63he_hit_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12\x63\x61\x63he_query_tokens\x18\x06 \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x07 \x01(\x01\x32\xd1\x03\n\tTokenizer\x12O\n\x08Generate\x12!.radixmesh.v1.GenerateTextRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12@\n\x05Ready\x12\x1a.radixmesh.v1.ReadyRequest\x1a\x1b.radixmesh.v1.ReadyResponse\x12I\n\x08Tokenize\x12\x1d.radixmesh.v1.TokenizeRequest\x1a\x1e.radixmesh.v1.TokenizeResponse\x12\x64\n\x11\x41pplyChatTemplate\x12&.radixmesh.v1.ApplyChatTemplateRequest\x1a\'.radixmesh.v1.ApplyChatTemplateResponse\x12=\n\x04Info\x12\x19.radixmesh.v1.InfoRequest\x1a\x1a.radixmesh.v1.InfoResponse\x12\x41\n\x07GetLoad\x12\x1c.radixmesh.v1.GetLoadRequest\x1a\x18.radixmesh.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v1/tokenizer.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\"\x8d\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\tB\x07\n\x05_nameB\x0f\n\r_tool_call_id\"i\n\x0c\x43onversation\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.radixmesh.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x18\n\x10tool_call_format\x18\x03 \x01(\t\"\x1a\n\tTextBatch\x12\r\n\x05texts\x18\x01 \x03(\t\"F\n\x11\x43onversationBatch\x12\x31\n\rconversations\x18\x01 \x03(\x0b\x32\x1a.radixmesh.v1.Conversation\"\xf4\x01\n\x0fTokenizeRequest\x12(\n\x05texts\x18\x01 \x01(\x0b\x32\x17.radixmesh.v1.TextBatchH\x00\x12\x38\n\rconversations\x18\x02 \x01(\x0b\x32\x1f.radixmesh.v1.ConversationBatchH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x10TokenizeResponse\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.radixmesh.v1.TokenIds\"\x8b\x01\n\x18\x41pplyChatTemplateRequest\x12\x31\n\rconversations\x18\x01 \x03(\x0b\x32\x1a.radixmesh.v1.Conversation\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\",\n\x19\x41pplyChatTemplateResponse\x12\x0f\n\x07prompts\x18\x01 \x03(\t\"\r\n\x0bInfoRequest\"\xf2\x01\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x18\n\x10tool_call_format\x18\x08 \x01(\tB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\xcc\x03\n\x13GenerateTextRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x32\n\x0c\x63onversation\x18\x03 \x01(\x0b\x32\x1a.radixmesh.v1.ConversationH\x00\x12+\n\tinput_ids\x18\x04 \x01(\x0b\x32\x16.radixmesh.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x0e\n\x01n\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tnamespace\x18\x07 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x02\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x03\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12#\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x0b \x01(\rH\x04\x88\x01\x01\x42\x08\n\x06promptB\x04\n\x02_nB\x15\n\x13_add_special_tokensB\x16\n\x14_skip_special_tokensB\x19\n\x17_default_max_new_tokens\"\x0e\n\x0cReadyRequest\"N\n\x0bStageHealth\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"I\n\rReadyResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12)\n\x06stages\x18\x02 \x03(\x0b\x32\x19.radixmesh.v1.StageHealth\"\x10\n\x0eGetLoadRequest\"\xa9\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x01\x12\x18\n\x10\x63\x61\x63he_hit_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12\x63\x61\x63he_query_tokens\x18\x06 \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x07 \x01(\x01\x32\xd1\x03\n\tTokenizer\x12O\n\x08Generate\x12!.radixmesh.v1.GenerateTextRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12@\n\x05Ready\x12\x1a.radixmesh.v1.ReadyRequest\x1a\x1b.radixmesh.v1.ReadyResponse\x12I\n\x08Tokenize\x12\x1d.radixmesh.v1.TokenizeRequest\x1a\x1e.radixmesh.v1.TokenizeResponse\x12\x64\n\x11\x41pplyChatTemplate\x12&.radixmesh.v1.ApplyChatTemplateRequest\x1a\'.radixmesh.v1.ApplyChatTemplateResponse\x12=\n\x04Info\x12\x19.radixmesh.v1.InfoRequest\x1a\x1a.radixmesh.v1.InfoResponse\x12\x41\n\x07GetLoad\x12\x1c.radixmesh.v1.GetLoadRequest\x1a\x18.radixmesh.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,37 +35,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=74
   _globals['_CHATMESSAGE']._serialized_end=215
   _globals['_CONVERSATION']._serialized_start=217
-  _globals['_CONVERSATION']._serialized_end=296
-  _globals['_TEXTBATCH']._serialized_start=298
-  _globals['_TEXTBATCH']._serialized_end=324
-  _globals['_CONVERSATIONBATCH']._serialized_start=326
-  _globals['_CONVERSATIONBATCH']._serialized_end=396
-  _globals['_TOKENIZEREQUEST']._serialized_start=399
-  _globals['_TOKENIZEREQUEST']._serialized_end=643
-  _globals['_TOKENIDS']._serialized_start=645
-  _globals['_TOKENIDS']._serialized_end=668
-  _globals['_TOKENIZERESPONSE']._serialized_start=670
-  _globals['_TOKENIZERESPONSE']._serialized_end=727
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=730
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=869
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=871
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=915
-  _globals['_INFOREQUEST']._serialized_start=917
-  _globals['_INFOREQUEST']._serialized_end=930
-  _globals['_INFORESPONSE']._serialized_start=933
-  _globals['_INFORESPONSE']._serialized_end=1149
-  _globals['_GENERATETEXTREQUEST']._serialized_start=1152
-  _globals['_GENERATETEXTREQUEST']._serialized_end=1612
-  _globals['_READYREQUEST']._serialized_start=1614
-  _globals['_READYREQUEST']._serialized_end=1628
-  _globals['_STAGEHEALTH']._serialized_start=1630
-  _globals['_STAGEHEALTH']._serialized_end=1708
-  _globals['_READYRESPONSE']._serialized_start=1710
-  _globals['_READYRESPONSE']._serialized_end=1783
-  _globals['_GETLOADREQUEST']._serialized_start=1785
-  _globals['_GETLOADREQUEST']._serialized_end=1801
-  _globals['_LOADREPORT']._serialized_start=1804
-  _globals['_LOADREPORT']._serialized_end=1973
-  _globals['_TOKENIZER']._serialized_start=1976
-  _globals['_TOKENIZER']._serialized_end=2441
+  _globals['_CONVERSATION']._serialized_end=322
+  _globals['_TEXTBATCH']._serialized_start=324
+  _globals['_TEXTBATCH']._serialized_end=350
+  _globals['_CONVERSATIONBATCH']._serialized_start=352
+  _globals['_CONVERSATIONBATCH']._serialized_end=422
+  _globals['_TOKENIZEREQUEST']._serialized_start=425
+  _globals['_TOKENIZEREQUEST']._serialized_end=669
+  _globals['_TOKENIDS']._serialized_start=671
+  _globals['_TOKENIDS']._serialized_end=694
+  _globals['_TOKENIZERESPONSE']._serialized_start=696
+  _globals['_TOKENIZERESPONSE']._serialized_end=753
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=756
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=895
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=897
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=941
+  _globals['_INFOREQUEST']._serialized_start=943
+  _globals['_INFOREQUEST']._serialized_end=956
+  _globals['_INFORESPONSE']._serialized_start=959
+  _globals['_INFORESPONSE']._serialized_end=1201
+  _globals['_GENERATETEXTREQUEST']._serialized_start=1204
+  _globals['_GENERATETEXTREQUEST']._serialized_end=1664
+  _globals['_READYREQUEST']._serialized_start=1666
+  _globals['_READYREQUEST']._serialized_end=1680
+  _globals['_STAGEHEALTH']._serialized_start=1682
+  _globals['_STAGEHEALTH']._serialized_end=1760
+  _globals['_READYRESPONSE']._serialized_start=1762
+  _globals['_READYRESPONSE']._serialized_end=1835
+  _globals['_GETLOADREQUEST']._serialized_start=1837
+  _globals['_GETLOADREQUEST']._serialized_end=1853
+  _globals['_LOADREPORT']._serialized_start=1856
+  _globals['_LOADREPORT']._serialized_end=2025
+  _globals['_TOKENIZER']._serialized_start=2028
+  _globals['_TOKENIZER']._serialized_end=2493
 # @@protoc_insertion_point(module_scope)
