@@ -48,6 +48,7 @@ class ModelInfo:
     context_length: int
     eos_token_ids: tuple[int, ...] = ()
     has_chat_template: bool = True
+    tool_call_format: str = "hermes"  # tool_choice auto's format: the template's, or --tool-call-parser's
 
 
 @dataclass
@@ -59,6 +60,7 @@ class GenerateCall:
     text: str | None = None
     messages: list[dict] | None = None  # [{"role", "content", optional "name", "tool_calls", "tool_call_id"}]
     tools: list[dict] | None = None  # OpenAI's function tools, for the chat template
+    tool_call_format: str = ""  # with tools: the format to describe when the template takes no tools
     input_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -109,6 +111,7 @@ def generate_request(call: GenerateCall) -> tokenizer_pb2.GenerateTextRequest:
         req.conversation.messages.extend(_chat_message(m) for m in call.messages)
         if call.tools:
             req.conversation.tools_json = json.dumps(call.tools)
+            req.conversation.tool_call_format = call.tool_call_format
     else:
         req.text = call.text or ""
     return req
@@ -152,7 +155,7 @@ class GrpcBackend:
         except grpc.aio.AioRpcError as e:
             raise _rpc_error(e) from None
         return ModelInfo(r.model_name, r.vocab_size, r.context_length, tuple(r.eos_token_ids),
-                         r.has_chat_template)
+                         r.has_chat_template, r.tool_call_format)
 
     async def not_ready(self) -> str | None:
         """grpc health of the tokenizer must be SERVING, and its Ready (the

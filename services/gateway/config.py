@@ -5,8 +5,10 @@ from dataclasses import dataclass, field
 
 from services.common.config import CommonConfig
 from services.common.server import MAX_MESSAGE_BYTES
+from services.common.tool_formats.registry import DEFAULT, FORMATS
 
 DEFAULT_LISTEN = "127.0.0.1:50050"  # gRPC health; docs/mesh.md lists every service's default port
+TOOL_CALL_PARSERS = ("auto", *FORMATS)
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,18 @@ class GatewayConfig:
         "help": "seconds between backend checks (grpc health SERVING and Info) behind /ready"})
     retry_after_s: int = field(default=1, metadata={
         "help": "Retry-After seconds sent with 503 (queue full, backend unavailable)"})
+    tool_call_parser: str = field(default="auto", metadata={
+        "help": "the format tool calls are constrained and parsed in with tool_choice auto; auto = the one the "
+                "model's chat template writes, as the tokenizer detects it (hermes for a template without tools, "
+                "which then gets the chosen format described in its system message)",
+        "choices": TOOL_CALL_PARSERS})
+
+    def tool_format(self, reported: str) -> str:
+        """The tool-call format requests get: --tool-call-parser, or with auto `reported` (the
+        template's, from the tokenizer's Info; one this gateway does not know counts as the default)."""
+        if self.tool_call_parser != "auto":
+            return self.tool_call_parser
+        return reported if reported in FORMATS else DEFAULT
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -57,5 +71,8 @@ class GatewayConfig:
             raise ValueError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
         if self.ready_interval_s <= 0:
             raise ValueError(f"--ready-interval-s must be > 0, got {self.ready_interval_s}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.retry_after_s < 0:
             raise ValueError(f"--retry-after-s must be >= 0, got {self.retry_after_s}")

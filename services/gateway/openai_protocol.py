@@ -249,7 +249,7 @@ def parse_chat(body: dict, info: ModelInfo, served: Sequence[str], default_max_t
     values, names = _max_tokens_alias(body)
     fills = _fills_context(values, True)
     sp = _finish_sampling(_sampling(values, info, default_max_tokens, names, fill=True), info, logprobs, top)
-    tools = plan_tools(body)
+    tools = plan_tools(body, info.tool_call_format)
     sp.constraint = constraint_of(body)
     if tools is not None and tools.mode != "auto" and sp.constraint is not None:
         raise invalid(f"tool_choice {body['tool_choice']!r} constrains the output already: drop the other "
@@ -258,7 +258,8 @@ def parse_chat(body: dict, info: ModelInfo, served: Sequence[str], default_max_t
         sp.constraint = tools.constraint()
     messages = [_chat_message(m) for m in body["messages"]]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    prompt = {"messages": messages, "tools": tools.tools if tools is not None else None}
+    prompt = {"messages": messages, "tools": tools.tools if tools is not None else None,
+              "tool_call_format": tools.format.name if tools is not None else ""}
     return ParsedRequest("chat", rid, model, _calls(rid, sp, n, [prompt], body, default_max_tokens, fills), n,
                          stream, include_usage, logprobs, top, tools)
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
@@ -55,7 +55,8 @@ class GatewayState:
             reason = await self.backend.not_ready() or ""
             if not reason:
                 try:
-                    self.info = await self.backend.info()
+                    info = await self.backend.info()
+                    self.info = replace(info, tool_call_format=self.config.tool_format(info.tool_call_format))
                 except BackendError as e:
                     reason = f"the backend's Info failed: {e.message or e.code}"
             if self.draining:
