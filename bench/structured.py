@@ -12,6 +12,7 @@ how radixmesh's constrained serving compares with llama-server's and vLLM's, in 
    on the same constrained workload at 32 concurrent: tokens/s and validity.
 
     .venv/bin/python bench/structured.py [--skip-llama] [--vllm-venv DIR --vllm-model HF_DIR]
+(llama-server is built by bench/peers.py on its first run; vLLM is set up by bench/setup_vllm.sh.)
 Prints the ratios and writes bench/results/structured-<date>.json.
 """
 from __future__ import annotations
