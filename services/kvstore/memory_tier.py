@@ -13,7 +13,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Page:
     payload: bytes
-    crc: int  # crc32 of payload, computed once at put and carried to disk
+    crc: int  # page_file.checksum(key, payload), computed once at put, checked on get, carried to disk
 
 
 class MemoryTier:
@@ -39,6 +39,14 @@ class MemoryTier:
         if page is not None:
             self._pages.move_to_end(key)
         return page
+
+    def discard(self, key: bytes, page: Page) -> bool:
+        """Remove `key` if it still holds this very page (not a newer one put meanwhile)."""
+        if self._pages.get(key) is not page:
+            return False
+        del self._pages[key]
+        self.bytes_used -= len(page.payload)
+        return True
 
     def put(self, key: bytes, page: Page) -> list[tuple[bytes, Page]]:
         """Insert (or refresh) `key`; returns the pages evicted to stay within

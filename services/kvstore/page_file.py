@@ -2,19 +2,21 @@
 
     offset size  field
     0      4     magic b"RMKV"
-    4      2     format version (uint16 LE) = 1
+    4      2     format version (uint16 LE) = 2
     6      2     key length (uint16 LE) = K
     8      8     payload length (uint64 LE) = N
-    16     4     crc32 of the payload (uint32 LE)
+    16     4     crc32 of the key then the payload (uint32 LE; `checksum`)
     20     4     crc32 of bytes 0..19 (the header itself)
     24     K     the page key
     24+K   N     the payload (opaque bytes: the client's serialized page)
 
 A file whose header is malformed, whose size is not 24 + K + N, whose key is
-not the one its name says, or whose payload does not match its crc32 is
-corrupt: `read_page` returns None and the caller deletes it. crc32 (zlib, about
-1 GB/s) detects flipped bits and truncation; it is not a defence against an
-attacker who can write the directory.
+not the one its name says, or whose key and payload do not match the crc32 is
+corrupt: `read_page` returns None and the caller deletes it. The crc covers the
+key as well as the payload, so a page's bytes filed under another key fail it
+too. crc32 (zlib, about 1 GB/s) detects flipped bits and truncation; it is not a
+defence against an attacker who can write the directory. Version 1 files (a crc
+of the payload alone) read as corrupt and are removed at start.
 
 Files are written to `<name>.<pid>.<thread>.tmp` and renamed into place, so a crash mid-write
 leaves a temp file (removed at the next start), never a half page under a page
@@ -30,7 +32,7 @@ import zlib
 from pathlib import Path
 
 MAGIC = b"RMKV"
-VERSION = 1
+VERSION = 2  # 2: the crc covers key ‖ payload (1: the payload alone)
 _HEADER = struct.Struct("<4sHHQI")  # magic, version, key length, payload length, payload crc32
 _HEADER_CRC = struct.Struct("<I")
 HEADER_BYTES = _HEADER.size + _HEADER_CRC.size  # 24
@@ -38,8 +40,9 @@ SUFFIX = ".page"
 TMP_SUFFIX = ".tmp"
 
 
-def checksum(payload: bytes | memoryview) -> int:
-    return zlib.crc32(payload)
+def checksum(key: bytes, payload: bytes | memoryview) -> int:
+    """crc32 of key ‖ payload: the page's bytes bound to the key they are stored under."""
+    return zlib.crc32(payload, zlib.crc32(key))
 
 
 def page_path(root: Path, key: bytes) -> Path:
@@ -113,7 +116,7 @@ def scan_page(path: Path) -> int | None:
 
 
 def read_page(path: Path, key: bytes) -> tuple[bytes, int] | None:
-    """(payload, crc32) of a page file, or None when it is corrupt or truncated.
+    """(payload, checksum) of a page file, or None when it is corrupt or truncated.
 
     Raises FileNotFoundError when there is no file (the caller's miss, not corruption).
     """
@@ -128,6 +131,6 @@ def read_page(path: Path, key: bytes) -> tuple[bytes, int] | None:
         if os.fstat(f.fileno()).st_size != HEADER_BYTES + key_len + payload_len:  # truncated or extended
             return None
         payload = f.read(payload_len)
-    if len(payload) != payload_len or checksum(payload) != crc:
+    if len(payload) != payload_len or checksum(key, payload) != crc:
         return None
     return payload, crc

@@ -15,11 +15,18 @@ one lock guards the memory tier; the disk tier has its own, and disk I/O never
 runs under the store's lock. A page is in flight between the tiers for the
 duration of its spill write; a get in that window misses (it is a cache).
 
+Integrity: every page carries a crc32 over its key and payload, computed once
+at put; memory hits are checked against it (outside the lock), disk reads check
+the file's copy. A page that fails is never served: it is dropped from that
+tier, counted in `Stats.corrupt`, logged, and reads as a miss, so the caller
+recomputes it.
+
 Keys are expected to be page_hash chain keys (so a chain's pages are stored
 and looked up in order); the store only requires 1..255 bytes.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +35,8 @@ from typing import Iterable, Sequence
 from services.kvstore.disk_tier import DiskTier
 from services.kvstore.memory_tier import MemoryTier, Page
 from services.kvstore.page_file import checksum
+
+log = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 255
 
@@ -69,7 +78,7 @@ class Stats:
     spilled: int = 0          # memory evictions written to disk
     dropped: int = 0          # memory evictions with no disk tier to go to
     disk_evicted: int = 0     # pages deleted to keep the disk budget
-    corrupt: int = 0          # corrupt or truncated pages found and deleted
+    corrupt: int = 0          # pages that failed their checksum (either tier) or a file check, deleted
 
 
 class KVStore:
@@ -92,7 +101,7 @@ class KVStore:
             if present or (self.disk is not None and key in self.disk):
                 skipped += 1
                 continue
-            page = Page(bytes(payload), checksum(payload))
+            page = Page(bytes(payload), checksum(key, payload))
             with self._lock:
                 evicted = self.memory.put(key, page)
                 self._stats.bytes_in += len(payload)
@@ -123,22 +132,18 @@ class KVStore:
     def get_many(self, keys: Sequence[bytes], stop_at_miss: bool = False) -> list[bytes | None]:
         """Payloads aligned with keys, None for a miss. With stop_at_miss, every
         key after the first miss reads as a miss without being looked up (a
-        chain is only usable up to its first gap)."""
+        chain is only usable up to its first gap). A page that fails its checksum
+        is never returned: it is dropped, counted in `corrupt`, and reads as a miss
+        (unless the other tier holds an intact copy)."""
         out: list[bytes | None] = [None] * len(keys)
         hits_mem = hits_disk = misses = bytes_out = 0
         for i, key in enumerate(keys):
-            with self._lock:
-                page = self.memory.get(key)
-            if page is None and self.disk is not None:
-                found = self.disk.get(key)
-                if found is not None:
-                    page = Page(*found)
-                    with self._lock:
-                        evicted = self.memory.put(key, page)  # promote; its file stays
-                    self._spill(evicted)
-                    hits_disk += 1
-            elif page is not None:
+            page = self._memory_page(key)
+            if page is not None:
                 hits_mem += 1
+            else:
+                page = self._disk_page(key)
+                hits_disk += page is not None
             if page is None:
                 misses += 1
                 if stop_at_miss:
@@ -153,6 +158,31 @@ class KVStore:
             self._stats.misses += misses
             self._stats.bytes_out += bytes_out
         return out
+
+    def _memory_page(self, key: bytes) -> Page | None:
+        """The memory tier's page, verified outside the lock; a damaged one is dropped."""
+        with self._lock:
+            page = self.memory.get(key)
+        if page is None or checksum(key, page.payload) == page.crc:
+            return page
+        log.warning("corrupt page dropped from memory", extra={"key": key.hex()})
+        with self._lock:
+            if self.memory.discard(key, page):  # not counted twice by racing readers
+                self._stats.corrupt += 1
+        return None
+
+    def _disk_page(self, key: bytes) -> Page | None:
+        """The disk tier's page (verified there), promoted into memory; its file stays."""
+        if self.disk is None:
+            return None
+        found = self.disk.get(key)
+        if found is None:
+            return None
+        page = Page(*found)
+        with self._lock:
+            evicted = self.memory.put(key, page)
+        self._spill(evicted)
+        return page
 
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are stored (either tier). Does not touch recency
@@ -185,7 +215,8 @@ class KVStore:
         if self.disk is not None:
             s.disk_pages, s.disk_bytes = len(self.disk), self.disk.bytes_used
             s.disk_capacity_bytes = self.disk.capacity_bytes
-            s.disk_evicted, s.corrupt = self.disk.counters.evicted, self.disk.counters.corrupt
+            s.disk_evicted = self.disk.counters.evicted
+            s.corrupt += self.disk.counters.corrupt
         return s
 
     def check_invariants(self) -> None:
