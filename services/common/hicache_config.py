@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.secret_file import secret_from, token_from
+
 WRITE_POLICIES = ("write_through", "write_back")
 LOAD_POLICIES = ("auto", "always", "never")
+KEY_SECRET_ENV = "RADIXMESH_KV_KEY_SECRET"            # the secret itself, when --kv-key-secret-file is unset
+AUTH_TOKEN_ENV = "RADIXMESH_KVSTORE_AUTH_TOKEN"        # the fleet token, when --kvstore-auth-token-file is unset
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,12 @@ class HiCacheConfig:
         "help": "auto: load a prefix from a lower tier only when its measured transfer time beats "
                 "the measured prefill time for those tokens; always; never (recompute)"})
     kvstore_timeout_s: float = field(default=2.0, metadata={"help": "kvstore call deadline (plus size-based time)"})
+    kv_key_secret_file: str | None = field(default=None, metadata={
+        "help": "page keys become HMAC-SHA256 with the secret in this file (the same on every scheduler "
+                f"sharing a store; else ${KEY_SECRET_ENV}); none and no variable = unkeyed keys"})
+    kvstore_auth_token_file: str | None = field(default=None, metadata={
+        "help": "the fleet token this service sends the kvstore (authorization: Bearer); the store's flag of "
+                f"the same name requires it (else ${AUTH_TOKEN_ENV}); none = no token"})
 
     def __post_init__(self) -> None:
         if self.host_kv_ratio < 0:
@@ -43,6 +53,16 @@ class HiCacheConfig:
             raise ValueError("--hicache-prefetch-threshold must be >= 0 tokens")
         if self.kvstore_timeout_s <= 0:
             raise ValueError("--kvstore-timeout-s must be > 0")
+        self.key_secret()  # unreadable or too short: a usage error now, not a failure at the first request
+        self.kvstore_auth_token()
+
+    def key_secret(self) -> bytes | None:
+        """The page-key secret (read from its file or the environment), None = unkeyed."""
+        return secret_from(self.kv_key_secret_file, KEY_SECRET_ENV, "--kv-key-secret-file")
+
+    def kvstore_auth_token(self) -> str | None:
+        """The token kvstore clients send, None = none."""
+        return token_from(self.kvstore_auth_token_file, AUTH_TOKEN_ENV, "--kvstore-auth-token-file")
 
     @property
     def host_ratio(self) -> float:

@@ -16,10 +16,18 @@ partial page has no key: only full pages are shared.
 
 Keys are 32 bytes (256 bits): collisions are out of reach even for crafted
 prompts. blake2b over a few hundred bytes costs about a microsecond per page.
+
+Keyed chains: with a fleet secret (`PageHasher(ns, secret=...)`), the root and
+every link are HMAC-SHA256(secret, "radixmesh-kv" ‖ the same bytes) instead. Keys
+then cross a trust boundary (a store shared with, or readable by, others) without
+revealing anything: nobody without the secret can compute the key of a prompt to
+probe the store for it (was this prefix served?) or to plant a page under it.
+Schedulers with different secrets share no key; without one, keys are as above.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -58,23 +66,28 @@ class KeyNamespace:
         if not self.model:
             raise ValueError("model identity must not be empty")
 
-    def root(self) -> bytes:
-        """The chain's seed: KEY_BYTES bytes, different for any two namespaces."""
-        h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
+    def root(self, secret: bytes | None = None) -> bytes:
+        """The chain's seed: KEY_BYTES bytes, different for any two namespaces (and,
+        keyed, for any two secrets)."""
+        fields = []
         for part in (str(FORMAT_VERSION), self.model, self.weights_version, self.adapter,
                      str(self.page_size), self.kv_layout):
             raw = part.encode("utf-8")
-            h.update(len(raw).to_bytes(8, "little"))  # length prefix: ("ab","c") != ("a","bc")
-            h.update(raw)
-        return h.digest()
+            fields += [len(raw).to_bytes(8, "little"), raw]  # length prefix: ("ab","c") != ("a","bc")
+        message = b"".join(fields)
+        if secret is not None:
+            return hmac.digest(secret, _PERSON + message, "sha256")
+        return hashlib.blake2b(message, digest_size=KEY_BYTES, person=_PERSON).digest()
 
 
-def chain_keys(parent: bytes, token_ids: Sequence[int] | np.ndarray, page_size: int) -> list[bytes]:
+def chain_keys(parent: bytes, token_ids: Sequence[int] | np.ndarray, page_size: int,
+               secret: bytes | None = None) -> list[bytes]:
     """Keys of the full pages of `token_ids`, chained from `parent`.
 
     `parent` is the namespace root or the key of the page just before
-    token_ids[0]. Returns len(token_ids) // page_size keys. Raises ValueError
-    for ids outside int32 (the wire type of token ids).
+    token_ids[0]. Returns len(token_ids) // page_size keys. With `secret`, each
+    link is HMAC-SHA256(secret, person ‖ parent ‖ block). Raises ValueError for
+    ids outside int32 (the wire type of token ids).
     """
     if len(parent) != KEY_BYTES:
         raise ValueError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
@@ -88,21 +101,29 @@ def chain_keys(parent: bytes, token_ids: Sequence[int] | np.ndarray, page_size: 
     step = page_size * 4
     keys = []
     for i in range(n):
-        h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=_PERSON)
-        h.update(raw[i * step:(i + 1) * step])
-        parent = h.digest()
+        block = raw[i * step:(i + 1) * step]
+        if secret is not None:
+            parent = hmac.digest(secret, _PERSON + parent + block, "sha256")
+        else:
+            h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=_PERSON)
+            h.update(block)
+            parent = h.digest()
         keys.append(parent)
     return keys
 
 
 class PageHasher:
-    """Keys for one namespace: `keys(ids)` from the root, or from `parent`."""
+    """Keys for one namespace: `keys(ids)` from the root, or from `parent`; keyed
+    (HMAC-SHA256) when given the fleet's secret, else unkeyed blake2b."""
 
-    def __init__(self, namespace: KeyNamespace) -> None:
+    def __init__(self, namespace: KeyNamespace, secret: bytes | None = None) -> None:
+        if secret is not None and not secret:
+            raise ValueError("the page-key secret must not be empty (None = unkeyed)")
         self.namespace = namespace
         self.page_size = namespace.page_size
-        self.root = namespace.root()
+        self._secret = secret
+        self.root = namespace.root(secret)
 
     def keys(self, token_ids: Sequence[int] | np.ndarray, parent: bytes | None = None) -> list[bytes]:
         """One key per full page of token_ids (a trailing partial page has none)."""
-        return chain_keys(self.root if parent is None else parent, token_ids, self.page_size)
+        return chain_keys(self.root if parent is None else parent, token_ids, self.page_size, self._secret)

@@ -2,6 +2,8 @@
 
 A page's key chains over every token before it (services/common/page_hash.py), so a
 request extends its own chain as it grows and a tree node's keys come from its path.
+With the fleet's secret the keys are HMAC-SHA256: only schedulers holding the same
+secret compute (and so can find or overwrite) the same pages in a shared store.
 """
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from services.scheduler.request import Request
 
 
 class PageKeys:
-    def __init__(self, page_size: int, model_identity: str, weights_version: str, kv_layout: str) -> None:
+    def __init__(self, page_size: int, model_identity: str, weights_version: str, kv_layout: str,
+                 secret: bytes | None = None) -> None:
         self.page_size = page_size
         self._ns = (model_identity, weights_version, kv_layout)
+        self._secret = secret
         self._hashers: dict[str, PageHasher] = {}
 
     def hasher(self, adapter: str) -> PageHasher:
@@ -22,7 +26,7 @@ class PageKeys:
             model, version, layout = self._ns
             h = self._hashers[adapter] = PageHasher(KeyNamespace(
                 model=model, weights_version=version, adapter=adapter, page_size=self.page_size,
-                kv_layout=layout))
+                kv_layout=layout), self._secret)
         return h
 
     def request_keys(self, req: Request, n_pages: int) -> list[bytes]:

@@ -74,7 +74,8 @@ class Scheduler:
         hicache = hicache or HiCacheConfig()
         if store is not None and not limits.model_identity:
             raise ValueError("a kvstore needs the worker's model identity to key pages")
-        keys = PageKeys(limits.page_size, limits.model_identity, limits.weights_version, limits.kv_layout)
+        keys = PageKeys(limits.page_size, limits.model_identity, limits.weights_version, limits.kv_layout,
+                        hicache.key_secret())
         cache = new_radix_cache(limits.num_pages, limits.page_size, config.disable_radix_cache, limits.host_pages,
                                 write_back=store is not None and hicache.hicache_write_policy == "write_back",
                                 keys_for=keys.node_keys)
