@@ -35,7 +35,7 @@ import inspect
 import logging
 import signal
 import time
-from typing import Any, Awaitable, Callable, Iterable, Protocol
+from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -186,10 +186,13 @@ async def serve(
     server_options: list[tuple[str, Any]] | None = None,
     registry: Any = None,
     readiness: Readiness | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> int:
     """Run a service until SIGTERM/SIGINT; returns the process exit status.
 
-    on_drain receives the deadline as a `time.monotonic()` value. `registry` (a
+    on_drain receives the deadline as a `time.monotonic()` value. `interceptors` (e.g.
+    the kvstore's token check) run after the drain gate and before tracing, so a call
+    they refuse makes no span. `registry` (a
     prometheus_client CollectorRegistry) is served when config.metrics_port is set. Raises
     OSError when `config.listen` cannot be bound. Must run on the main thread
     (signal handlers); `run_service` wraps it with uvloop.
@@ -200,7 +203,7 @@ async def serve(
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *(server_options or [])]
     # The gate first: a refused call makes no span.
-    server = grpc.aio.server(interceptors=[gate, *tracing.server_interceptors()], options=options)
+    server = grpc.aio.server(interceptors=[gate, *interceptors, *tracing.server_interceptors()], options=options)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     registrar = _Registrar(server)
@@ -306,7 +309,8 @@ async def _drain(server: grpc.aio.Server, gate: _Gate, health_servicer: Any,
 def run_service(service_name: str, config: Any, add_servicers: Callable[[grpc.aio.Server], None],
                 on_start: Callable[[], Awaitable[None]] | None = None,
                 on_drain: Callable[[float], Awaitable[None]] | None = None, *, registry: Any = None,
-                readiness: Readiness | None = None) -> int:
+                readiness: Readiness | None = None,
+                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> int:
     """Synchronous entry point: JSON logging from `config.log_level`, tracing from the
     environment, then `serve` on a uvloop event loop. Returns the exit status for sys.exit."""
     import uvloop
@@ -321,7 +325,7 @@ def run_service(service_name: str, config: Any, add_servicers: Callable[[grpc.ai
         return 1
     try:
         return uvloop.run(serve(service_name, config, add_servicers, on_start, on_drain, registry=registry,
-                                readiness=readiness))
+                                readiness=readiness, interceptors=interceptors))
     except OSError as e:  # e.g. the port is taken: say so in one line, not a traceback
         logging.getLogger(__name__).error("cannot start", extra={"error": str(e)})
         return 1

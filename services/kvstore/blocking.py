@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 
 class BlockingKVStore:
     def __init__(self, address: str, spec: PageSpec, *, timeout_s: float = 2.0, probe_timeout_s: float = 0.5,
-                 retry_interval_s: float = 1.0, max_pending_bytes: int = 256 << 20) -> None:
+                 retry_interval_s: float = 1.0, max_pending_bytes: int = 256 << 20,
+                 auth_token: str | None = None) -> None:
         self.address, self.spec = address, spec
         self.probe_timeout_s, self.max_pending_bytes = probe_timeout_s, max_pending_bytes
-        self.client = KVStoreClient(address, spec, timeout_s=timeout_s, retry_interval_s=retry_interval_s)
+        self.client = KVStoreClient(address, spec, timeout_s=timeout_s, retry_interval_s=retry_interval_s,
+                                    auth_token=auth_token)
         self.dropped_puts = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client", daemon=True)

@@ -40,6 +40,7 @@ from protos.radixmesh.v1 import kvstore_pb2 as pb
 from protos.radixmesh.v1 import kvstore_pb2_grpc
 from services.common.page_hash import PageHasher
 from services.kvstore import page_codec
+from services.kvstore.auth import bearer
 from services.kvstore.page_codec import PageSpec
 
 log = logging.getLogger(__name__)
@@ -62,13 +63,15 @@ class ClientCounters:
 class KVStoreClient:
     def __init__(self, address: str, spec: PageSpec, *, timeout_s: float = 2.0,
                  retry_interval_s: float = 1.0, max_batch_bytes: int = 4 << 20,
-                 min_bytes_per_s: float = 200e6) -> None:
+                 min_bytes_per_s: float = 200e6, auth_token: str | None = None) -> None:
+        """auth_token: the store's fleet (or admin) token, sent as `authorization: Bearer` on every call."""
         if timeout_s <= 0 or retry_interval_s < 0 or max_batch_bytes <= 0 or min_bytes_per_s <= 0:
             raise ValueError("timeout_s, max_batch_bytes and min_bytes_per_s must be > 0, retry_interval_s >= 0")
         self.address, self.spec = address, spec
         self.timeout_s, self.retry_interval_s = timeout_s, retry_interval_s
         self.max_batch_bytes, self.min_bytes_per_s = max_batch_bytes, min_bytes_per_s
         self.counters = ClientCounters()
+        self._metadata = bearer(auth_token)
         self._down_until: float | None = None  # monotonic time; None = believed up
         self._channel: grpc.aio.Channel | None = None
         self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
@@ -126,7 +129,8 @@ class KVStoreClient:
         if not keys or not self._begin():
             return 0
         try:
-            r = await self._get_stub().Exists(pb.ExistsRequest(keys=keys), timeout=self._deadline(32 * len(keys)))
+            r = await self._get_stub().Exists(pb.ExistsRequest(keys=keys), timeout=self._deadline(32 * len(keys)),
+                                              metadata=self._metadata)
         except Exception as e:  # noqa: BLE001 - never into the request path
             self._failed("Exists", e)
             return 0
@@ -159,9 +163,9 @@ class KVStoreClient:
         try:
             stub = self._get_stub()
             if len(batches) == 1:
-                r = await stub.Put(batches[0], timeout=self._deadline(nbytes))
+                r = await stub.Put(batches[0], timeout=self._deadline(nbytes), metadata=self._metadata)
             else:
-                r = await stub.PutStream(iter(batches), timeout=self._deadline(nbytes))
+                r = await stub.PutStream(iter(batches), timeout=self._deadline(nbytes), metadata=self._metadata)
         except Exception as e:  # noqa: BLE001
             self._failed("Put", e)
             return 0
@@ -205,9 +209,10 @@ class KVStoreClient:
         try:
             stub = self._get_stub()
             if nbytes <= self.max_batch_bytes:
-                responses = [await stub.Get(request, timeout=self._deadline(nbytes))]
+                responses = [await stub.Get(request, timeout=self._deadline(nbytes), metadata=self._metadata)]
             else:
-                responses = [r async for r in stub.GetStream(request, timeout=self._deadline(nbytes))]
+                responses = [r async for r in stub.GetStream(request, timeout=self._deadline(nbytes),
+                                                                 metadata=self._metadata)]
             for r in responses:
                 for p in r.pages:
                     if p.index < len(keys) and p.key == keys[p.index]:
@@ -242,7 +247,8 @@ class KVStoreClient:
         if not self._begin():
             return None
         try:
-            r = await self._get_stub().Clear(pb.ClearRequest(), timeout=max(self.timeout_s, 30.0))
+            r = await self._get_stub().Clear(pb.ClearRequest(), timeout=max(self.timeout_s, 30.0),
+                                             metadata=self._metadata)
         except Exception as e:  # noqa: BLE001
             self._failed("Clear", e)
             return None
@@ -253,7 +259,7 @@ class KVStoreClient:
         if not self._begin():
             return None
         try:
-            r = await self._get_stub().Stats(pb.KVStoreStatsRequest(), timeout=self.timeout_s)
+            r = await self._get_stub().Stats(pb.KVStoreStatsRequest(), timeout=self.timeout_s, metadata=self._metadata)
         except Exception as e:  # noqa: BLE001
             self._failed("Stats", e)
             return None

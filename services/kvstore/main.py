@@ -9,10 +9,13 @@ import grpc
 
 from protos.radixmesh.v1 import kvstore_pb2_grpc
 from services.common.config import CommonConfig, parse_config
+from services.common.hicache_config import AUTH_TOKEN_ENV
+from services.common.secret_file import token_from
 from services.common.server import run_service
 from services.kvstore.store import StoreConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50056"
+ADMIN_TOKEN_ENV = "RADIXMESH_KVSTORE_ADMIN_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -25,12 +28,25 @@ class KVStoreConfig:
         "help": "directory of the disk tier (kept across restarts); none = memory only, evictions dropped"})
     kvstore_disk_bytes: int = field(default=8 << 30, metadata={
         "help": "file bytes the disk tier holds; least recently used pages are deleted"})
+    # The same flag as the clients' (HiCacheConfig): `radixmesh up --kvstore-auth-token-file F` sets both ends.
+    kvstore_auth_token_file: str | None = field(default=None, metadata={
+        "help": "require this file's fleet token (authorization: Bearer) on every page call "
+                f"(else ${AUTH_TOKEN_ENV}); none = anyone who can connect may call"})
+    kvstore_admin_token_file: str | None = field(default=None, metadata={
+        "help": "the token Clear requires (it empties every replica's pages; also accepted for page calls; "
+                f"else ${ADMIN_TOKEN_ENV}); none with a fleet token = Clear is refused"})
 
     def __post_init__(self) -> None:
         if self.kvstore_memory_bytes < 0:
             raise ValueError(f"--kvstore-memory-bytes must be >= 0, got {self.kvstore_memory_bytes}")
         if self.kvstore_disk_bytes < 0:
             raise ValueError(f"--kvstore-disk-bytes must be >= 0, got {self.kvstore_disk_bytes}")
+        self.tokens()  # unreadable or too short: a usage error
+
+    def tokens(self) -> tuple[str | None, str | None]:
+        """(fleet token, admin token), each None when not configured."""
+        return (token_from(self.kvstore_auth_token_file, AUTH_TOKEN_ENV, "--kvstore-auth-token-file"),
+                token_from(self.kvstore_admin_token_file, ADMIN_TOKEN_ENV, "--kvstore-admin-token-file"))
 
     @property
     def store(self) -> StoreConfig:
@@ -41,6 +57,7 @@ class KVStoreConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixmesh serve kvstore", description=__doc__)
     config = parse_config(KVStoreConfig, argv, parser)
+    from services.kvstore.auth import TokenAuth
     from services.kvstore.metrics import make_registry
     from services.kvstore.service import KVStoreService
     from services.kvstore.store import KVStore
@@ -53,5 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     def add_servicers(server: grpc.aio.Server) -> None:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
 
+    fleet, admin = config.tokens()
     return run_service("kvstore", config.common, add_servicers, on_start=on_start,
-                       registry=make_registry(lambda: service.store))
+                       registry=make_registry(lambda: service.store),
+                       interceptors=[TokenAuth(fleet, admin)] if fleet or admin else [])

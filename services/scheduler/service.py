@@ -159,7 +159,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             from services.kvstore.page_codec import PageSpec
             m = info.model  # only Exists is called: the spec just has to be well formed
             spec = PageSpec(m.num_hidden_layers, info.page_size, m.num_key_value_heads, m.head_dim, torch.float32)
-            self._kvstore = BlockingKVStore(info.kvstore_addr, spec, probe_timeout_s=0.2)
+            hicache = getattr(self.config, "hicache", None)
+            self._kvstore = BlockingKVStore(info.kvstore_addr, spec, probe_timeout_s=0.2,
+                                            auth_token=hicache.kvstore_auth_token() if hicache else None)
         return self._kvstore
 
     async def _recover(self, exc: Exception, reason: str) -> tuple[Scheduler, GrpcStepLink]:
