@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -56,6 +57,18 @@ class CommonConfig:
         "help": "serve Prometheus metrics at http://HOST:PORT/metrics (HOST from --listen; 0 picks a free port, "
                 "logged as `metrics_port`); none = no metrics endpoint. The gateway serves /metrics on its HTTP "
                 "port and ignores this"})
+    # TLS (services/common/tls.py): server side, then this process's outbound channels. Off by default.
+    tls_cert: str | None = field(default=None, metadata={
+        "help": "serve gRPC over TLS with this PEM certificate (chain); needs --tls-key"})
+    tls_key: str | None = field(default=None, metadata={"help": "the PEM private key of --tls-cert"})
+    tls_client_ca: str | None = field(default=None, metadata={
+        "help": "mTLS: require client certificates signed by this PEM CA (needs --tls-cert)"})
+    tls_ca: str | None = field(default=None, metadata={
+        "help": "dial other services over TLS, verifying them against this PEM CA"})
+    tls_client_cert: str | None = field(default=None, metadata={
+        "help": "the PEM certificate this service presents to servers that require one (needs --tls-ca, "
+                "--tls-client-key)"})
+    tls_client_key: str | None = field(default=None, metadata={"help": "the PEM private key of --tls-client-cert"})
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -67,6 +80,22 @@ class CommonConfig:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key: client certificates are "
+                             "checked in a TLS handshake")
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("--tls-client-cert and --tls-client-key go together")
+        if self.tls_client_cert is not None and self.tls_ca is None:
+            raise ValueError("--tls-client-cert needs --tls-ca: a certificate is presented over TLS only")
+        for flag in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tls_client_cert", "tls_client_key"):
+            path = getattr(self, flag)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{_flag(flag)}: no such file: {path}")
 
 
 def _flag(name: str) -> str:

@@ -18,6 +18,10 @@ with it: NOT_SERVING while it says not ready (e.g. the scheduler lost or
 stalled on its worker), SERVING again when it recovers. Application RPCs
 are not refused for it: the service decides what not being ready means.
 
+TLS (services/common/tls.py): with `config.tls_cert` the port is bound with TLS
+(and client certificates required with `config.tls_client_ca`); `run_service`
+installs the config's client settings for every channel the process opens.
+
 Observability: `run_service` sets up tracing from the OTEL_* environment
 (services/common/tracing.py), whose server interceptor then spans every
 application RPC; with `config.metrics_port` set (0 = a free port) the
@@ -42,7 +46,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import metrics as metrics_http
-from services.common import tracing
+from services.common import tls, tracing
 
 log = logging.getLogger(__name__)
 
@@ -225,15 +229,17 @@ async def serve(
     metrics_runner = None
     try:
         await set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        server_tls = tls.server_tls(config)
         try:
-            port = server.add_insecure_port(config.listen)
+            port = tls.add_port(server, config.listen, server_tls)
         except RuntimeError as e:  # grpcio raises where older versions returned 0
             raise OSError(f"{service_name}: cannot listen on {config.listen}: {e}") from e
         if port == 0:
             raise OSError(f"{service_name}: cannot listen on {config.listen}")
         await server.start()
         host = config.listen.rpartition(":")[0]
-        extra: dict[str, Any] = {"address": f"{host}:{port}", "port": port, "services": names}
+        extra: dict[str, Any] = {"address": f"{host}:{port}", "port": port, "services": names,
+                                 "tls": server_tls.mode if server_tls else "off"}
         metrics_port = getattr(config, "metrics_port", None)
         if metrics_port is not None:
             from prometheus_client import CollectorRegistry
@@ -318,6 +324,7 @@ def run_service(service_name: str, config: Any, add_servicers: Callable[[grpc.ai
     from services.common.logging import setup_logging
 
     setup_logging(service_name, getattr(config, "log_level", "info"))
+    tls.configure_clients(tls.client_tls(config))  # before on_start dials anything
     try:
         tracing.setup(service_name)
     except ValueError as e:  # e.g. an unknown OTEL_TRACES_EXPORTER

@@ -23,7 +23,7 @@ For a new service (e.g. the router), one call each:
     from services.common import tracing
     tracing.setup("router")                                  # run_service does this
     server = grpc.aio.server(interceptors=tracing.server_interceptors())
-    channel = tracing.channel("10.0.0.7:50051", options)     # an insecure aio channel,
+    channel = tracing.channel("10.0.0.7:50051", options)     # an aio channel (TLS when configured),
                                                              # with the client interceptor when on
 (`services.common.server.serve` already adds `server_interceptors()`.)
 """
@@ -42,6 +42,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from services.common import tls
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +299,6 @@ def client_interceptors() -> list:
 
 
 def channel(address: str, options: Iterable[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
-    """grpc.aio.insecure_channel(address, options), propagating the trace when tracing is on."""
-    interceptors = client_interceptors()
-    return grpc.aio.insecure_channel(address, options=list(options or ()), interceptors=interceptors or None)
+    """An aio channel to address (TLS when the process is configured for it, services/common/tls.py),
+    propagating the trace when tracing is on."""
+    return tls.aio_channel(address, options, client_interceptors() or None)

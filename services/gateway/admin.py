@@ -19,6 +19,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
 from protos.radixmesh.v1 import router_pb2, router_pb2_grpc
+from services.common import tls
 from services.gateway.errors import APIError
 from services.gateway.state import STATE
 
@@ -35,7 +36,7 @@ async def _call(request: web.Request, method: str, message, status: int = 200,
     state = request.app[STATE]
     address = state.config.tokenizer_addr
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with tls.aio_channel(address) as channel:
             reply = await getattr(router_pb2_grpc.RouterStub(channel), method)(message, timeout=120)
     except grpc.aio.AioRpcError as e:
         code = e.code()

@@ -38,6 +38,7 @@ import torch
 
 from protos.radixmesh.v1 import kvstore_pb2 as pb
 from protos.radixmesh.v1 import kvstore_pb2_grpc
+from services.common import tls
 from services.common.page_hash import PageHasher
 from services.kvstore import page_codec
 from services.kvstore.auth import bearer
@@ -86,7 +87,7 @@ class KVStoreClient:
     def _get_stub(self) -> kvstore_pb2_grpc.KVStoreStub:
         if self._stub is None:  # created lazily: an aio channel binds to the running loop
             backoff_ms = max(100, int(self.retry_interval_s * 1000))
-            self._channel = grpc.aio.insecure_channel(self.address, options=[
+            self._channel = tls.aio_channel(self.address, options=[  # TLS when the process is configured
                 ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.initial_reconnect_backoff_ms", backoff_ms), ("grpc.min_reconnect_backoff_ms", backoff_ms),
                 ("grpc.max_reconnect_backoff_ms", backoff_ms)])

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import tls
 from services.common.config import config_from_args, flags_from_dataclass
 from services.common.logging import setup_logging
 from services.launcher.children import Child
@@ -419,7 +420,7 @@ def _pinned(child: Child) -> list[str]:
 
 
 async def _serving(address: str) -> None:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with tls.aio_channel(address) as channel:  # the TLS flags forwarded to the services
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -490,4 +491,5 @@ def main(argv: list[str]) -> int:
     if config.gateway and load_ref("services.gateway.main:main") is None:
         parser.error("the gateway (services/gateway/main.py) is not available here: use --no-gateway")
     setup_logging("launcher", "info")
+    tls.configure_clients(tls.client_from_argv(extra))  # probe the children as they dial each other
     return asyncio.run(run(config, routed))

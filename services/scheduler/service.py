@@ -49,7 +49,7 @@ from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import scheduler_pb2 as spb
 from protos.radixmesh.v1 import scheduler_pb2_grpc
 from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common import tracing
+from services.common import tls, tracing
 from services.common.convert import sampling_from_proto
 from services.common.outputs import FinishReason, RequestOutput
 from services.common.outputs_convert import finish_to_proto
@@ -105,7 +105,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def start(self) -> None:
         """Wait for the worker (health NOT_SERVING meanwhile), then drive it."""
         # A short reconnect backoff: a restarted worker is found soon after it listens again.
-        self._channel = grpc.aio.insecure_channel(self.config.worker_addr, options=[
+        self._channel = tls.aio_channel(self.config.worker_addr, options=[
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)])
         self._worker = worker_pb2_grpc.WorkerStub(self._channel)
         await self._connect(self.config.worker_wait_s)
