@@ -43,6 +43,11 @@ class RouterConfig:
         "help": "an open breaker lets one trial request through after this long"})
     drain_wait_s: float = field(default=60.0, metadata={
         "help": "RemoveReplica without force: the most it waits for the replica's in-flight requests"})
+    replica_dns: str | None = field(default=None, metadata={
+        "help": "NAME:PORT: discover replicas as NAME's DNS addresses (A records; AAAA when it has none), e.g. a "
+                "Kubernetes headless Service; re-resolved every --replica-dns-interval-s, an address that appears "
+                "is added, one that vanishes is drained and removed (services/router/discovery.py); none = off"})
+    replica_dns_interval_s: float = field(default=5.0, metadata={"help": "seconds between --replica-dns lookups"})
     peer_wait_s: float = field(default=600.0, metadata={
         "help": "at start: seconds to wait for every --replica-addrs entry to be SERVING; then the router serves "
                 "if at least one is"})
@@ -54,7 +59,7 @@ class RouterConfig:
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         for name in ("eviction_interval_s", "health_interval_s", "health_timeout_s", "load_interval_s",
-                     "peer_wait_s"):
+                     "peer_wait_s", "replica_dns_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.max_tree_chars < 1 or self.unhealthy_threshold < 1 or self.healthy_threshold < 1 \
@@ -65,6 +70,12 @@ class RouterConfig:
                 or self.breaker_cooldown_s < 0 or self.drain_wait_s < 0:
             raise ValueError("--max-retries and the backoff, cooldown and drain times must be >= 0")
         for addr in self.replica_addrs:
-            host, sep, port = addr.rpartition(":")
-            if not sep or not host or not port.isdigit():
+            if not _is_host_port(addr):
                 raise ValueError(f"--replica-addrs takes HOST:PORT entries, got {addr!r}")
+        if self.replica_dns is not None and not _is_host_port(self.replica_dns):
+            raise ValueError(f"--replica-dns takes NAME:PORT, got {self.replica_dns!r}")
+
+
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) <= 65535)

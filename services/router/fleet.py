@@ -138,6 +138,24 @@ class Fleet:
         self.update_readiness()
         return replica
 
+    async def retire(self, address: str, timeout_s: float) -> None:
+        """Drain `address` (no new work), wait up to `timeout_s` for its in-flight requests, then
+        remove it: RemoveReplica without force. KeyError when it is not in the fleet."""
+        replica = self.replicas[address]
+        self.set_draining(replica, True)
+        try:
+            await asyncio.wait_for(replica.idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        if self.replicas.get(address) is replica:  # not removed (or replaced) meanwhile
+            await self.remove(address)
+
+    def resume(self, address: str) -> None:
+        """Undo a drain (no-op for an address not in the fleet)."""
+        replica = self.replicas.get(address)
+        if replica is not None:
+            self.set_draining(replica, False)
+
     def set_draining(self, replica: Replica, draining: bool) -> None:
         replica.draining = draining
         self.update_readiness()

@@ -1,6 +1,7 @@
 """`radixmesh serve router`: many replicas behind one front door.
 
     radixmesh serve router --replica-addrs 127.0.0.1:50051 127.0.0.1:50061 [--policy cache_aware]
+    radixmesh serve router --replica-dns radixmesh-engine.default.svc.cluster.local:50051   # Kubernetes
 
 Serves radixmesh.v1.Tokenizer (point the gateway's --tokenizer-addr here) and the
 radixmesh.v1.Router admin service; docs/router.md explains policies, flags and faults.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -17,6 +19,10 @@ from services.common.config import parse_config
 from services.common.server import run_service
 from services.router import metrics
 from services.router.config import RouterConfig
+
+if TYPE_CHECKING:
+    from services.router.discovery import DnsDiscovery
+    from services.router.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     readiness = Readiness()  # NOT_SERVING while no replica is routable (services/router/fleet.py)
     fleet = Fleet(config, readiness)  # channels are opened in start(), on the server's event loop
     front, admin = RouterFront(config, fleet), RouterAdmin(config, fleet)
+    discovery = _discovery(config, fleet)
 
     def add_servicers(server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(front, server)
@@ -47,10 +54,26 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"no replica became SERVING within {config.peer_wait_s}s")
             log.info("replicas ready", extra={"admitted": admitted, "policy": config.policy,
                                               "missing": sorted(set(config.replica_addrs) - set(admitted))})
+        if discovery is not None:
+            # No waiting here: engine pods may load their model for minutes; the router's health
+            # follows the routable set meanwhile.
+            await discovery.refresh()
+            discovery.start()
         fleet.track_readiness()
 
     async def drain(deadline: float) -> None:
-        pass  # the server's gate waits for in-flight streams; replicas keep serving them
+        # The server's gate waits for in-flight streams; replicas keep serving them.
+        if discovery is not None:
+            await discovery.stop()
 
     return run_service("router", config.common, add_servicers, on_start=start, on_drain=drain,
                        registry=metrics.REGISTRY, readiness=readiness)
+
+
+def _discovery(config: RouterConfig, fleet: Fleet) -> DnsDiscovery | None:
+    if config.replica_dns is None:
+        return None
+    from services.router.discovery import DnsDiscovery
+
+    return DnsDiscovery(config.replica_dns, fleet, interval_s=config.replica_dns_interval_s,
+                        drain_wait_s=config.drain_wait_s)

@@ -216,13 +216,8 @@ class RouterAdmin(router_pb2_grpc.RouterServicer):
         if replica is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no replica {request.address}")
         if not request.force:
-            self.fleet.set_draining(replica, True)
-            timeout = request.timeout_s or self.config.drain_wait_s
-            try:
-                await asyncio.wait_for(replica.idle.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
-        if request.address in self.fleet.replicas:
+            await self.fleet.retire(request.address, request.timeout_s or self.config.drain_wait_s)
+        elif request.address in self.fleet.replicas:
             await self.fleet.remove(request.address)
         status = replica.status()
         status.state = "removed"
