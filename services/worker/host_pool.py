@@ -136,18 +136,25 @@ def model_identity(name: str, source: str | None) -> str:
     return f"{name}:{h.hexdigest() if files else 'unknown-source'}"
 
 
+def open_kvstore(hicache: HiCacheConfig, page):
+    """The worker's client of the shared kvstore at --kvstore-addr (page: its PageSpec), with
+    the fleet token when the store wants one."""
+    from services.kvstore.blocking import BlockingKVStore
+    return BlockingKVStore(hicache.kvstore_addr, page, timeout_s=hicache.kvstore_timeout_s,
+                           auth_token=hicache.kvstore_auth_token())
+
+
 def attach_tiers(runner, hicache: HiCacheConfig, source: str | None, cache_on: bool = True):
     """Give the runner its host pool and kvstore client as `hicache` asks
     (services/worker/host_pool.py). Returns (the store client or None, the
     ModelLimits fields that tell the scheduler about them)."""
-    from services.kvstore.blocking import BlockingKVStore
     from services.kvstore.page_codec import PageSpec
 
     spec, mc = runner.kv_spec, runner.model_config
     page = PageSpec.from_pool(spec)
     store = None
     if hicache.kvstore_addr and cache_on:
-        store = BlockingKVStore(hicache.kvstore_addr, page, timeout_s=hicache.kvstore_timeout_s)
+        store = open_kvstore(hicache, page)
     host_pages = hicache.host_pages(spec.num_pages) if cache_on else 0
     host = None
     if host_pages:

@@ -187,3 +187,30 @@ async def test_serve_kvstore_requires_its_tokens(tmp_path: Path) -> None:
     finally:
         svc.stop()
     assert any('"kvstore call refused"' in line for line in svc.lines)
+
+
+async def test_the_workers_store_client_sends_its_token_from_the_flag(tmp_path: Path) -> None:
+    """The worker reads and writes pages too (services/worker/host_pool.py): with the fleet
+    token from its flag its put lands and its reads hit; without it, both are refused."""
+    from services.worker.host_pool import open_kvstore
+    server, address = await start(KVStore(StoreConfig(memory_bytes=1 << 20)), FLEET, ADMIN)
+    ids, keys, pages = chain(2)
+    token_file = tmp_path / "fleet.token"
+    token_file.write_text(FLEET + "\n")
+    member = open_kvstore(HiCacheConfig(kvstore_addr=address, kvstore_auth_token_file=str(token_file)), SPEC)
+    stranger = open_kvstore(HiCacheConfig(kvstore_addr=address), SPEC)
+    for c in (member, stranger):
+        c.probe_timeout_s = 5.0  # a loaded test machine: not the probe's default
+    try:
+        assert await asyncio.to_thread(stranger.put_nowait, keys, pages)
+        await asyncio.to_thread(stranger.flush, 10.0)
+        assert await asyncio.to_thread(member.exists, keys) == 0  # the stranger's put was refused
+        assert await asyncio.to_thread(member.put_nowait, keys, pages)
+        await asyncio.to_thread(member.flush, 10.0)
+        assert await asyncio.to_thread(member.exists, keys) == 2
+        assert same(await asyncio.to_thread(member.get_prefix, keys), pages)
+        assert await asyncio.to_thread(stranger.exists, keys) == 0
+    finally:
+        for c in (member, stranger):
+            await asyncio.to_thread(c.close)
+        await server.stop(None)
