@@ -1,0 +1,332 @@
+"""Reading deploy/k8s/ as rendered objects, and the fleet's invariants as checks
+(tests/unit/test_k8s_manifests.py runs them on every tree). Each check raises AssertionError
+naming the object, the container and what broke."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import kubernetes_validate
+
+from services.common.config import config_from_args, flags_from_dataclass
+from tests.unit.kustomize_lite import load_documents, pod_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+VERSIONS = ("1.29", kubernetes_validate.latest_version())  # the oldest release we claim, the newest bundled
+FLAGS_DIR = "/etc/radixmesh"  # where a container's flags ConfigMap is mounted: <service>.flags
+SERVE = "set -f; exec radixmesh serve \"$0\" $(grep -v '^[[:space:]]*#' \"/etc/radixmesh/$0.flags\")"
+CONFIGS = {  # `radixmesh serve <service>` -> its config dataclass (the flags it accepts)
+    "tokenizer": "services.tokenizer.main:TokenizerServiceConfig",
+    "detokenizer": "services.detokenizer.main:DetokenizerServiceConfig",
+    "scheduler": "services.scheduler.main:SchedulerServiceConfig",
+    "worker": "services.worker.main:WorkerServiceConfig",
+    "gateway": "services.gateway.config:GatewayConfig",
+    "kvstore": "services.kvstore.main:KVStoreConfig",
+    "router": "services.router.config:RouterConfig",
+}
+QUEUE_METRIC = "radixmesh:num_requests_waiting"  # services/scheduler/telemetry.py, prefixed (common/metrics.py)
+
+
+@dataclass
+class Container:
+    workload: dict  # the Deployment or StatefulSet
+    spec: dict  # the container
+    service: str  # radixmesh serve <service>
+    argv: list[str]  # its flags
+    config: Any  # its config dataclass, parsed from argv
+
+    @property
+    def port(self) -> int:
+        return int(self.config.common.listen.rpartition(":")[2])
+
+    @property
+    def where(self) -> str:
+        return f"{self.workload['kind']} {self.workload['metadata']['name']}, container {self.spec['name']}"
+
+
+@dataclass
+class Rendered:
+    objects: list[dict]
+    containers: list[Container]
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict | None:
+        return next((o for o in self.of_kind(kind) if o["metadata"]["name"] == name), None)
+
+    def workloads(self) -> list[dict]:
+        return [o for o in self.objects if pod_spec(o) is not None]
+
+    def serving(self, service: str) -> Container:
+        found = [c for c in self.containers if c.service == service]
+        assert len(found) == 1, f"expected one {service} container, got {[c.where for c in found]}"
+        return found[0]
+
+
+# --- reading the manifests ----------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # not SystemExit: the failing test says which flag
+        raise AssertionError(f"{self.prog}: {message}")
+
+
+def flag_argv(text: str) -> list[str]:
+    """A flags file as the container's `sh` reads it: comment lines dropped, words split on blanks."""
+    return [w for line in text.splitlines() if not line.lstrip().startswith("#") for w in line.split()]
+
+
+def parse_flags(service: str, argv: list[str]) -> Any:
+    """The service's config from `argv`, through its own flag builder and validation."""
+    module, name = CONFIGS[service].split(":")
+    cls = getattr(importlib.import_module(module), name)
+    parser = _Parser(prog=f"radixmesh serve {service}", add_help=False)
+    flags_from_dataclass(cls, parser)
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(cls, args)
+    except ValueError as e:
+        raise AssertionError(f"radixmesh serve {service} {' '.join(argv)}: {e}") from None
+
+
+def read_container(objects: list[dict], workload: dict, spec: dict) -> Container:
+    where = f"{workload['metadata']['name']}/{spec['name']}"
+    command = spec.get("command", [])
+    assert command[:3] == ["sh", "-c", SERVE] and len(command) == 4, f"{where}: command {command}"
+    service = command[3]
+    assert service in CONFIGS, f"{where}: unknown service {service}"
+    mounts = {m["mountPath"]: m["name"] for m in spec.get("volumeMounts", [])}
+    assert FLAGS_DIR in mounts, f"{where}: no flags mounted at {FLAGS_DIR}"
+    volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mounts[FLAGS_DIR])
+    configmap = next((o for o in objects if o["kind"] == "ConfigMap"
+                      and o["metadata"]["name"] == volume["configMap"]["name"]), None)
+    assert configmap is not None, f"{where}: no ConfigMap {volume['configMap']['name']}"
+    text = configmap["data"].get(f"{service}.flags")
+    assert text is not None, f"{where}: ConfigMap {configmap['metadata']['name']} has no {service}.flags"
+    argv = flag_argv(text)
+    return Container(workload, spec, service, argv, parse_flags(service, argv))
+
+
+def inspect(objects: list[dict]) -> Rendered:
+    containers = [read_container(objects, w, c) for w in objects if pod_spec(w) is not None
+                  for c in pod_spec(w)["containers"]]
+    return Rendered(objects, containers)
+
+
+# --- the checks: each raises AssertionError naming what broke ----------------------------
+def check_schemas(r: Rendered) -> None:
+    for obj in r.objects:
+        for version in VERSIONS:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                raise AssertionError(f"{obj['kind']} {obj['metadata']['name']} (Kubernetes {version}): "
+                                     f"{path}: {e.message}") from None
+
+
+def prestop_sleep(c: Container) -> int:
+    command = c.spec.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    assert len(command) == 2 and command[0] == "sleep" and command[1].isdigit(), f"{c.where}: preStop {command}"
+    return int(command[1])
+
+
+def check_probes(r: Rendered) -> None:
+    for c in r.containers:
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c.spec.get(kind)
+            assert probe is not None or kind == "startupProbe", f"{c.where}: no {kind}"
+            if probe is not None:
+                assert probe.get("grpc", {}).get("port") == c.port, f"{c.where}: {kind} {probe} is not gRPC on {c.port}"
+                assert probe["grpc"].get("service", "") == "", f"{c.where}: {kind} checks a named service"
+        liveness = c.spec["livenessProbe"]
+        window = liveness.get("periodSeconds", 10) * liveness.get("failureThreshold", 3)
+        drain = prestop_sleep(c) + c.config.common.drain_timeout_s
+        assert window > drain, f"{c.where}: liveness gives up after {window}s, within a drain ({drain}s)"
+
+
+def check_grace_covers_drain(r: Rendered) -> None:
+    for w in r.workloads():
+        grace = pod_spec(w).get("terminationGracePeriodSeconds", 30)
+        for c in (c for c in r.containers if c.workload is w):
+            drain = prestop_sleep(c) + c.config.common.drain_timeout_s
+            assert grace > drain, f"{c.where}: terminationGracePeriodSeconds {grace} <= preStop + drain {drain}"
+
+
+def check_configmaps(r: Rendered) -> None:
+    used: set[tuple[str, str]] = set()
+    for w in r.workloads():
+        spec = pod_spec(w)
+        names = [v["configMap"]["name"] for v in spec.get("volumes", []) if "configMap" in v]
+        for c in spec["containers"]:
+            names += [e["configMapRef"]["name"] for e in c.get("envFrom", []) if "configMapRef" in e]
+            names += [e["valueFrom"]["configMapKeyRef"]["name"] for e in c.get("env", [])
+                      if "configMapKeyRef" in e.get("valueFrom", {})]
+        for name in names:
+            assert r.get("ConfigMap", name) is not None, f"{w['metadata']['name']} refers to no ConfigMap {name}"
+    for c in r.containers:
+        flags = next(v for v in pod_spec(c.workload)["volumes"] if v["name"] == mount_name(c, FLAGS_DIR))
+        used.add((flags["configMap"]["name"], f"{c.service}.flags"))
+    for cm in r.of_kind("ConfigMap"):
+        for key in cm.get("data", {}):
+            if key.endswith(".flags"):
+                assert (cm["metadata"]["name"], key) in used, \
+                    f"ConfigMap {cm['metadata']['name']}: {key} is read by no container"
+
+
+def mount_name(c: Container, path: str) -> str:
+    return next(m["name"] for m in c.spec["volumeMounts"] if m["mountPath"] == path)
+
+
+def _pods_selected(r: Rendered, selector: dict, namespace: str | None) -> list[dict]:
+    return [w for w in r.workloads() if w["metadata"].get("namespace") == namespace
+            and selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+
+
+def check_services_select_pods(r: Rendered) -> None:
+    for svc in r.of_kind("Service"):
+        pods = _pods_selected(r, svc["spec"]["selector"], svc["metadata"].get("namespace"))
+        assert pods, f"Service {svc['metadata']['name']} selects no pods"
+        ports = {p.get("name"): p["containerPort"] for w in pods for c in pod_spec(w)["containers"]
+                 for p in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            assert target in ports or target in ports.values(), f"Service {svc['metadata']['name']}: no port {target}"
+        if svc["spec"].get("clusterIP") == "None" and any(w["kind"] == "StatefulSet" for w in pods):
+            assert any(w["spec"].get("serviceName") == svc["metadata"]["name"] for w in pods), \
+                f"Service {svc['metadata']['name']} governs no StatefulSet it selects"
+
+
+def _service_port(r: Rendered, address: str) -> tuple[dict, dict]:
+    """The Service (and its port) that `NAME[.namespace...]:PORT` reaches."""
+    host, _, port = address.rpartition(":")
+    svc = r.get("Service", host.split(".")[0])
+    assert svc is not None, f"{address}: no Service {host.split('.')[0]}"
+    match = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
+    assert match, f"{address}: Service {svc['metadata']['name']} has no port {port}"
+    return svc, match[0]
+
+
+def check_addresses(r: Rendered) -> None:
+    """Every peer address a service dials: a container of the same pod on loopback, else a Service
+    whose port leads to a container listening there."""
+    for c in r.containers:
+        for name, address in _addresses(c.config):
+            host, _, port = address.rpartition(":")
+            if host == "127.0.0.1":
+                peers = [p for p in r.containers if p.workload is c.workload and p.port == int(port)]
+                assert peers, f"{c.where}: --{name} {address}: nothing in the pod listens on {port}"
+                continue
+            svc, svc_port = _service_port(r, address)
+            listening = [p for p in r.containers if p.workload in _pods_selected(r, svc["spec"]["selector"],
+                                                                                 svc["metadata"].get("namespace"))
+                         and _container_port(p, svc_port.get("targetPort", svc_port["port"])) == p.port]
+            assert listening, f"{c.where}: --{name} {address} leads to no listening container"
+
+
+def _addresses(config: Any) -> list[tuple[str, str]]:
+    out = []
+    for group in (config, *(getattr(config, g) for g in ("hicache",) if hasattr(config, g))):
+        for field in vars(group):
+            value = getattr(group, field)
+            if field.endswith("_addr") and isinstance(value, str):
+                out.append((field.replace("_", "-"), value))
+    return out
+
+
+def _container_port(c: Container, target: Any) -> int | None:
+    for p in c.spec.get("ports", []):
+        if target in (p.get("name"), p["containerPort"]):
+            return p["containerPort"]
+    return None
+
+
+def check_router_discovers_engine_by_dns(r: Rendered) -> None:
+    router, tokenizer = r.serving("router"), r.serving("tokenizer")
+    assert router.config.replica_dns, f"{router.where}: no --replica-dns"
+    assert not router.config.replica_addrs, f"{router.where}: a static --replica-addrs list"
+    svc, port = _service_port(r, router.config.replica_dns)
+    assert svc["spec"].get("clusterIP") == "None", f"Service {svc['metadata']['name']} is not headless"
+    assert svc["spec"].get("publishNotReadyAddresses") is True  # the router health-checks loading pods itself
+    pods = _pods_selected(r, svc["spec"]["selector"], svc["metadata"].get("namespace"))
+    assert pods == [tokenizer.workload], f"{svc['metadata']['name']} selects {pods}, not the engine pods"
+    assert _container_port(tokenizer, port.get("targetPort", port["port"])) == tokenizer.port
+
+
+def adapter_metric_name(series: str) -> str:
+    """What prometheus-adapter (deploy/k8s/monitoring/) serves `series` as."""
+    values = load_documents(K8S / "monitoring" / "prometheus-adapter-values.yaml")[0]
+    for rule in values["rules"]["custom"]:
+        if rule["seriesQuery"].startswith(series + "{"):
+            assert {"namespace", "pod"} <= set(rule["resources"]["overrides"])
+            return re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), series)
+    raise AssertionError(f"no adapter rule serves {series}")
+
+
+def check_hpa(r: Rendered) -> None:
+    hpas = r.of_kind("HorizontalPodAutoscaler")
+    assert len(hpas) == 1
+    hpa, scheduler = hpas[0], r.serving("scheduler")
+    ref = hpa["spec"]["scaleTargetRef"]
+    target = r.get(ref["kind"], ref["name"])
+    assert target is scheduler.workload and ref["apiVersion"] == target["apiVersion"], f"HPA targets {ref}"
+    assert "replicas" not in target["spec"], "the HPA owns the engine's replica count: no spec.replicas"
+    [metric] = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    assert metric["metric"]["name"] == adapter_metric_name(QUEUE_METRIC), f"HPA on {metric['metric']['name']}"
+    annotations = target["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(scheduler.config.common.metrics_port)
+
+
+def check_pdbs(r: Rendered) -> None:
+    covered = set()
+    for pdb in r.of_kind("PodDisruptionBudget"):
+        pods = _pods_selected(r, pdb["spec"]["selector"]["matchLabels"], pdb["metadata"].get("namespace"))
+        assert pods, f"PodDisruptionBudget {pdb['metadata']['name']} selects no pods"
+        covered.update(id(w) for w in pods)
+    for w in r.of_kind("Deployment"):
+        assert id(w) in covered, f"Deployment {w['metadata']['name']} has no PodDisruptionBudget"
+
+
+def cpus(quantity: str | int) -> float:
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def check_security_and_resources(r: Rendered) -> None:
+    for w in r.workloads():
+        assert pod_spec(w)["securityContext"].get("runAsNonRoot") is True, f"{w['metadata']['name']}: may run as root"
+    for c in r.containers:
+        sc, res = c.spec.get("securityContext", {}), c.spec.get("resources", {})
+        assert sc.get("readOnlyRootFilesystem") is True and sc.get("allowPrivilegeEscalation") is False, c.where
+        assert sc.get("capabilities", {}).get("drop") == ["ALL"], c.where
+        for part in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(res.get(part, {})), f"{c.where}: no {part}"
+    worker = r.serving("worker")
+    threads = worker.config.worker.num_threads
+    assert threads is not None and threads <= cpus(worker.spec["resources"]["limits"]["cpu"]), \
+        f"{worker.where}: --num-threads {threads} beyond its CPU limit"
+
+
+def check_ingress(r: Rendered) -> None:
+    [ingress] = r.of_kind("Ingress")
+    for rule in ingress["spec"]["rules"]:
+        for path in rule["http"]["paths"]:
+            backend = path["backend"]["service"]
+            svc = r.get("Service", backend["name"])
+            assert svc is not None, f"Ingress to no Service {backend['name']}"
+            assert any(p.get("name") == backend["port"].get("name") or p["port"] == backend["port"].get("number")
+                       for p in svc["spec"]["ports"]), f"Ingress to a port Service {backend['name']} lacks"
+            assert _pods_selected(r, svc["spec"]["selector"], svc["metadata"].get("namespace"))[0] \
+                is r.serving("gateway").workload
+
+
+CHECKS: list[Callable[[Rendered], None]] = [
+    check_schemas, check_probes, check_grace_covers_drain, check_configmaps, check_services_select_pods,
+    check_addresses, check_router_discovers_engine_by_dns, check_hpa, check_pdbs, check_security_and_resources,
+    check_ingress]
+
+
