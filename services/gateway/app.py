@@ -1,4 +1,8 @@
-"""The aiohttp application: routes, the error and observability middlewares, the readiness monitor."""
+"""The aiohttp application: routes, the middlewares, the readiness monitor.
+
+Middlewares, outermost first: connections.track (the request head arrived), observe (span,
+metrics), errors (everything leaves as OpenAI's envelope), access (API keys, rate limits,
+the body deadline: auth.py, limits.py, connections.read_body)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,10 +12,13 @@ import logging
 from aiohttp import web
 
 from services.gateway.admin import admin_routes
+from services.gateway.auth import KEYS, KeyRing
 from services.gateway.backend import Backend, BackendError
 from services.gateway.config import GatewayConfig
 from services.common import metrics
+from services.gateway.connections import CONNECTIONS, ConnectionGuard, read_body, track
 from services.gateway.errors import APIError, error_response, from_backend
+from services.gateway.limits import LIMITER, TOKENS_USED, RateLimiter
 from services.gateway.observe import METRICS, GatewayMetrics, middleware
 from services.gateway.routes import routes
 from services.gateway.state import STATE, GatewayState, monitor
@@ -62,12 +69,32 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         state.inflight.discard(task)
 
 
+@web.middleware
+async def access(request: web.Request, handler) -> web.StreamResponse:
+    """Who calls (401/403), within their rate limits (429), with the body in time (408); then
+    the handler, and the tokens it used charged to the caller."""
+    keys, limiter = request.app[KEYS], request.app[LIMITER]
+    caller = keys.caller(request)
+    if caller is None:  # an open probe
+        return await handler(request)
+    limiter.admit(caller, "this API key" if caller.startswith("key:") else "this client address")
+    await read_body(request, request.app[STATE].config.body_timeout_s)
+    try:
+        return await handler(request)
+    finally:
+        limiter.charge(caller, request.get(TOKENS_USED, 0))
+
+
 def build_app(config: GatewayConfig, backend: Backend, *, monitor_backend: bool = True) -> web.Application:
     """The gateway app. The backend is closed on cleanup; with monitor_backend the
     readiness check runs in the background (tests may drive state.refresh())."""
-    app = web.Application(middlewares=[middleware, errors], client_max_size=config.max_request_bytes)
+    app = web.Application(middlewares=[track, middleware, errors, access], client_max_size=config.max_request_bytes)
     app[STATE] = GatewayState(config, backend)
     app[METRICS] = GatewayMetrics()
+    user_keys, admin_keys = config.keys()
+    app[KEYS] = KeyRing(user_keys, admin_keys, config.probes_need_key)
+    app[LIMITER] = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+    app[CONNECTIONS] = ConnectionGuard(config.header_timeout_s, config.max_connections_per_client)
     app.add_routes(routes)
     app.add_routes(admin_routes)  # /admin: the router's replicas (services/gateway/admin.py)
 

@@ -5,7 +5,9 @@
 Handlers raise APIError (or let BackendError / InvalidRequest escape); the
 middleware in app.py renders them with `error_response`. Status mapping:
   400 invalid input (InvalidRequest, gRPC INVALID_ARGUMENT / OUT_OF_RANGE / FAILED_PRECONDITION)
-  404 unknown route, 405 wrong method, 413 body over --max-request-bytes
+  401 no valid API key, 403 a user key on an admin route (auth.py)
+  404 unknown route, 405 wrong method, 408 body not received in time, 413 body over --max-request-bytes
+  429 + Retry-After: a rate limit (limits.py)
   503 + Retry-After: queue full (RESOURCE_EXHAUSTED) or backend unavailable
   504 backend deadline exceeded; 500 only for a failure of the mesh itself.
 """
@@ -29,7 +31,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type: str = INVALID_REQUEST,
                  param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None) -> None:
+                 retry_after: int | None = None, headers: dict[str, str] | None = None,
+                 close: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -37,6 +40,8 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.headers = headers or {}
+        self.close = close  # close the connection after the answer (e.g. a body that did not arrive)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -68,6 +73,9 @@ def from_backend(err: BackendError, retry_after: int) -> APIError:
 
 
 def error_response(err: APIError) -> web.Response:
-    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
-    return web.Response(status=err.status, text=json.dumps(err.body()),
-                        content_type="application/json", headers=headers)
+    headers = {**err.headers, **({"Retry-After": str(err.retry_after)} if err.retry_after is not None else {})}
+    response = web.Response(status=err.status, text=json.dumps(err.body()),
+                            content_type="application/json", headers=headers)
+    if err.close:
+        response.force_close()
+    return response

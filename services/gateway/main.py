@@ -9,11 +9,15 @@ lines; `listening` carries `port` (the gRPC one, as every service's does) and
 NOT_SERVING, stop accepting HTTP connections, give in-flight requests
 --drain-timeout-s to finish, cancel the rest (which aborts them in the mesh),
 exit 0; a second signal cancels at once.
+
+Without API keys the gateway answers anyone who can connect, which is fine on loopback (the
+default --host); on any other address it logs a warning at start (`open to the network`).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import signal
 
@@ -26,8 +30,10 @@ from services.common import tracing
 from services.common.config import parse_config
 from services.common.logging import setup_logging
 from services.gateway.app import build_app
+from services.gateway.auth import KEYS
 from services.gateway.backend import Backend, GrpcBackend
 from services.gateway.config import GatewayConfig
+from services.gateway.connections import CONNECTIONS, GuardedSite
 from services.gateway.state import STATE
 
 log = logging.getLogger(__name__)
@@ -38,6 +44,24 @@ def http_url(host: str, port: int) -> str:
     """A URL a client on this machine can use: a wildcard host becomes loopback."""
     host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost, or "" (every address)
+        return False
+
+
+def access_warnings(config: GatewayConfig, user_keys: bool, admin_keys: bool) -> list[str]:
+    """What start-up should warn about who may call (logged, never a key)."""
+    out = []
+    if not user_keys and not is_loopback(config.host):
+        out.append(f"the API is open to anyone who can reach {config.host}: no API key is set (--api-key-file, "
+                   "$RADIXMESH_API_KEY)" + ("" if admin_keys else "; /admin too (--admin-api-key)"))
+    return out
 
 
 async def _health_server(config: GatewayConfig) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
@@ -83,12 +107,18 @@ async def _drain(runner: web.AppRunner, state, health_servicer, timeout_s: float
 async def serve(config: GatewayConfig, backend: Backend | None = None) -> int:
     """Run until SIGTERM/SIGINT (main thread only); returns the exit status."""
     app = build_app(config, backend or GrpcBackend(config.tokenizer_addr))
-    state = app[STATE]
-    # The drain is ours (_drain); aiohttp's own shutdown only closes what is left.
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
+    state, keys = app[STATE], app[KEYS]
+    for warning in access_warnings(config, keys.user_keys, keys.admin_keys):
+        log.warning("open to the network", extra={"warning": warning})
+    if keys.user_keys and not keys.admin_keys:
+        log.info("admin routes are off", extra={"reason": "API keys are set but no --admin-api-key"})
+    # The drain is ours (_drain); aiohttp's own shutdown only closes what is left. Its keep-alive
+    # timeout is the idle one; the head deadline and the per-client cap are the site's.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None,
+                           keepalive_timeout=config.idle_timeout_s)
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.http_port).start()
+        await GuardedSite(runner, config.host, config.http_port, app[CONNECTIONS]).start()
         grpc_server, health_servicer, grpc_port = await _health_server(config)
     except OSError as e:
         log.error("cannot start", extra={"error": f"{e}"})
@@ -104,7 +134,8 @@ async def serve(config: GatewayConfig, backend: Backend | None = None) -> int:
     http_port = runner.addresses[0][1]  # the bound one (--http-port 0 picks it)
     log.info("listening", extra={"address": f"{config.common.listen.rpartition(':')[0]}:{grpc_port}",
                                  "port": grpc_port, "http_port": http_port,
-                                 "url": http_url(config.host, http_port), "tokenizer_addr": config.tokenizer_addr})
+                                 "url": http_url(config.host, http_port), "tokenizer_addr": config.tokenizer_addr,
+                                 "api_keys": keys.user_keys, "admin_keys": keys.admin_keys})
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)

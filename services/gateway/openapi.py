@@ -1,5 +1,7 @@
 """The /openapi.json document (OpenAPI 3.1): request schemas come from
-schemas.py, the very dicts the gateway validates with; response schemas here."""
+schemas.py, the very dicts the gateway validates with; response schemas here.
+With API keys (auth.py) it declares the bearer scheme as every operation's
+requirement, but for the probes while they are open, and the 401 answer."""
 from __future__ import annotations
 
 import copy
@@ -67,10 +69,16 @@ def _json(schema: dict, description: str) -> dict:
 _RETRY = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}}
 _ERRORS = {
     "400": _json(_ERROR, "invalid input: malformed JSON, a bad or unknown parameter, an unknown model, "
-                         "a prompt beyond the context length"),
+                         "a prompt beyond the context length, a value above this server's caps"),
+    "408": _json(_ERROR, "the body did not arrive within --body-timeout-s"),
     "413": _json(_ERROR, "the body is larger than --max-request-bytes"),
     "503": {**_json(_ERROR, "the queue is full or the backend is unavailable; retry later"), "headers": _RETRY},
 }
+_LIMITED = {"429": {**_json(_ERROR, "a rate limit (--rate-limit-rpm, --rate-limit-tpm) was reached; retry "
+                                    "after Retry-After seconds"), "headers": _RETRY}}
+_UNAUTHORIZED = {"401": _json(_ERROR, "no valid API key: send `Authorization: Bearer KEY`")}
+_SCHEME = "apiKey"
+_PROBES = ("/health", "/ready")
 
 
 def _generation(summary: str, request: dict, ok: dict, ok_description: str) -> dict:
@@ -84,6 +92,7 @@ def _generation(summary: str, request: dict, ok: dict, ok_description: str) -> d
                     "content": {"application/json": {"schema": ok},
                                 "text/event-stream": {"schema": _SSE_EVENT}}},
             **_ERRORS,
+            **_LIMITED,
         },
     }}
 
@@ -97,8 +106,30 @@ def _with_model(request: dict, model_names: tuple[str, ...]) -> dict:
     return out
 
 
+def _with_auth(doc: dict, open_probes: bool) -> dict:
+    """`doc` with the bearer scheme required (the probes exempt while open) and 401 answered."""
+    doc["components"] = {"securitySchemes": {_SCHEME: {
+        "type": "http", "scheme": "bearer", "description": "an API key of the gateway (--api-key)"}}}
+    doc["security"] = [{_SCHEME: []}]
+    for path, item in doc["paths"].items():
+        for op in item.values():
+            if open_probes and path in _PROBES:
+                op["security"] = []
+            else:
+                op["responses"].update(_UNAUTHORIZED)
+    return doc
+
+
 @functools.cache
-def _document(model_names: tuple[str, ...]) -> dict:
+def _document(model_names: tuple[str, ...], api_keys: bool, open_probes: bool) -> dict:
+    doc = _plain(model_names)
+    if not open_probes:  # then rate-limited like every other route
+        for path in _PROBES:
+            doc["paths"][path]["get"]["responses"].update(_LIMITED)
+    return _with_auth(doc, open_probes) if api_keys else doc
+
+
+def _plain(model_names: tuple[str, ...]) -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": "radixmesh gateway", "version": "1",
@@ -120,12 +151,12 @@ def _document(model_names: tuple[str, ...]) -> dict:
                 "200": _json({"type": "object", "required": ["object", "data"],
                               "properties": {"object": {"const": "list"},
                                              "data": {"type": "array", "items": _MODEL}}}, "The model list."),
-                "503": _ERRORS["503"]}}},
+                "503": _ERRORS["503"], **_LIMITED}}},
             "/v1/models/{model}": {"get": {
                 "summary": "One model",
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": _json(_MODEL, "The model."),
-                              "404": _json(_ERROR, "No such model."), "503": _ERRORS["503"]}}},
+                              "404": _json(_ERROR, "No such model."), "503": _ERRORS["503"], **_LIMITED}}},
             "/health": {"get": {"summary": "Liveness: 200 while the process runs", "responses": {
                 "200": _json({"type": "object", "properties": {"status": {"const": "ok"}}}, "Alive.")}}},
             "/ready": {"get": {"summary": "Readiness: 200 when the backend is SERVING and answers Info",
@@ -135,13 +166,15 @@ def _document(model_names: tuple[str, ...]) -> dict:
                                                           "Ready."),
                                              "503": _ERRORS["503"]}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {
-                "200": _json({"type": "object"}, "The OpenAPI document.")}}},
+                "200": _json({"type": "object"}, "The OpenAPI document."), **_LIMITED}}},
         },
     }
 
 
-def document(model_names: str | Sequence[str] | None = None) -> dict:
+def document(model_names: str | Sequence[str] | None = None, api_keys: bool = False,
+             open_probes: bool = True) -> dict:
     """A fresh copy of the document (callers may mutate it); with the served
-    names (one name or several) when they are known."""
+    names (one name or several) when they are known; with `api_keys` the bearer
+    scheme (the gateway has user keys), /health and /ready exempt when `open_probes`."""
     names = (model_names,) if isinstance(model_names, str) else tuple(model_names or ())
-    return copy.deepcopy(_document(names))
+    return copy.deepcopy(_document(names, api_keys, open_probes))

@@ -21,8 +21,10 @@ from aiohttp import web
 
 from services.common.logging import request_context
 from services.gateway import observe, shaping
+from services.gateway.auth import KEYS
 from services.gateway.backend import Backend, BackendError, Event, GenerateCall
 from services.gateway.errors import APIError, from_backend
+from services.gateway.limits import TOKENS_USED, check_caps
 from services.gateway.openai_protocol import (ParsedRequest, decode_json, model_not_found_message, parse_chat,
                                               parse_completion, parse_generate)
 from services.gateway.openapi import document
@@ -71,8 +73,11 @@ async def merged(backend: Backend, calls: list[GenerateCall]) -> AsyncIterator[t
 
 async def _serve(request: web.Request, parse: Callable[..., ParsedRequest]) -> web.StreamResponse:
     state: GatewayState = request.app[STATE]
+    config = state.config
     info = await state.require_info()
-    req = parse(decode_json(await request.read()), info, state.served_names, state.config.default_max_tokens)
+    body = decode_json(await request.read())
+    req = parse(body, info, state.served_names, config.max_tokens_default(parse is parse_generate))
+    check_caps(req, body, config.max_n, config.max_stop, config.max_tokens_limit)
     with request_context(req.id):
         t0 = time.monotonic()
         async with contextlib.aclosing(merged(state.backend, req.calls)) as events:
@@ -86,10 +91,13 @@ async def _serve(request: web.Request, parse: Callable[..., ParsedRequest]) -> w
             metrics = request.app[observe.METRICS]
             observe.generation_started(req, state.served_name, t0, metrics)
             col = shaping.Collector(req)
-            if req.stream:
-                response = await _stream(request, req, col, first, events, state)
-            else:
-                response = await _whole(req, col, first, events)
+            try:
+                if req.stream:
+                    response = await _stream(request, req, col, first, events, state)
+                else:
+                    response = await _whole(req, col, first, events)
+            finally:  # finished, failed or cut off: what the mesh computed counts (--rate-limit-tpm)
+                request[TOKENS_USED] = col.usage()["total_tokens"]
             if col.done:
                 observe.generation_done(col, state.served_name, metrics)
         log.info("done", extra={"route": req.kind, "stream": req.stream, "seconds": round(time.monotonic() - t0, 4),
@@ -207,4 +215,6 @@ async def ready(request: web.Request) -> web.Response:
 @routes.get("/openapi.json")
 async def openapi(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
-    return web.json_response(document(state.served_names or None))
+    keys = request.app[KEYS]
+    return web.json_response(document(state.served_names or None, api_keys=keys.user_keys,
+                                      open_probes=not keys.probes_need_key))
