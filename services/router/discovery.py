@@ -111,7 +111,9 @@ class DnsDiscovery:
     async def _retire(self, address: str) -> None:
         try:
             await self.fleet.retire(address, self.drain_wait_s)
-        except Exception:  # e.g. removed through the admin RPC meanwhile
+        except KeyError:
+            pass  # already removed through the admin RPC
+        except Exception:
             log.exception("retiring a replica that left DNS failed", extra={"replica": address})
         # Not reached when cancelled: the replica came back and was resumed (_resume_returning).
         self.owned.discard(address)

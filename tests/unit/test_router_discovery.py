@@ -163,3 +163,14 @@ async def test_resolving_localhost_for_real():
     assert all(a.endswith(":50051") for a in found) and not any(a.startswith("[") for a in found)
     with pytest.raises(OSError):
         await resolve_addresses("no-such-host.invalid", 50051)
+
+
+async def test_a_vanished_replica_already_removed_by_admin_is_forgotten(fleet):
+    resolver = FakeResolver(A)
+    d = discovery(fleet, resolver)
+    await d.refresh()
+    resolver.answer = set()
+    await d.refresh()  # its retirement is scheduled, not started
+    await fleet.remove(A)
+    await asyncio.wait_for(asyncio.gather(*d.removing.values()), 2)
+    assert fleet.replicas == {} and d.owned == set() and not d.removing
