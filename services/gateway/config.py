@@ -65,7 +65,7 @@ class GatewayConfig:
                 "holding a minute's worth; beyond it 429 + Retry-After; none = no limit"})
     rate_limit_tpm: int | None = field(default=None, metadata={
         "help": "prompt + completion tokens per minute per API key (per client address without keys): a request "
-                "is admitted while the key's bucket is not empty and charged its usage when it ends, so one "
+                "is admitted unless the key's bucket is overdrawn and charged its usage when it ends, so one "
                 "large request may overdraw it (the key then waits; 429 + Retry-After); none = no limit"})
     max_n: int = field(default=MAX_N, metadata={"help": f"the largest n a request may ask for (at most {MAX_N})"})
     max_stop: int = field(default=MAX_STOP, metadata={

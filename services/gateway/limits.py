@@ -9,7 +9,7 @@ is capped by GatewayConfig.max_tokens_default instead.
 Rate limits: a token bucket per caller (auth.KeyRing.caller: an API key, or the client
 address when the gateway has no keys), holding a minute's worth and refilled continuously:
   requests  --rate-limit-rpm: each request takes one when it is admitted
-  tokens    --rate-limit-tpm: a request is admitted while the bucket is above zero and charged
+  tokens    --rate-limit-tpm: a request is admitted unless the bucket is overdrawn, and charged
             its prompt + completion tokens (the usage it reports) when it ends, streamed or not,
             finished or cut off; the prompt's size is only known to the tokenizer, and a
             max_tokens charged up front would be the whole context for a request without one.
@@ -82,7 +82,7 @@ class RateLimiter:
             return
         now = self.clock()
         buckets = self._of(caller, now)
-        for kind, need in (("requests", 1.0), ("tokens", 1e-9)):
+        for kind, need in (("requests", 1.0), ("tokens", 0.0)):  # tokens: admitted unless overdrawn
             bucket = buckets.get(kind)
             if bucket is not None and bucket.refill(now) < need:
                 retry = max(1, math.ceil(bucket.wait_s(need)))
