@@ -275,6 +275,19 @@ class Fleet:
         tree = getattr(self.policy, "tree", None)
         return tree.sizes.get(address, 0) if tree is not None else 0
 
+    async def probe(self, address: str) -> str | None:
+        """Why `address` may not join (None: its health service answered SERVING). The channel is
+        the fleet's own, so with --tls-ca a server without a certificate from that CA fails here."""
+        async with tracing.channel(address, CHANNEL_OPTIONS) as channel:
+            try:
+                resp = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=self.config.health_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                return f"its health service did not answer ({e.code().name}: {e.details()})"
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"its health service answered {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}"
+        return None
+
     async def wait_healthy(self, addresses: list[str], timeout_s: float) -> list[str]:
         """Wait until each of `addresses` has been admitted (or the timeout); returns those that were."""
         deadline = time.monotonic() + timeout_s

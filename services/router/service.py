@@ -208,6 +208,9 @@ class RouterAdmin(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address must be HOST:PORT, got {request.address!r}")
         if request.address in self.fleet.replicas:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"replica {request.address} is already in the fleet")
+        why = await self.fleet.probe(request.address)  # only a live replica (with TLS: a certified one) joins
+        if why is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replica {request.address} refused: {why}")
         replica = self.fleet.add(request.address)
         return replica.status()
 
