@@ -47,7 +47,13 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as e:
-        return error_response(e)
+        response = error_response(e)
+        if e.close:  # answer now, then close: aiohttp would linger reading the rest of the body
+            await response.prepare(request)
+            await response.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return response
     except BackendError as e:
         return error_response(from_backend(e, state.config.retry_after_s))
     except web.HTTPRequestEntityTooLarge:
