@@ -1,11 +1,13 @@
-"""compose.yaml stays consistent with the launcher (no Docker here): every service of the
-launcher's topology runs `serve <name>` with flags its config accepts, peers point at the
-peer's listen port, health checks probe it, and stop_grace_period outlasts the drain; every
-service sends traces to the compose Jaeger and is scraped by the compose Prometheus."""
+"""compose.yaml stays consistent with the launcher (no Docker here; scripts/compose_check.sh runs
+it in a real engine): every service of the launcher's topology runs `serve <name>` with flags
+its config accepts, peers point at the peer's listen port, start waits on the peer's health
+check, which probes it, and stop_grace_period outlasts the drain; every service sends traces
+to the compose collector and is scraped by the compose Prometheus."""
 from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 import pytest
 
@@ -22,11 +24,18 @@ def _seconds(text: str) -> float:
     return float(m.group(1)) * (60 if m.group(2) == "m" else 1)
 
 
-OBSERVABILITY = {"jaeger", "prometheus"}
+OBSERVABILITY = {"collector", "prometheus"}
+
+
+def load_compose(path: Path) -> dict:
+    """A compose file as compose reads it with no variables set: `${VAR:-default}` -> default."""
+    text = re.sub(r"\$\{\w+:-([^}]*)\}", lambda m: m.group(1), path.read_text())
+    assert "${" not in text, "a variable without a default"
+    return yaml.safe_load(text)
 
 
 def _radixmesh_services() -> dict:
-    services = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    services = load_compose(REPO / "compose.yaml")["services"]
     assert OBSERVABILITY <= set(services)
     return {name: svc for name, svc in services.items() if name not in OBSERVABILITY}
 
@@ -53,8 +62,9 @@ def test_compose_matches_the_launcher_topology():
         for flag, peer in peers:
             attr = flag.removeprefix("--").replace("-", "_")
             assert getattr(configs[name], attr) == f"{peer}:{listen_port[peer]}", (name, flag)
-            # compose stops dependents first: the launcher's front-to-back order
-            assert peer in compose[name].get("depends_on", []), (name, peer)
+            # compose starts a service once its peers are healthy and stops dependents first:
+            # the launcher's start order and its front-to-back stop order
+            assert compose[name]["depends_on"][peer] == {"condition": "service_healthy"}, (name, peer)
     order = [name for group in STOP_ORDER for name in group]
     assert sorted(order) == sorted(compose)
 
@@ -66,9 +76,12 @@ def test_docs_show_the_example_client_verbatim():
 
 def test_every_service_is_traced_and_scraped():
     compose = _radixmesh_services()
-    everything = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
-    assert "4317:4317" in everything["jaeger"]["ports"]
-    assert everything["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    everything = load_compose(REPO / "compose.yaml")["services"]
+    collector = everything["collector"]
+    assert "127.0.0.1:4317:4317" in collector["ports"]
+    # the image carries the collector where the compose entrypoint runs it
+    script = collector["entrypoint"][-1]
+    assert f"COPY deploy/collector/otlp_collector.py {script}" in (REPO / "Dockerfile").read_text()
     mount = everything["prometheus"]["volumes"][0]
     assert mount.startswith("./deploy/prometheus.yml:/etc/prometheus/prometheus.yml")
     prometheus = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
@@ -77,7 +90,8 @@ def test_every_service_is_traced_and_scraped():
     expected = set()
     for name, _ in TOPOLOGY:
         svc = compose[name]
-        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
+        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4317", name
+        assert svc["depends_on"]["collector"] == {"condition": "service_healthy"}, name
         parser = argparse.ArgumentParser(prog=name, exit_on_error=False)
         flags_from_dataclass(load_ref(CONFIG_CLASSES[name]), parser)
         config = config_from_args(load_ref(CONFIG_CLASSES[name]), parser.parse_args(svc["command"][2:]))
@@ -86,3 +100,20 @@ def test_every_service_is_traced_and_scraped():
         assert port is not None, f"{name} has no --metrics-port"
         expected.add(f"{name}:{port}")
     assert targets == expected
+
+
+def test_compose_runs_contained():
+    """What a stack left running on a laptop needs: ports on loopback unless RADIXMESH_BIND says
+    otherwise, memory limits, restarts, and the worker's one capability kept by setpriv."""
+    everything = load_compose(REPO / "compose.yaml")["services"]
+    for name, svc in everything.items():
+        assert svc["restart"] == "unless-stopped", name
+        assert svc["mem_limit"], name
+        for port in svc.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)
+    worker = everything["worker"]
+    assert worker["cap_add"] == ["SYS_NICE"] and worker["user"] == "root"
+    entry = worker["entrypoint"]
+    assert entry[0] == "setpriv" and "--reuid=10001" in entry and entry[-2:] == ["--", "radixmesh"]
+    assert "--bounding-set=-all,+sys_nice" in entry
+    assert "useradd --create-home --uid 10001 radixmesh" in (REPO / "Dockerfile").read_text()
