@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# `docker compose up`, proven against a real Docker engine: build, start compose.yaml and then
+# the fleet (compose.fleet.yaml over it), wait on the healthchecks, stream a chat completion
+# through the gateway with the OpenAI SDK, check /metrics on every service (through Prometheus)
+# and the trace in the collector, stop the fleet under load, tear everything down.
+#
+#   sudo scripts/compose_check.sh | tee bench/results/compose-check-$(date +%F).txt
+#
+# Prints the timings (build, image size, time to healthy, first-token latency) and one
+# PASS/FAIL line per check; exits 1 if any failed. Uses `docker compose` when the CLI has it,
+# else docker-compose (1.29); COMPOSE="docker-compose" forces one. Starts dockerd if none
+# answers (and stops it at the end); makes the base image (scripts/make_base_image.sh) and
+# build/wheels (scripts/make_wheels.sh) when missing. Environment: KEEP=1 leaves the stack up;
+# LOAD_STREAMS (8) and LOAD_MAX_TOKENS (192) size the stop-under-load check: its streams
+# must still run when `stop` starts, and end within the gateway's 30 s drain (see docs/mesh.md).
+# Not part of the pytest suite: it takes minutes and a Docker engine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+project=radixmesh-check
+base=(-f compose.yaml)
+fleet=(-f compose.yaml -f compose.fleet.yaml)
+url=http://127.0.0.1:8000
+collector=http://127.0.0.1:16686
+prometheus=http://127.0.0.1:9090
+py=.venv/bin/python; [[ -x $py ]] || py=python3
+probe=("$py" scripts/compose_probe.py)
+work=build/compose-check
+mkdir -p "$work"
+failed=0
+started_dockerd=
+
+say() { printf '%s\n' "$*"; }
+check() {  # check NAME COMMAND...: PASS/FAIL line, the command's output indented
+  local name=$1; shift
+  local out rc
+  out=$("$@" 2>&1); rc=$?
+  [[ -n $out ]] && sed 's/^/    /' <<<"$out"
+  if [[ $rc == 0 ]]; then say "PASS  $name"; else say "FAIL  $name"; failed=1; fi
+  return $rc
+}
+elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+
+cleanup() {
+  if [[ ${KEEP:-0} != 1 ]] && docker info >/dev/null 2>&1; then
+    "${compose[@]}" -p "$project" "${fleet[@]}" down -v --remove-orphans >"$work/down.log" 2>&1
+  fi
+  if [[ -n $started_dockerd ]]; then
+    kill "$started_dockerd" 2>/dev/null && wait "$started_dockerd" 2>/dev/null
+    say "stopped the dockerd this check started"
+  fi
+}
+trap cleanup EXIT
+
+say "== radixmesh compose check, $(date -u +%FT%TZ), $(uname -m), $(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB"
+loadavg() { say "load average (1, 5, 15 min): $(cut -d' ' -f1-3 /proc/loadavg)"; }
+loadavg
+
+# --- the engine ------------------------------------------------------------------------------
+if ! docker info >/dev/null 2>&1; then
+  command -v dockerd >/dev/null || { say "FAIL  no Docker engine and no dockerd (apt-get install docker.io)"; exit 1; }
+  dockerd >"$work/dockerd.log" 2>&1 &
+  started_dockerd=$!
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || { say "FAIL  dockerd did not start: $work/dockerd.log"; exit 1; }
+  say "started dockerd (pid $started_dockerd)"
+fi
+if [[ -n ${COMPOSE:-} ]]; then read -ra compose <<<"$COMPOSE"
+elif docker compose version >/dev/null 2>&1; then compose=(docker compose)
+else compose=(docker-compose); fi
+say "engine: Docker $(docker version -f '{{.Server.Version}}'), $(docker info -f '{{.Driver}}'); compose: ${compose[*]} ($("${compose[@]}" version --short 2>/dev/null || "${compose[@]}" version | head -1))"
+
+# --- build -----------------------------------------------------------------------------------
+t=$(date +%s.%N)
+if ! docker image inspect "${RADIXMESH_BASE_IMAGE:-debian:bookworm-slim}" >/dev/null 2>&1; then
+  check "base image from debootstrap" scripts/make_base_image.sh || exit 1
+fi
+if [[ ! -d build/wheels ]] || [[ ${REFRESH_WHEELS:-0} == 1 ]]; then
+  check "wheels from the host's pip" scripts/make_wheels.sh || exit 1
+fi
+say "base image and wheels: $(elapsed "$t") s"
+t=$(date +%s.%N)
+# One service per image: every radixmesh service shares radixmesh:latest, which the collector's
+# build makes (building each service would send the context a dozen times). NO_CACHE=1: cold.
+if "${compose[@]}" -p "$project" "${fleet[@]}" build ${NO_CACHE:+--no-cache} collector prometheus \
+     >"$work/build.log" 2>&1; then
+  say "PASS  build ($(elapsed "$t") s; log $work/build.log)"
+else
+  tail -20 "$work/build.log"; say "FAIL  build"; exit 1
+fi
+for image in radixmesh:latest radixmesh-prometheus:latest; do
+  say "image $image: $(docker image inspect -f '{{.Size}}' "$image" | awk '{printf "%.0f MB", $1/1e6}')"
+done
+
+# --- up: waits on the healthchecks -----------------------------------------------------------
+healthy() {  # every container of the project running and, where it has a healthcheck, healthy
+  local ids states
+  ids=$(docker ps -aq --filter "label=com.docker.compose.project=$project")
+  [[ -n $ids ]] || return 1
+  states=$(docker inspect -f '{{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}' $ids)
+  ! grep -qv -E '^running (healthy|none)$' <<<"$states"
+}
+up() {  # up NAME FILES...: compose up -d, then wait until all is healthy
+  local name=$1; shift
+  local t; t=$(date +%s.%N)
+  if ! "${compose[@]}" -p "$project" "$@" up -d >"$work/up-$name.log" 2>&1; then
+    tail -20 "$work/up-$name.log"; say "FAIL  up ($name)"; failed=1; return 1
+  fi
+  local up_s; up_s=$(elapsed "$t")
+  for _ in $(seq 300); do healthy && break; sleep 2; done
+  if healthy; then
+    say "PASS  up ($name): $(docker ps -q --filter "label=com.docker.compose.project=$project" | wc -l) containers healthy in $(elapsed "$t") s (compose up returned after $up_s s)"
+  else
+    docker ps -a --filter "label=com.docker.compose.project=$project" --format '    {{.Names}}: {{.Status}}'
+    say "FAIL  up ($name): not all healthy after $(elapsed "$t") s"; failed=1; return 1
+  fi
+}
+chat_and_trace() {  # chat_and_trace NAME SERVICE...: a streamed completion; its trace from each SERVICE
+  local name=$1; shift
+  local out trace_id
+  if out=$("${probe[@]}" chat "$url" 2>&1); then
+    sed 's/^/    /' <<<"$out"; say "PASS  streamed chat completion through the gateway ($name)"
+  else
+    sed 's/^/    /' <<<"$out"; say "FAIL  streamed chat completion through the gateway ($name)"; failed=1; return 1
+  fi
+  loadavg
+  say "first-token latency ($name, cold): $(sed -n 's/.*"ttft_ms": \([0-9.]*\).*/\1/p' <<<"$out") ms"
+  local warm=()
+  for _ in 1 2 3 4 5; do
+    warm+=("$("${probe[@]}" chat "$url" 2>/dev/null | sed -n 's/.*"ttft_ms": \([0-9.]*\).*/\1/p')")
+  done
+  say "first-token latency ($name, warm, 5 requests): $(printf '%s\n' "${warm[@]}" | sort -n | awk '{a[NR]=$1} END {printf "median %s ms, min %s ms, max %s ms", a[int((NR+1)/2)], a[1], a[NR]}')"
+  trace_id=$(sed -n 's/.*"trace_id": "\([0-9a-f]*\)".*/\1/p' <<<"$out" | head -1)
+  check "spans of that request reached the collector from all $# services ($name)" \
+    "${probe[@]}" trace "$collector" "$trace_id" "${@/#/radixmesh-}"
+}
+
+if up one-replica "${base[@]}"; then
+  chat_and_trace one-replica gateway tokenizer scheduler worker detokenizer
+  check "/metrics answers on all 5 services: Prometheus scrapes every target up (one-replica)" \
+    "${probe[@]}" targets "$prometheus" 5
+fi
+
+# From one replica to the fleet: down first (volumes kept). In place, compose would recreate the
+# worker with its new flags while leaving its scheduler up, which reports NOT_SERVING (unhealthy)
+# until the worker is back, and `up` stops at that unhealthy dependency.
+t=$(date +%s.%N)
+"${compose[@]}" -p "$project" "${base[@]}" down >"$work/down-one-replica.log" 2>&1
+say "down (one-replica): $(elapsed "$t") s"
+if up fleet "${fleet[@]}"; then
+  check "the router reports 2 replicas (fleet)" "${probe[@]}" replicas "$url" 2
+  chat_and_trace fleet gateway router tokenizer scheduler worker detokenizer
+  check "/metrics answers on all 11 services: Prometheus scrapes every target up (fleet)" \
+    "${probe[@]}" targets "$prometheus" 11
+
+  # --- stop under load: every in-flight stream ends with length or abort, nothing hangs ------
+  ready="$work/load-ready"; rm -f "$ready"
+  "${probe[@]}" load "$url" "${LOAD_STREAMS:-8}" "${LOAD_MAX_TOKENS:-192}" "$ready" >"$work/load.json" 2>&1 &
+  load_pid=$!
+  for _ in $(seq 240); do [[ -e $ready ]] && break; kill -0 $load_pid 2>/dev/null || break; sleep 0.5; done
+  if [[ -e $ready ]]; then
+    t=$(date +%s.%N)
+    "${compose[@]}" -p "$project" "${fleet[@]}" stop >"$work/stop.log" 2>&1
+    say "compose stop under load: $(elapsed "$t") s (stop_grace_period 40 s, drain 30 s)"
+  fi
+  wait $load_pid; load_rc=$?
+  sed 's/^/    /' "$work/load.json"
+  if [[ -e $ready && $load_rc == 0 ]]; then
+    say "PASS  stop under load: all ${LOAD_STREAMS:-8} streams in flight at stop ended cleanly (length or abort)"
+  else say "FAIL  stop under load"; failed=1; fi
+  killed=$(docker ps -aq --filter "label=com.docker.compose.project=$project" | xargs -r docker inspect \
+    -f '{{.Name}} {{.State.ExitCode}}' | awk '$2 != 0 {print}')
+  if [[ -z $killed ]]; then say "PASS  every container exited 0 on stop (drained, none SIGKILLed)"
+  else sed 's/^/    exit status: /' <<<"$killed"; say "FAIL  containers that did not exit 0"; failed=1; fi
+fi
+
+if [[ ${KEEP:-0} != 1 ]]; then
+  if "${compose[@]}" -p "$project" "${fleet[@]}" down -v --remove-orphans >"$work/down.log" 2>&1 \
+     && [[ -z $(docker ps -aq --filter "label=com.docker.compose.project=$project") ]]; then
+    say "PASS  down -v: containers, network and the kvstore volume removed"
+  else say "FAIL  down -v"; failed=1; fi
+fi
+if [[ $failed == 0 ]]; then say "== compose check: PASS"; else say "== compose check: FAIL"; fi
+exit $failed
