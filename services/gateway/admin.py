@@ -9,6 +9,7 @@
 The gateway's --tokenizer-addr must be a router (it serves radixmesh.v1.Router beside the
 Tokenizer surface); against a single replica these routes answer 404. Errors use the
 gateway's envelope (400 bad address, 404 unknown replica, 409 already added, 503 router down).
+Who may call them: the admin key (--admin-api-key); a user key gets 403 (services/gateway/auth.py).
 """
 from __future__ import annotations
 
