@@ -16,6 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+from schemathesis.core.parameters import ParameterLocation
 
 from services.gateway.config import GatewayConfig
 from services.gateway.openapi import document
@@ -53,7 +54,7 @@ def test_the_served_document_is_the_fuzzed_one(gateway):
 
 @pytest.mark.parametrize("op,mode", CASES, ids=[f"{op.method.upper()} {op.path} {mode.value}" for op, mode in CASES])
 def test_fuzz_operation_with_the_key(gateway, op, mode):
-    statuses: dict[int, int] = {}
+    statuses: dict[int, int] = {}  # of the cases whose body broke the schema
 
     @given(case=op.as_strategy(generation_mode=mode))
     @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
@@ -61,14 +62,22 @@ def test_fuzz_operation_with_the_key(gateway, op, mode):
     def run(case):
         response = case.call_and_validate(base_url=gateway.url, headers=AUTH, timeout=30,
                                           excluded_checks=[schemathesis.checks.positive_data_acceptance])
-        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         assert response.status_code < 500 or (op.path == "/ready" and response.status_code == 503), response.text
+        if mode == GenerationMode.POSITIVE or body_broke_the_schema(case):
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
 
     run()
     if mode == GenerationMode.NEGATIVE:  # 401: the case's Authorization header was made invalid too
         assert set(statuses) <= {400, 401, 404, 405, 413}, statuses
     else:
         assert 401 not in statuses, statuses  # the key was accepted throughout
+
+
+def body_broke_the_schema(case) -> bool:
+    """A negative case may break only its Authorization header, which the test's own key then
+    replaces: such a case is a valid request, and a 200 is its right answer."""
+    body = case.meta.components.get(ParameterLocation.BODY) if case.meta else None
+    return body is not None and body.mode == GenerationMode.NEGATIVE
 
 
 @pytest.mark.parametrize("op", OPERATIONS, ids=[f"{op.method.upper()} {op.path}" for op in OPERATIONS])
