@@ -59,8 +59,11 @@ class LiveCollector(Collector):
         self._model_name, self._read = model_name, read
 
     def collect(self):
-        model, values = self._model_name(), self._read()
-        if model is None or values is None:
+        model = self._model_name()
+        if model is None:  # `read` may need what is not there yet (the worker's model while it loads)
+            return
+        values = self._read()
+        if values is None:
             return
         for name, (kind, doc, value) in values.items():
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(PREFIX + name, doc,
