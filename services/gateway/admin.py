@@ -8,7 +8,8 @@
 
 The gateway's --tokenizer-addr must be a router (it serves radixmesh.v1.Router beside the
 Tokenizer surface); against a single replica these routes answer 404. Errors use the
-gateway's envelope (400 bad address, 404 unknown replica, 409 already added, 503 router down).
+gateway's envelope (400 bad address or not a working replica, with the router's reason; 404 unknown
+replica; 409 already added; 503 router down).
 Who may call them: the admin key (--admin-api-key); a user key gets 403 (services/gateway/auth.py).
 """
 from __future__ import annotations
@@ -26,8 +27,10 @@ from services.gateway.state import STATE
 
 admin_routes = web.RouteTableDef()
 
-_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-         grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.UNIMPLEMENTED: 404}
+# FAILED_PRECONDITION: AddReplica's health probe of the new address failed (dead, not SERVING,
+# a certificate the fleet does not trust): the caller gave a bad address, the router is fine.
+_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+         grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.UNIMPLEMENTED: 404}
 
 
 async def _call(request: web.Request, method: str, message, status: int = 200,

@@ -248,3 +248,22 @@ async def test_gateway_ready_follows_a_drain_done_behind_its_back():
         await wait_ready(client, 503)
         await drain(f, f.replicas[0], resume=True)
         await wait_ready(client, 200)
+
+
+# --- admin ------------------------------------------------------------------------------------
+
+async def test_gateway_admin_add_of_a_replica_that_is_not_serving_is_400_with_the_routers_reason():
+    """The router's probe refuses it (FAILED_PRECONDITION): the caller's address is at fault, not the router."""
+    async with router_fleet(Script()) as f, gateway(f) as client:
+        server, address, health_servicer = await start_server()
+        try:
+            await health_servicer.set("", NOT_SERVING)
+            r = await client.post("/admin/replicas", json={"address": address})
+            error = (await r.json())["error"]
+            assert r.status == 400, error
+            assert error["code"] == "failed_precondition" and error["type"] == "invalid_request_error"
+            assert address in error["message"] and "NOT_SERVING" in error["message"]
+            listing = await (await client.get("/admin/replicas")).json()
+            assert address not in {r["address"] for r in listing["replicas"]}
+        finally:
+            await server.stop(0)
