@@ -10,6 +10,10 @@ NOT_SERVING, stop accepting HTTP connections, give in-flight requests
 --drain-timeout-s to finish, cancel the rest (which aborts them in the mesh),
 exit 0; a second signal cancels at once.
 
+TLS (services/common/tls.py, the flags of every service): --tls-ca (+ --tls-client-cert/key)
+for the channel to --tokenizer-addr (and /admin's), --tls-cert/--tls-key (+ --tls-client-ca)
+for the gRPC health port; HTTP stays plain.
+
 Without API keys the gateway answers anyone who can connect, which is fine on loopback (the
 default --host); on any other address it logs a warning at start (`open to the network`).
 """
@@ -26,7 +30,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import tracing
+from services.common import tls, tracing
 from services.common.config import parse_config
 from services.common.logging import setup_logging
 from services.gateway.app import build_app
@@ -64,16 +68,18 @@ def access_warnings(config: GatewayConfig, user_keys: bool, admin_keys: bool) ->
     return out
 
 
-async def _health_server(config: GatewayConfig) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+async def _health_server(listen: str, settings: tls.ServerTLS | None
+                         ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """grpc health (and reflection) on `listen`, over TLS with `settings`; NOT_SERVING at first."""
     server = grpc.aio.server()
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection([health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     try:
-        port = server.add_insecure_port(config.common.listen)
+        port = tls.add_port(server, listen, settings)
     except RuntimeError as e:
-        raise OSError(f"cannot listen on {config.common.listen}: {e}") from e
+        raise OSError(f"cannot listen on {listen}: {e}") from e
     await server.start()
     return server, servicer, port
 
@@ -106,6 +112,8 @@ async def _drain(runner: web.AppRunner, state, health_servicer, timeout_s: float
 
 async def serve(config: GatewayConfig, backend: Backend | None = None) -> int:
     """Run until SIGTERM/SIGINT (main thread only); returns the exit status."""
+    tls.configure_clients(tls.client_tls(config.common))  # the backend's channel and /admin's, made below
+    server_tls = tls.server_tls(config.common)
     app = build_app(config, backend or GrpcBackend(config.tokenizer_addr))
     state, keys = app[STATE], app[KEYS]
     for warning in access_warnings(config, keys.user_keys, keys.admin_keys):
@@ -119,7 +127,7 @@ async def serve(config: GatewayConfig, backend: Backend | None = None) -> int:
     await runner.setup()
     try:
         await GuardedSite(runner, config.host, config.http_port, app[CONNECTIONS]).start()
-        grpc_server, health_servicer, grpc_port = await _health_server(config)
+        grpc_server, health_servicer, grpc_port = await _health_server(config.common.listen, server_tls)
     except OSError as e:
         log.error("cannot start", extra={"error": f"{e}"})
         await runner.cleanup()
@@ -135,6 +143,7 @@ async def serve(config: GatewayConfig, backend: Backend | None = None) -> int:
     log.info("listening", extra={"address": f"{config.common.listen.rpartition(':')[0]}:{grpc_port}",
                                  "port": grpc_port, "http_port": http_port,
                                  "url": http_url(config.host, http_port), "tokenizer_addr": config.tokenizer_addr,
+                                 "tls": server_tls.mode if server_tls else "off",
                                  "api_keys": keys.user_keys, "admin_keys": keys.admin_keys})
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

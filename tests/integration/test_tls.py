@@ -2,7 +2,9 @@
 scripts/make_test_ca.sh: real `radixmesh serve` processes (kvstore, tokenizer, router)
 refuse a client without a certificate in the handshake and answer one with it; the
 router, itself an mTLS client, admits a replica only over mTLS; TLS without client
-certificates answers any CA-verifying client."""
+certificates answers any CA-verifying client. A gateway process in front of an mTLS replica
+reaches it with the client flags and serves its own health port over mTLS; without the CA it
+answers 503 and stays up."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -22,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import tls
 from services.kvstore.client import KVStoreClient
 from services.launcher import healthcheck
+from tests.doubles.procs import Proc as Double
 from tests.integration.mesh_harness import REPO
 from tests.integration.test_kvstore_service import SPEC, chain, same
 
@@ -204,3 +209,47 @@ async def test_aio_channel_uses_the_configured_settings(certs: Path) -> None:
         tls.configure_clients(None)
         await server.stop(None)
     await asyncio.sleep(0)
+
+
+def http(url: str, body: dict | None = None) -> tuple[int, dict]:
+    """GET, or POST `body` as JSON: (status, the JSON answer)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def wait_ready(url: str, timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while (got := http(url + "/ready"))[0] != 200:
+        assert time.monotonic() < end, f"{url}/ready: {got}"
+        time.sleep(0.2)
+
+
+def test_a_gateway_in_front_of_an_mtls_backend(certs: Path, procs: list[Proc]) -> None:
+    d = certs / "fleet"
+    mtls = server_flags(d, mtls=True)
+    completion = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+    with Double.fake_replica("tls", *mtls) as replica:
+        gateway = Proc("gateway", *mtls, "--http-port", "0", "--tokenizer-addr", replica.address,
+                       "--ready-interval-s", "0.2")
+        blind = Proc("gateway", "--http-port", "0", "--tokenizer-addr", replica.address,  # no --tls-ca
+                     "--ready-interval-s", "0.2")
+        procs += [gateway, blind]
+        listening = gateway.listening()
+        assert listening["tls"] == "mtls"
+        wait_ready(listening["url"])
+        status, body = http(listening["url"] + "/v1/completions", completion)  # through the mTLS channel
+        assert status == 200 and body["choices"][0]["text"] == "tls.", body
+        wait_status(gateway.address, client(d, cert=True), "SERVING")  # its own health port: mTLS
+        assert health(gateway.address, client(d, cert=False))[0] == "UNAVAILABLE"
+        assert health(gateway.address, None)[0] == "UNAVAILABLE"
+        url = blind.listening()["url"]
+        status, body = http(url + "/v1/completions", completion)  # the handshake fails: 503, not a crash
+        assert status == 503 and "UNAVAILABLE" in body["error"]["message"], body
+        status, body = http(url + "/ready")
+        assert status == 503 and "does not answer" in body["error"]["message"], body
+        assert blind.proc.poll() is None

@@ -60,3 +60,12 @@ def test_client_settings_from_forwarded_flags() -> None:
             "--tls-client-key", "c.key", "--log-level", "debug"]
     assert tls.client_from_argv(argv) == tls.ClientTLS("ca.pem", "c.pem", "c.key")
     assert tls.client_from_argv(["--tls-client-ca", "x"]) is None
+
+
+def test_up_forwards_every_tls_flag_to_the_gateway_too() -> None:
+    """`radixmesh up` with TLS needs no --no-gateway: the gateway takes the flags as every service."""
+    from services.launcher.up import route_flags
+    argv = ["--tls-cert", "s.pem", "--tls-key", "s.key", "--tls-client-ca", "ca.pem", "--tls-ca", "ca.pem",
+            "--tls-client-cert", "c.pem", "--tls-client-key", "c.key"]
+    routed = route_flags(argv, ["worker", "scheduler", "detokenizer", "tokenizer", "gateway"])
+    assert all(flags == argv for flags in routed.values()), routed
