@@ -17,10 +17,11 @@ from services.gateway.backend import Backend, BackendError
 from services.gateway.config import GatewayConfig
 from services.common import metrics
 from services.gateway.connections import CONNECTIONS, ConnectionGuard, read_body, track
-from services.gateway.errors import APIError, error_response, from_backend
+from services.gateway.errors import UNAVAILABLE, APIError, error_response, from_backend
 from services.gateway.limits import LIMITER, TOKENS_USED, RateLimiter
 from services.gateway.observe import METRICS, GatewayMetrics, middleware
 from services.gateway.routes import routes
+from services.gateway.sse import OPENED
 from services.gateway.state import STATE, GatewayState, monitor
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,13 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         if isinstance(e, web.HTTPMethodNotAllowed):
             response.headers["Allow"] = ",".join(sorted(e.allowed_methods))
         return response
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
+        if request.get(OPENED) or not state.cancelled_by_drain():
+            raise  # the client went away, or a stream's end was cut off: nothing to answer
+        return error_response(APIError(503, "the gateway is shutting down: the request was still running at its "
+                                       "drain deadline (--drain-timeout-s)", UNAVAILABLE, code="shutting_down",
+                                       retry_after=state.config.retry_after_s))
+    except ConnectionResetError:
         raise  # the client went away: nothing to answer
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})

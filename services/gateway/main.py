@@ -7,8 +7,9 @@ reflection) on --listen: SERVING exactly while /ready says 200. Logs JSON
 lines; `listening` carries `port` (the gRPC one, as every service's does) and
 `http_port`/`url` (useful with --http-port 0). On SIGTERM/SIGINT: health
 NOT_SERVING, stop accepting HTTP connections, give in-flight requests
---drain-timeout-s to finish, cancel the rest (which aborts them in the mesh),
-exit 0; a second signal cancels at once.
+--drain-timeout-s to finish, cancel the rest (which aborts them in the mesh:
+a stream ends with a `finish_reason: "abort"` chunk and `data: [DONE]`, any
+other request gets 503), exit 0; a second signal cancels at once.
 
 TLS (services/common/tls.py, the flags of every service): --tls-ca (+ --tls-client-cert/key)
 for the channel to --tokenizer-addr (and /admin's), --tls-cert/--tls-key (+ --tls-client-ca)
@@ -87,7 +88,8 @@ async def _health_server(listen: str, settings: tls.ServerTLS | None
 async def _drain(runner: web.AppRunner, state, health_servicer, timeout_s: float, forced: asyncio.Event) -> None:
     """Stop accepting, let in-flight requests finish until the deadline (or a
     second signal), then cancel them: cancelling a handler cancels its gRPC
-    calls, which aborts the requests in the mesh."""
+    calls, which aborts the requests in the mesh; with `cut_off` set the handler
+    still answers (routes._relay, app.errors)."""
     state.draining, state.ready = True, False
     await health_servicer.enter_graceful_shutdown()
     log.info("draining", extra={"in_flight": len(state.inflight), "timeout_s": timeout_s})
@@ -104,6 +106,7 @@ async def _drain(runner: web.AppRunner, state, health_servicer, timeout_s: float
     if state.inflight:
         log.warning("cancelling requests still running", extra={
             "in_flight": len(state.inflight), "reason": "second signal" if forced.is_set() else "drain deadline"})
+        state.cut_off = True
         for task in list(state.inflight):
             task.cancel()
         await asyncio.wait(set(state.inflight), timeout=5)

@@ -6,7 +6,9 @@ full) gets its HTTP status even when it asked to stream; a failure after
 that becomes an SSE error event before `data: [DONE]`. Leaving `_serve` by
 any path (done, error, client gone: the handler is cancelled, or a write
 fails) closes the event iterator, which cancels the gRPC calls and so aborts
-the request in the mesh.
+the request in the mesh. A stream cancelled by the gateway's drain deadline
+ends cleanly: each unfinished choice gets a `finish_reason: "abort"` chunk,
+then `data: [DONE]` (a request not streaming yet gets 503: app.py).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -130,9 +132,7 @@ async def _stream(request: web.Request, req: ParsedRequest, col: shaping.Collect
             await stream.send(obj)
 
     try:
-        await send(*first)
-        async for i, event in events:
-            await send(i, event)
+        await _relay(send, first, events, col, state)
         if not col.done:
             raise BackendError("INTERNAL", "the backend ended the request before every sequence finished")
         if req.include_usage:
@@ -149,6 +149,21 @@ async def _stream(request: web.Request, req: ParsedRequest, col: shaping.Collect
         return await stream.done()
     except ConnectionResetError:
         return _gone(stream)
+
+
+async def _relay(send: Callable[[int, Event], Awaitable[None]], first: tuple[int, Event],
+                 events: AsyncIterator[tuple[int, Event]], col: shaping.Collector, state: GatewayState) -> None:
+    """Send every event; cancelled by the drain deadline, finish each unfinished choice with an abort."""
+    try:
+        await send(*first)
+        async for i, event in events:
+            await send(i, event)
+    except asyncio.CancelledError:
+        if not state.cancelled_by_drain():
+            raise
+        log.info("stream cut off by the drain deadline")
+        for i, event in col.aborts():
+            await send(i, event)
 
 
 def _gone(stream: EventStream) -> web.StreamResponse:

@@ -63,6 +63,13 @@ class Collector:
         choice.logprobs += event.logprobs
         return index
 
+    def aborts(self) -> list[tuple[int, RequestOutput]]:
+        """(call index, a finishing abort event) for every choice not finished yet."""
+        n = self.req.n
+        return [(i // n, RequestOutput(self.req.calls[i // n].rid, index=i % n, finished=True,
+                                       finish_reason=FinishReason.ABORT))
+                for i, c in enumerate(self.choices) if c.finish_reason is None]
+
     @property
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)

@@ -10,6 +10,7 @@ import json
 from aiohttp import web
 
 DONE = b"data: [DONE]\n\n"
+OPENED = web.RequestKey("radixmesh_sse_opened", bool)  # the stream's status line went out: no other answer now
 
 
 def frame(obj: dict) -> bytes:
@@ -31,6 +32,7 @@ class EventStream:
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",  # proxies must not hold events back
             })
+            self.request[OPENED] = True
             await self.response.prepare(self.request)
 
     async def send(self, obj: dict) -> None:

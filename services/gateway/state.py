@@ -31,6 +31,7 @@ class GatewayState:
     info: ModelInfo | None = None
     ready: bool = False
     draining: bool = False
+    cut_off: bool = False  # the drain deadline passed: the handlers still running are being cancelled
     not_ready_reason: str = "the backend has not been checked yet"
     started: int = field(default_factory=lambda: int(time.time()))
     inflight: set[asyncio.Task] = field(default_factory=set)  # request handlers running now (drain)
@@ -67,6 +68,18 @@ class GatewayState:
                                                                         "model": self.served_name})
                 await self.notify()
             return self.ready
+
+    def cancelled_by_drain(self) -> bool:
+        """In a handler that caught CancelledError: True when the drain deadline sent it (the handler
+        then answers: an abort chunk, a 503), with the cancellation taken back so that asyncio
+        (3.11+: timeouts, task groups) does not count the task as still cancelled; False = the
+        client went away."""
+        if not self.cut_off:
+            return False
+        task = asyncio.current_task()
+        if hasattr(task, "uncancel"):  # Python 3.11+
+            task.uncancel()
+        return True
 
     async def notify(self) -> None:
         for watch in self.watchers:

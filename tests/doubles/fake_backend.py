@@ -38,6 +38,7 @@ class FakeBackend:
     context_length: int = 256
     token_delay_s: float = 0.0          # sleep before each token (disconnect tests)
     fail_after_tokens: int | None = None  # error mid-stream after this many tokens
+    stall_after_tokens: int | None = None  # never finish: wait forever after this many tokens (drain tests)
     queue_full: bool = False            # refuse with RESOURCE_EXHAUSTED
     is_serving: bool = True
     calls: list[GenerateCall] = field(default_factory=list)
@@ -114,6 +115,8 @@ class FakeBackend:
                         await asyncio.sleep(0)
                     if self.fail_after_tokens is not None and produced >= self.fail_after_tokens:
                         raise BackendError("INTERNAL", "worker error: injected failure")
+                    if self.stall_after_tokens is not None and produced >= self.stall_after_tokens:
+                        await asyncio.Event().wait()  # until cancelled
                     produced += 1
                     chunk = s.step(call.rid)
                     chunk.prompt_tokens, chunk.cached_tokens = len(ids), cached

@@ -4,7 +4,8 @@
         openai.OpenAI(base_url=gw.url + "/v1", api_key="x").models.list()
 
 The gateway gets its own event loop in the thread; `gw.run(coro)` runs a
-coroutine there (e.g. to inspect the backend between requests).
+coroutine there (e.g. to inspect the backend between requests). `gw.drain(timeout_s)`
+stops it as SIGTERM stops `radixmesh serve gateway` (services/gateway/main.py).
 """
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from dataclasses import replace
 from typing import Any, Coroutine
 
 from aiohttp import web
+from grpc_health.v1 import health
 
 from services.gateway.app import build_app
 from services.gateway.backend import Backend
 from services.gateway.config import GatewayConfig
+from services.gateway.main import _drain
 from services.gateway.state import STATE, GatewayState
 
 
@@ -50,6 +53,16 @@ class GatewayThread:
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def drain(self, timeout_s: float) -> None:
+        """SIGTERM's drain: stop accepting, wait up to `timeout_s` for in-flight requests, cut off the
+        rest, clean up. The gateway is stopped after it (stop() then only ends the thread)."""
+        runner, self._runner = self._runner, None
+        state = runner.app[STATE]
+
+        async def drain() -> None:
+            await _drain(runner, state, health.aio.HealthServicer(), timeout_s, asyncio.Event())
+        self.run(drain(), timeout=timeout_s + 30)
 
     def stop(self) -> None:
         if self._runner is not None:

@@ -192,6 +192,10 @@ def test_sigterm_cancels_requests_past_the_deadline(stub, streaming):
         assert time.monotonic() - t0 < 3  # drain deadline 1 s, then cancel: well within the launcher's grace
         assert any(e.get("msg") == "cancelling requests still running" for e in gw.log + _drain_queue(gw))
         assert stub.run(asyncio.wait_for(stub.stub.cancelled.wait(), 5)) is True  # the gRPC call was cancelled
+        if streaming:  # cut off, yet a clean end: an abort chunk, then [DONE]
+            last, done = resp.read().decode().strip().split("\n\n")[-2:]
+            assert json.loads(last[len("data: "):])["choices"][0]["finish_reason"] == "abort"
+            assert done == "data: [DONE]"
     finally:
         gw.kill()
 
