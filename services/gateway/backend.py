@@ -129,7 +129,8 @@ def _event(rid: str, msg: common_pb2.GenerateResponse) -> Event:
         c = msg.chunk  # its copy of the Finish, if any, is left for the Finish that follows
         return RequestOutput(rid, list(c.token_ids), [logprob_from_proto(lp) for lp in c.logprobs], c.text, c.index,
                              prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-                             cached_tokens=c.cached_tokens)
+                             cached_tokens=c.cached_tokens, spec_verify_steps=c.spec_verify_steps,
+                             spec_draft_tokens=c.spec_draft_tokens, spec_accepted_tokens=c.spec_accepted_tokens)
     if kind == "finish":
         f = msg.finish
         return RequestOutput(rid, index=f.index, finished=True, finish_reason=finish_reason_from_proto(f.finish_reason),

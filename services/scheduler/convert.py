@@ -15,23 +15,31 @@ from services.common.outputs import RequestOutput
 from services.common.outputs_convert import finish_to_proto, logprob_to_proto
 
 
+SPEC_COUNTERS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")  # RequestOutput = proto names
+
+
 @dataclass
 class Usage:
-    """Request-level counters over its n sequences: the prompt once, completions summed,
-    cached = the least any sequence reused (the prompt was computed at least once)."""
+    """Request-level counters over its n sequences: the prompt once, completions and the
+    speculative counters summed, cached = the least any sequence reused (the prompt was
+    computed at least once)."""
     prompt_tokens: int = 0
     completion: dict[int, int] = field(default_factory=dict)
     cached: dict[int, int] = field(default_factory=dict)
+    spec: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # index -> SPEC_COUNTERS
 
     def update(self, index: int, out: RequestOutput) -> None:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion[index] = out.completion_tokens
         self.cached[index] = out.cached_tokens
+        self.spec[index] = tuple(getattr(out, name) for name in SPEC_COUNTERS)
 
     def fill(self, chunk: cpb.GenerateChunk) -> cpb.GenerateChunk:
         chunk.prompt_tokens = self.prompt_tokens
         chunk.completion_tokens = sum(self.completion.values())
         chunk.cached_tokens = min(self.cached.values(), default=0)
+        for i, name in enumerate(SPEC_COUNTERS):
+            setattr(chunk, name, sum(counts[i] for counts in self.spec.values()))
         return chunk
 
 

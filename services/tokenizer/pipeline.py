@@ -99,9 +99,7 @@ class Pipeline:
         ids = list(c.token_ids)
         visible = ids[:-1] if _ends_with_stop_token(fin, ids) else ids
         resp = await self._detokenize(c.index, visible, finished=fin is not None)
-        out = cpb.GenerateChunk(index=c.index, token_ids=ids, text=resp.text, logprobs=c.logprobs,
-                                prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-                                cached_tokens=c.cached_tokens)
+        out = cpb.GenerateChunk(index=c.index, token_ids=ids, text=resp.text, logprobs=c.logprobs, **_counters(c))
         if self._token_text is not None:
             for lp in out.logprobs:
                 lp.token, lp.token_bytes = self._token_text(lp.token_id)
@@ -126,10 +124,8 @@ class Pipeline:
         if f.index in self._started:  # release text the detokenizer held back
             resp = await self._detokenize(f.index, [], finished=True)
             if resp.text:
-                c = self._counts
                 events.append(cpb.GenerateResponse(chunk=cpb.GenerateChunk(
-                    index=f.index, text=resp.text, prompt_tokens=c.prompt_tokens,
-                    completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens)))
+                    index=f.index, text=resp.text, **_counters(self._counts))))
         events.append(cpb.GenerateResponse(finish=f))
         return events
 
@@ -155,6 +151,15 @@ class Pipeline:
                                                          matched_stop=matched), timeout=10)
         except grpc.aio.AioRpcError:
             pass  # cancelling the stream (the caller's cleanup) aborts it anyway
+
+
+# The request-level counters of a chunk (common.proto): each new chunk repeats the latest.
+COUNTERS = ("prompt_tokens", "completion_tokens", "cached_tokens",
+            "spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")
+
+
+def _counters(c: cpb.GenerateChunk) -> dict[str, int]:
+    return {name: getattr(c, name) for name in COUNTERS}
 
 
 def _ends_with_stop_token(fin: cpb.Finish | None, ids: list[int]) -> bool:
