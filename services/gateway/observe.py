@@ -109,4 +109,5 @@ def generation_done(col, model: str, metrics: GatewayMetrics) -> None:
             "gen_ai.usage.input_tokens": usage["prompt_tokens"],
             "gen_ai.usage.output_tokens": usage["completion_tokens"],
             "gen_ai.response.finish_reasons": reasons,
-            "radixmesh.cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
+            "radixmesh.cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            **{f"radixmesh.speculative.{k}": v for k, v in usage.get("speculative", {}).items()}})

@@ -127,6 +127,7 @@ def _sampling(values: dict, info: ModelInfo, default_max_tokens: int | None,
         stop=[stop] if isinstance(stop, str) else list(stop),
         stop_token_ids=list(get("stop_token_ids", [])),
         ignore_eos=get("ignore_eos", False),
+        speculative=get("speculative", sp.speculative),
     )
     max_name, min_name = names.get("max_tokens", "max_tokens"), names.get("min_tokens", "min_tokens")
     if fills and sp.min_new_tokens > sp.max_new_tokens:

@@ -17,6 +17,15 @@ _ERROR = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
+_COUNT = {"type": "integer", "minimum": 0}
+_RATE = {"type": "number", "minimum": 0, "maximum": 1}
+_SPECULATIVE = {
+    "type": "object", "required": ["verify_steps", "draft_tokens", "accepted_tokens", "acceptance_rate"],
+    "description": "radixmesh's extra, present only when the request speculated: verify steps run, tokens "
+                   "drafted, drafted tokens accepted (summed over the n sequences), accepted / drafted",
+    "properties": {"verify_steps": _COUNT, "draft_tokens": _COUNT, "accepted_tokens": _COUNT,
+                   "acceptance_rate": _RATE},
+}
 _USAGE = {
     "type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
     "properties": {
@@ -24,6 +33,7 @@ _USAGE = {
         "total_tokens": {"type": "integer"},
         "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"],
                                   "properties": {"cached_tokens": {"type": "integer"}}},
+        "speculative": _SPECULATIVE,
     },
 }
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]}
@@ -49,7 +59,10 @@ _GENERATE_ONE = {
     "type": "object", "required": ["text", "output_ids", "meta_info"],
     "properties": {"text": {"type": "string"}, "output_ids": {"type": "array", "items": {"type": "integer"}},
                    "meta_info": {"type": "object", "required": ["id", "finish_reason", "prompt_tokens",
-                                                                "completion_tokens", "cached_tokens"]}},
+                                                                "completion_tokens", "cached_tokens"],
+                                 "properties": {  # the spec_* keys only when the request speculated
+                                     "spec_verify_ct": _COUNT, "spec_draft_tokens": _COUNT,
+                                     "spec_accepted_tokens": _COUNT, "spec_acceptance_rate": _RATE}}},
 }
 _MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"],
           "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},

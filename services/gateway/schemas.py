@@ -95,6 +95,9 @@ OPENAI_SAMPLING = {
                "maxItems": 1024, "description": "the output is exactly one of these strings"},
     "structural_tag": {"type": ["object", "string", "null"],
                        "description": "an xgrammar structural tag (JSON): free text with constrained tagged parts"},
+    # radixmesh's extra: opt out of speculative decoding (the output is the same; only the speed differs).
+    "speculative": {**BOOL, "description": "false: this request never speculates, even when the server "
+                                           "drafts; default true"},
 }
 
 _JSON_SCHEMA_FORMAT = {
@@ -217,6 +220,7 @@ NATIVE_SAMPLING = {
         "ebnf": OPENAI_SAMPLING["ebnf"],
         "choice": OPENAI_SAMPLING["choice"],
         "structural_tag": OPENAI_SAMPLING["structural_tag"],
+        "speculative": OPENAI_SAMPLING["speculative"],
     },
 }
 

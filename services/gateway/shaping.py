@@ -7,7 +7,10 @@ prompt index * n + sequence index.
 
 Usage: the backend's counters are cumulative per call, so a call's usage is the
 largest value seen; completion tokens are also counted from the token ids
-received, and the larger of the two wins. Calls (prompts) add up.
+received, and the larger of the two wins. Calls (prompts) add up. Speculative
+decoding's counters (summed over a call's n sequences by the scheduler) appear
+as radixmesh's extra `usage.speculative` only when a verify step ran, so a
+response without speculation keeps OpenAI's shape.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class _CallUsage:
     completion: int = 0
     cached: int = 0
     counted: int = 0
+    spec: tuple[int, int, int] = (0, 0, 0)  # verify steps, drafted tokens, accepted tokens
 
 
 class Collector:
@@ -57,6 +61,8 @@ class Collector:
         u = self._usage[call_index]
         u.prompt, u.cached = max(u.prompt, event.prompt_tokens), max(u.cached, event.cached_tokens)
         u.completion = max(u.completion, event.completion_tokens)
+        spec = (event.spec_verify_steps, event.spec_draft_tokens, event.spec_accepted_tokens)
+        u.spec = tuple(map(max, u.spec, spec))
         u.counted += len(event.token_ids)
         choice.text += event.text
         choice.token_ids += event.token_ids
@@ -77,8 +83,13 @@ class Collector:
     def usage(self) -> dict:
         prompt = sum(u.prompt for u in self._usage)
         completion = sum(max(u.completion, u.counted) for u in self._usage)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(u.cached for u in self._usage)}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": sum(u.cached for u in self._usage)}}
+        verify, draft, accepted = (sum(u.spec[i] for u in self._usage) for i in range(3))
+        if verify:
+            usage["speculative"] = {"verify_steps": verify, "draft_tokens": draft, "accepted_tokens": accepted,
+                                    "acceptance_rate": round(accepted / draft, 4) if draft else 0.0}
+        return usage
 
     def _envelope(self, obj: str) -> dict:
         return {"id": self.req.id, "object": obj, "created": self.created, "model": self.req.model}
@@ -233,6 +244,10 @@ def generate_object(col: Collector, index: int, meta: bool = True) -> dict:
         "prompt_tokens": usage["prompt_tokens"], "completion_tokens": len(c.token_ids),
         "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
     }
+    spec = usage.get("speculative")  # present when the request speculated, as in usage
+    if spec:
+        info |= {"spec_verify_ct": spec["verify_steps"], "spec_draft_tokens": spec["draft_tokens"],
+                 "spec_accepted_tokens": spec["accepted_tokens"], "spec_acceptance_rate": spec["acceptance_rate"]}
     if col.req.logprobs:
         info["output_token_logprobs"] = [[_finite(lp.logprob), lp.token_id, lp.token] for lp in c.logprobs]
         info["output_top_logprobs"] = [[[_finite(t.logprob), t.token_id, t.token] for t in lp.top]

@@ -5,8 +5,9 @@ without a model). It behaves like the mesh where the gateway can tell:
 validation errors as INVALID_ARGUMENT with the core's messages, the context
 limit, stop strings cut exactly and never leaked, stop token ids, EOS,
 min_new_tokens, n sequences interleaved, logprobs with top alternatives,
-cumulative usage counters, cached_tokens on a repeated prompt, and an abort
-when the consumer goes away (`aborted` lists the rids).
+cumulative usage counters, cached_tokens on a repeated prompt, speculative
+decoding's counters (with `draft_tokens`, unless the request opts out), and an
+abort when the consumer goes away (`aborted` lists the rids).
 
 The "model": word-level tokens. A prompt's tokens are its whitespace-separated
 words (chat messages are rendered as "role: content" lines first); output token
@@ -41,6 +42,9 @@ class FakeBackend:
     stall_after_tokens: int | None = None  # never finish: wait forever after this many tokens (drain tests)
     queue_full: bool = False            # refuse with RESOURCE_EXHAUSTED
     is_serving: bool = True
+    # > 0: the backend "speculates": each token produced counts one verify step that drafted
+    # this many tokens and accepted ceil(half) of them; a request with speculative=False does not.
+    draft_tokens: int = 0
     calls: list[GenerateCall] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     active: set[str] = field(default_factory=set)
@@ -121,6 +125,9 @@ class FakeBackend:
                     chunk = s.step(call.rid)
                     chunk.prompt_tokens, chunk.cached_tokens = len(ids), cached
                     chunk.completion_tokens = produced
+                    if self.draft_tokens and sp.speculative:
+                        chunk.spec_verify_steps, chunk.spec_draft_tokens, chunk.spec_accepted_tokens = (
+                            produced, produced * self.draft_tokens, produced * ((self.draft_tokens + 1) // 2))
                     yield chunk
                     if s.done:
                         yield RequestOutput(call.rid, index=s.index, finished=True, finish_reason=s.reason,

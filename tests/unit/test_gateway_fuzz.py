@@ -32,7 +32,8 @@ CASES = [(op, mode) for op in OPERATIONS for mode in (GenerationMode.POSITIVE, G
 
 @pytest.fixture(scope="module")
 def gateway():
-    with GatewayThread(FakeBackend()) as gw:
+    # Speculating (unless a case says speculative=false), so usage.speculative is checked too.
+    with GatewayThread(FakeBackend(draft_tokens=3)) as gw:
         yield gw
 
 
