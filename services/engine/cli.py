@@ -18,6 +18,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument("--no-speculative", action="store_true",
+                        help="these prompts never speculate, even when the worker drafts (the per-request opt-out)")
     flags_from_dataclass(EngineConfig, parser)
     return parser
 
@@ -35,7 +37,8 @@ def main(argv: list[str]) -> int:
     if engine.limits.host_pages or engine.kvstore is not None:
         logging.info("hicache: %d host KV pages (%d on the device), kvstore %s", engine.limits.host_pages,
                      engine.limits.num_pages, cfg.hicache.kvstore_addr or "none")
-    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        speculative=not args.no_speculative)
     ids = [engine.prompt_ids(messages=[{"role": "user", "content": p}]) if args.chat else engine.prompt_ids(p)
            for p in args.prompts]
     t0 = time.perf_counter()
@@ -44,9 +47,13 @@ def main(argv: list[str]) -> int:
     for prompt, out in zip(args.prompts, outputs):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
-                              "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens}))
+                              "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens,
+                              "spec_verify_steps": out.spec_verify_steps, "spec_draft_tokens": out.spec_draft_tokens,
+                              "spec_accepted_tokens": out.spec_accepted_tokens}))
         else:
-            print(f"=== {prompt!r}\n{out.text}\n[{out.finish_reason}, {out.completion_tokens} tokens]")
+            spec = (f", {out.spec_verify_steps} verify steps, {out.spec_accepted_tokens}/{out.spec_draft_tokens} "
+                    "drafted tokens accepted" if out.spec_verify_steps else "")
+            print(f"=== {prompt!r}\n{out.text}\n[{out.finish_reason}, {out.completion_tokens} tokens{spec}]")
     total = sum(o.completion_tokens for o in outputs)
     logging.info("%d tokens in %.2fs (%.1f tok/s)", total, dt, total / dt)
     engine.shutdown()
