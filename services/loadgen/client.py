@@ -28,6 +28,8 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    spec_draft_tokens: int | None = None     # usage.speculative (radixmesh's extra), when the request speculated
+    spec_accepted_tokens: int | None = None
     usage_reported: bool = False
     done: bool = False            # [DONE] seen
     conversation: int = 0
@@ -75,6 +77,9 @@ def feed_line(res: RequestResult, t: float, raw: bytes) -> None:
         details = usage.get("prompt_tokens_details") or {}
         if details.get("cached_tokens") is not None:
             res.cached_tokens = int(details["cached_tokens"])
+        spec = usage.get("speculative") or {}
+        if spec.get("draft_tokens") is not None:
+            res.spec_draft_tokens, res.spec_accepted_tokens = int(spec["draft_tokens"]), int(spec["accepted_tokens"])
     for choice in obj.get("choices") or []:
         text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
         if text:

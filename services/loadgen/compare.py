@@ -16,7 +16,7 @@ from services.loadgen.datasets import Conversation
 # metric path in a summary → True when higher is better
 RATIO_METRICS: dict[str, bool] = {
     "request_throughput": True, "output_throughput": True, "total_token_throughput": True,
-    "goodput": True, "prefix_hit_rate": True,
+    "goodput": True, "prefix_hit_rate": True, "spec_acceptance_rate": True,
     **{f"{m}_ms.{s}": False for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "median", "p90", "p99")},
 }
 

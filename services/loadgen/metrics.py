@@ -11,6 +11,8 @@ Definitions (docs/bench_tool.md repeats them):
               request's value; itl: every gap of the request)
   prefix hit rate  Σ usage.prompt_tokens_details.cached_tokens / Σ usage.prompt_tokens over the
               completed requests whose server reported cached tokens
+  spec acceptance rate  Σ usage.speculative.accepted_tokens / Σ usage.speculative.draft_tokens over
+              the completed requests that speculated (radixmesh's extra; None when none did)
 Statistics: mean, median, p90, p99, with percentiles linear between closest ranks (numpy's default).
 Failed requests count in `failed` and `errors`, never in the latency statistics.
 """
@@ -56,6 +58,7 @@ def summarize(results: list[RequestResult], wall_s: float, slo_ms: dict[str, flo
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.expected_input_len for r in ok)
     reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    drafted = sum(r.spec_draft_tokens or 0 for r in ok)
     summary = {
         "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
         "errors": _error_counts(results), "wall_s": wall_s,
@@ -70,6 +73,7 @@ def summarize(results: list[RequestResult], wall_s: float, slo_ms: dict[str, flo
         "usage_reported": sum(r.usage_reported for r in ok),
         "prefix_hit_rate": (sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported)
                             if reported else None),
+        "spec_acceptance_rate": sum(r.spec_accepted_tokens or 0 for r in ok) / drafted if drafted else None,
         "slo_ms": dict(slo_ms or {}), "goodput": None, "good_fraction": None,
     }
     if slo_ms:

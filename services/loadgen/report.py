@@ -22,6 +22,7 @@ _ROWS: list[tuple[str, str, str]] = [  # label, summary path, format
       for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "median", "p90", "p99")],
     ("goodput (req/s)", "goodput", "{:.3f}"), ("good fraction", "good_fraction", "{:.3f}"),
     ("prefix cache hit rate", "prefix_hit_rate", "{:.3f}"),
+    ("spec acceptance rate", "spec_acceptance_rate", "{:.3f}"),
 ]
 
 
@@ -64,7 +65,8 @@ def request_record(r: RequestResult, t0: float) -> dict:
             "tpot_ms": None if r.tpot is None else 1e3 * r.tpot, "e2e_ms": 1e3 * r.e2e,
             "itl_ms": [1e3 * g for g in r.itl], "prompt_tokens": r.prompt_tokens,
             "expected_input_len": r.expected_input_len, "output_tokens": r.output_tokens,
-            "cached_tokens": r.cached_tokens, "usage_reported": r.usage_reported}
+            "cached_tokens": r.cached_tokens, "usage_reported": r.usage_reported,
+            "spec_draft_tokens": r.spec_draft_tokens, "spec_accepted_tokens": r.spec_accepted_tokens}
 
 
 def clean(value: Any) -> Any:

@@ -101,3 +101,19 @@ def test_output_timeline_spreads_tokens_over_events():
     points = output_timeline([r1, r2], t0=10.0, bin_s=5.0)
     assert points[0] == (0.0, pytest.approx(5 / 5.0)) and points[-1] == (10.0, pytest.approx(2 / 5.0))
     assert points[1] == (5.0, 0.0)
+
+
+def speculated(draft: int, accepted: int) -> RequestResult:
+    """R1 whose usage reports speculative decoding's counters."""
+    u = usage(4, 5, 0)
+    u["usage"]["speculative"] = {"verify_steps": 3, "draft_tokens": draft, "accepted_tokens": accepted,
+                                 "acceptance_rate": round(accepted / draft, 4)}
+    return parse_recorded(10.0, [*R1[:6], sse(10.41, u), R1[-1]])
+
+
+def test_spec_acceptance_rate_pools_the_requests_that_speculated():
+    r = speculated(9, 4)
+    assert r.ok and (r.spec_draft_tokens, r.spec_accepted_tokens) == (9, 4)
+    plain, other, _ = recorded()
+    assert plain.spec_draft_tokens is None and summarize([plain, other], 1.0)["spec_acceptance_rate"] is None
+    assert summarize([r, speculated(3, 3), plain], 1.0)["spec_acceptance_rate"] == pytest.approx(7 / 12)
