@@ -60,6 +60,10 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    # Speculative decoding, cumulative: verify steps, tokens drafted, drafted tokens accepted.
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def joined(cls, outputs: list["RequestOutput"]) -> "RequestOutput":
@@ -68,4 +72,5 @@ class RequestOutput:
         last = outputs[-1]
         return cls(last.rid, [t for o in outputs for t in o.token_ids], [lp for o in outputs for lp in o.logprobs],
                    "".join(o.text for o in outputs), last.index, last.finished, last.finish_reason,
-                   last.matched_stop, last.prompt_tokens, last.completion_tokens, last.cached_tokens, last.error)
+                   last.matched_stop, last.prompt_tokens, last.completion_tokens, last.cached_tokens, last.error,
+                   last.spec_verify_steps, last.spec_draft_tokens, last.spec_accepted_tokens)

@@ -29,6 +29,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     constraint: Constraint | None = None  # structured output: masked in the worker (services/common/grammar)
+    speculative: bool = True  # False: this request never speculates, even when the server does
 
     @property
     def is_greedy(self) -> bool:

@@ -82,7 +82,8 @@ class Engine:
         self.kvstore, tiers = attach_tiers(self.runner, hicache, checkpoint.source,
                                            cache_on=not sched_cfg.disable_radix_cache)
         self.limits = ModelLimits(spec.num_pages, spec.page_size, mc.max_position_embeddings, mc.vocab_size, eos,
-                                  **tiers)
+                                  max_draft_tokens=self.runner.max_draft_tokens,
+                                  verify_max_rows=self.runner.verify_rows, **tiers)
         self._sched_config, self._hicache = sched_cfg, hicache
         self.scheduler = Scheduler(sched_cfg, self.limits, hicache, self.kvstore)
         self.model_name = mc.name

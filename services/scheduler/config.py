@@ -30,6 +30,13 @@ class SchedulerConfig:
     disable_overlap_schedule: bool = field(default=False, metadata={
         "help": "plan each step only after the last one's result is back; by default the scheduler "
                 "(the service, and the in-process Engine) plans step n+1 while the worker runs step n"})
+    speculative_disable_batch_size: int = field(default=8, metadata={
+        "help": "speculative decoding (the worker's --speculative-algorithm): off while more requests than this "
+                "run; below it the depth adapts to the batch and to each request's acceptance "
+                "(services/scheduler/speculation.py)"})
+    speculative_row_cost: float = field(default=0.4, metadata={
+        "help": "speculation's cost model: one more token in a step costs this fraction of a one-token step "
+                "(the CPU's quantized decode step, measured by bench/speculative.py)"})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
@@ -38,6 +45,10 @@ class SchedulerConfig:
             raise ValueError("--max-running-requests must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size must be positive or -1 (off)")
+        if self.speculative_disable_batch_size < 0:
+            raise ValueError("--speculative-disable-batch-size must be >= 0")
+        if not self.speculative_row_cost > 0:
+            raise ValueError("--speculative-row-cost must be > 0")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
 

@@ -95,6 +95,17 @@ class KVManager:
         req.pages.extend(pages)
         return True
 
+    def shrink(self, req: Request, upto_tokens: int) -> None:
+        """Free req's private pages past those covering [0, upto_tokens) (a rejected draft's):
+        the worker gets the whole page table again at the next step."""
+        keep = max(self.pages_for(upto_tokens), self.pages_for(req.tree_tokens))
+        if len(req.pages) <= keep:
+            return
+        self.allocator.free(req.pages[keep:])
+        del req.pages[keep:]
+        req.sent_pages = min(req.sent_pages, keep)
+        req.pages_changed = True
+
     def cache_progress(self, req: Request) -> None:
         """Hand the computed, page-aligned part of req's KV to the tree so requests
         arriving now can share it (a prefix being prefilled serves others)."""

@@ -25,6 +25,14 @@ class SchedulerStats:
     steps: int = 0
     jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a model step of their own
     schedule_seconds: float = 0.0  # the scheduler's own CPU time, summed
+    # Speculative decoding: steps with a speculative verify item, those items, tokens drafted and
+    # accepted, and the worker's seconds drafting and running the steps that verified.
+    spec_steps: int = 0
+    spec_verify_items: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
     # HiCache: the host tier (gauges) and the moves between tiers (counters).
     host_pages_total: int = 0
     host_pages_cached: int = 0

@@ -40,6 +40,13 @@ class Request:
     # planned as a verify item), and whether the request is between a draft and its verify.
     draft: list[int] = field(default_factory=list)
     jumping: bool = False
+    # Speculation: the draft came from the speculative drafter (else a grammar forced it), and
+    # the request's counters: verify items run, tokens drafted, drafted tokens accepted.
+    draft_speculative: bool = False
+    verifying_speculative: bool = False
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     cached_tokens: int = 0  # prefix reused from the cache at (first) admission
     pages_changed: bool = True  # worker must receive the full page table next step
     sent_pages: int = 0  # pages the worker already has for this request

@@ -38,7 +38,8 @@ from services.scheduler.page_keys import PageKeys
 from services.scheduler.outputs import QueueFull, SchedulerStats
 from services.scheduler.policy import order_waiting
 from services.scheduler.request import Request, Status
-from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepItem, StepPlan, StepResult
+from services.scheduler.speculation import SpeculationPolicy
+from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepItem, StepPlan, StepResult, TokenRun
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class ModelLimits:
     model_identity: str = ""  # model name + a digest of its file (services/worker/host_pool.py)
     weights_version: str = "0"
     kv_layout: str = ""  # services/common/page_hash.kv_layout of the worker's pages
+    max_draft_tokens: int = 0  # speculation: the most tokens the worker's drafter proposes (0: none)
+    verify_max_rows: int = 0  # tokens of a step with verify items that the worker runs as one call (0: any)
 
 
 @dataclass
@@ -92,6 +95,9 @@ class Scheduler:
         self._sent: deque[_SentStep] = deque()  # plans the worker has not answered yet, oldest first
         self._outputs: list[RequestOutput] = []
         self._step_id = 0
+        self.spec = SpeculationPolicy(limits.max_draft_tokens, config.speculative_disable_batch_size,
+                                      config.speculative_row_cost)
+        self.accept_lengths: deque[int] = deque(maxlen=4096)  # tokens per speculative verify (telemetry drains)
 
     # --- intake -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -177,6 +183,7 @@ class Scheduler:
         scheduled: list[Request] = []
         self._schedule_decodes(items, scheduled)
         self._schedule_prefills(items, scheduled)
+        self._set_draft_depths(items, scheduled)
         if not items and self.running and not self.waiting and not self._sent:
             # Nothing can grow: free memory by retracting the least advanced request.
             victim = self._pick_victim()
@@ -211,15 +218,29 @@ class Scheduler:
         req.pages_changed = False
         if req.last_token_pending:  # a decode planned before its input token came back
             assert n == 1, f"{req.rid}: only a decode can run a token still being sampled"
-            return StepItem(req.rid, [LAST_SAMPLED], start, list(new_pages), reset)
-        return StepItem(req.rid, req.tokens(start, n), start, list(new_pages), reset,
-                        sample=start + n == req.seq_len)
+            item = StepItem(req.rid, [LAST_SAMPLED], start, list(new_pages), reset)
+        else:
+            item = StepItem(req.rid, req.tokens(start, n), start, list(new_pages), reset,
+                            sample=start + n == req.seq_len)
+        return item
+
+    def _set_draft_depths(self, items: list[StepItem], scheduled: list[Request]) -> None:
+        """Speculation: how many tokens the worker drafts after each sampled item, for the batch
+        as it runs after this step's admissions."""
+        if self.limits.max_draft_tokens <= 0:
+            return
+        batch = len(self.running)
+        for item, req in zip(items, scheduled):
+            if item.sample:
+                item.draft_depth = self.spec.depth(req, batch)
 
     def _verify_item(self, req: Request) -> StepItem:
-        """[last token, *draft]: the worker keeps what its masked sampling agrees with (jump-forward)."""
+        """[last token, *draft]: the worker keeps what its sampling agrees with (jump-forward's
+        forced tokens, or a speculative draft)."""
         item = self._item(req, 1)
         item.input_ids = item.input_ids + req.draft
         item.verify, req.draft = True, []
+        req.verifying_speculative = req.draft_speculative
         return item
 
     @staticmethod
@@ -243,6 +264,7 @@ class Scheduler:
     def _schedule_decodes(self, items: list[StepItem], scheduled: list[Request]) -> None:
         decoding = [r for r in self.running.values() if r.pending == 1 and not self._ends_in_flight(r)
                     and not (r.jumping and r.unsampled)]  # a jump-forward waits for its step in flight
+        self._fit_drafts(decoding)
         need = sum(max(self.kv.pages_for(r.computed + 1 + len(r.draft)) - len(r.pages), 0) for r in decoding)
         while need > self.kv.available_pages:
             victim = self._pick_victim()
@@ -258,6 +280,18 @@ class Scheduler:
                 raise RuntimeError(f"KV accounting error: no page for decoding request {req.rid}")
             items.append(self._item(req, 1) if not req.draft else self._verify_item(req))
             scheduled.append(req)
+
+    def _fit_drafts(self, decoding: list[Request]) -> None:
+        """Trim drafts so the step's tokens stay within what the worker runs as one call (its
+        verify_max_rows): a longer step would run op by op, slower, and in a reduced dtype
+        with logits that depend on the batch."""
+        spare = self.limits.verify_max_rows - len(decoding)
+        if self.limits.verify_max_rows <= 0:
+            return
+        for req in decoding:
+            if req.draft:
+                req.draft = req.draft[:max(spare, 0)]
+                spare -= len(req.draft)
 
     def _pick_victim(self) -> Request | None:
         """Least progress first (fewest outputs, then the latest arrival), keeping one."""
@@ -400,6 +434,7 @@ class Scheduler:
         sampled = {rid: row for rid, *row in zip(result.rids, result.next_token_ids, result.logprobs or none,
                                                  result.accepted or none, result.drafts or none)}
         now = time.monotonic()
+        speculated = False
         for (req, n, samples), item in zip(sent.runs, plan.items):
             if req.status is Status.FINISHED:  # ended while the step ran: its token is dropped
                 continue
@@ -408,15 +443,40 @@ class Scheduler:
                     raise RuntimeError(f"step {plan.step_id}: the worker sampled no token for {req.rid}")
                 tok, lp, more, draft = sampled[req.rid]
                 tokens = [tok] + (more.ids if more is not None else [])
-                if item.verify and req.status is Status.RUNNING:
-                    req.computed -= n - len(tokens)  # the draft after the first disagreement has no valid KV
+                if item.verify:
+                    speculated |= self._verified(req, n, tokens)
                 self._take_token(req, tokens, lp, now)
-                self._note_draft(req, draft.ids if draft is not None else [])
+                self._note_draft(req, draft)
             if n > 1 and req.status is Status.RUNNING:
                 self.kv.cache_progress(req)
         self.stats.steps += 1
+        self.stats.draft_seconds += result.draft_seconds
+        if speculated:
+            self.stats.spec_steps += 1
+            self.stats.verify_seconds += result.forward_seconds
         self._refresh_gauges()
         return self.take_outputs()
+
+    def _verified(self, req: Request, n: int, tokens: list[int]) -> bool:
+        """A verify item of n tokens ([last, *draft]) produced `tokens`: the draft after the first
+        disagreement has no valid KV, and pages it alone needed go back to the pool (the radix
+        cache and the kvstore only ever see accepted tokens). True for a speculative draft."""
+        if req.status is Status.RUNNING:
+            req.computed -= n - len(tokens)
+            self.kv.shrink(req, req.computed)
+        if not req.verifying_speculative:
+            return False
+        req.verifying_speculative = False
+        drafted, accepted = n - 1, len(tokens) - 1
+        req.spec_verify_steps += 1
+        req.spec_draft_tokens += drafted
+        req.spec_accepted_tokens += accepted
+        s = self.stats
+        s.spec_verify_items, s.spec_draft_tokens, s.spec_accepted_tokens = (
+            s.spec_verify_items + 1, s.spec_draft_tokens + drafted, s.spec_accepted_tokens + accepted)
+        self.accept_lengths.append(len(tokens))
+        self.spec.verified(req, drafted, accepted)
+        return True
 
     def _take_token(self, req: Request, tokens: list[int], lp, now: float) -> None:
         """A row's tokens (one sampled; more from a verify item: jump-forward): append them, stream
@@ -435,7 +495,8 @@ class Scheduler:
             req.first_token_time = now
         logprobs = [] if lp is None else [TokenLogprob(tokens[0], lp.logprob, [TopToken(t, v) for t, v in lp.top])]
         out = RequestOutput(req.rid, taken, logprobs, prompt_tokens=len(req.prompt_ids),
-                            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
+                            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+                            **_spec_counters(req))
         if reason:
             self._finish(req, reason, matched, out)
         self._outputs.append(out)
@@ -444,16 +505,18 @@ class Scheduler:
         """A step still in flight (after the one being processed) samples for req."""
         return any(r is req and samples for step in self._sent for r, _, samples in step.runs)
 
-    def _note_draft(self, req: Request, draft: list[int]) -> None:
-        """Jump-forward: a draft is planned as a verify item once nothing is in flight for req
-        (overlapped scheduling: a step planned ahead is waited out, its own draft used instead)."""
+    def _note_draft(self, req: Request, run: TokenRun | None) -> None:
+        """A draft (jump-forward's or speculation's) is planned as a verify item once nothing is
+        in flight for req (overlapped scheduling: a step planned ahead is waited out, its own
+        draft used instead)."""
+        draft = run.ids if run is not None else []
         if not draft or req.status is not Status.RUNNING:  # the common case: no scan of the steps in flight
             req.draft, req.jumping = [], False
             return
         stale = self._more_in_flight(req)
         room = min(req.remaining_new_tokens, self.limits.context_length - req.seq_len) - 1
         req.draft = [] if stale else draft[:max(room, 0)]
-        req.jumping = bool(draft)
+        req.jumping, req.draft_speculative = bool(draft), run.speculative
 
     def step_failed(self) -> StepPlan | None:
         """The oldest step in flight will never be answered (the worker failed it): undo
@@ -494,6 +557,7 @@ class Scheduler:
             self.running.pop(req.rid, None)
         req.status, req.finish_reason, req.matched_stop = Status.FINISHED, reason, matched
         req.unsampled = 0
+        self.spec.forget(req.rid)
         if req.worker_has_state:
             self._release.append(req.rid)
         if reason is FinishReason.ABORT:
@@ -522,7 +586,8 @@ class Scheduler:
     @staticmethod
     def _abort_output(req: Request) -> RequestOutput:
         return RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ABORT, prompt_tokens=len(req.prompt_ids),
-                             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens)
+                             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+                             **_spec_counters(req))
 
     def _refresh_gauges(self) -> None:
         s = self.stats
@@ -564,3 +629,8 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def _spec_counters(req: Request) -> dict[str, int]:
+    return {"spec_verify_steps": req.spec_verify_steps, "spec_draft_tokens": req.spec_draft_tokens,
+            "spec_accepted_tokens": req.spec_accepted_tokens}

@@ -130,7 +130,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         m = info.model
         limits = ModelLimits(info.num_kv_pages, info.page_size, m.max_position_embeddings, m.vocab_size,
                              tuple(m.eos_token_ids), info.num_host_pages, info.page_bytes, info.model_identity,
-                             info.weights_version or "0", info.kv_layout)
+                             info.weights_version or "0", info.kv_layout, info.max_draft_tokens,
+                             info.verify_max_rows)
         cfg = self.config.scheduler
         if info.max_requests and cfg.max_running_requests > info.max_requests:
             log.warning("capping max_running_requests to the worker's page-table rows",

@@ -48,6 +48,9 @@ class StepItem:
     # worker's last StepResult.drafts); the worker samples at every position and keeps the
     # longest prefix its own masked sampling agrees with, plus the token after it.
     verify: bool = False
+    # Speculation: after sampling, the worker's drafter proposes at most this many tokens
+    # (StepResult.drafts, marked speculative); 0: none. The scheduler adapts it to the load.
+    draft_depth: int = 0
 
 
 # KV tiers: the worker's device pool, its host pool, and the shared kvstore.
@@ -101,6 +104,7 @@ class SampledLogprobs:
 @dataclass
 class TokenRun:
     ids: list[int] = field(default_factory=list)
+    speculative: bool = False  # a draft from the speculative drafter, not a grammar's forced tokens
 
 
 @dataclass
@@ -120,3 +124,4 @@ class StepResult:
     kv_transfers: list[KVTransferStat] = field(default_factory=list)  # one per plan.kv_copies entry
     accepted: list[TokenRun] = field(default_factory=list)
     drafts: list[TokenRun] = field(default_factory=list)
+    draft_seconds: float = 0.0  # speculation: the drafter's time in this step

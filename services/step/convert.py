@@ -51,6 +51,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 reset_pages=it.reset_pages,
                 sample=None if it.sample else False,  # None leaves it unset (= True)
                 verify=it.verify,
+                draft_depth=it.draft_depth,
             )
             for it in plan.items
         ],
@@ -82,6 +83,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
                 reset_pages=it.reset_pages,
                 sample=it.sample if it.HasField("sample") else True,
                 verify=it.verify,
+                draft_depth=it.draft_depth,
             )
             for it in msg.items
         ],
@@ -120,8 +122,9 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
         forward_seconds=result.forward_seconds,
         kv_transfers=[pb.KVTransferStat(pages=t.pages, bytes=t.bytes, seconds=t.seconds)
                       for t in result.kv_transfers],
-        accepted=[pb.TokenRun(ids=r.ids) for r in result.accepted],
-        drafts=[pb.TokenRun(ids=r.ids) for r in result.drafts],
+        accepted=[pb.TokenRun(ids=r.ids, speculative=r.speculative) for r in result.accepted],
+        drafts=[pb.TokenRun(ids=r.ids, speculative=r.speculative) for r in result.drafts],
+        draft_seconds=result.draft_seconds,
     )
 
 
@@ -134,6 +137,7 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
         logprobs=[_logprobs_from_proto(slot) for slot in msg.logprobs],
         forward_seconds=msg.forward_seconds,
         kv_transfers=[KVTransferStat(t.pages, t.bytes, t.seconds) for t in msg.kv_transfers],
-        accepted=[TokenRun(list(r.ids)) for r in msg.accepted],
-        drafts=[TokenRun(list(r.ids)) for r in msg.drafts],
+        accepted=[TokenRun(list(r.ids), r.speculative) for r in msg.accepted],
+        drafts=[TokenRun(list(r.ids), r.speculative) for r in msg.drafts],
+        draft_seconds=msg.draft_seconds,
     )

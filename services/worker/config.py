@@ -64,6 +64,22 @@ class WorkerConfig:
         "help": "jump-forward only over at least this many forced tokens"})
     grammar_cache_size: int = field(default=64, metadata={
         "help": "compiled grammars kept (an LRU keyed by the constraint's canonical hash)"})
+    speculative_algorithm: str | None = field(default=None, metadata={
+        "help": "speculative decoding's drafter: NGRAM (prompt lookup over the request's own tokens) or "
+                "STANDALONE (a draft model, --speculative-draft-model-path); none: off (services/worker/speculative)"})
+    speculative_num_draft_tokens: int = field(default=6, metadata={
+        "help": "speculation: the most tokens drafted per verify (the scheduler adapts the depth below it)"})
+    speculative_draft_model_path: str | None = field(default=None, metadata={
+        "help": "STANDALONE: the draft model (a .gguf or HF directory; the target's own file drafts on its "
+                "quantized blocks)"})
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata={
+        "help": "NGRAM: the shortest suffix looked up"})
+    speculative_ngram_max_match_window_size: int = field(default=4, metadata={
+        "help": "NGRAM: the longest suffix looked up (the longest that occurred before wins)"})
+    verify_max_rows: int = field(default=16, metadata={
+        "help": "CPU: a step with verify items (speculation, jump-forward) of at most this many tokens runs as "
+                "one call on the quantized blocks (--decode-stack), whose logits do not depend on the rows "
+                "beside them; larger ones run op by op"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
 
     def __post_init__(self) -> None:
@@ -84,6 +100,15 @@ class WorkerConfig:
             raise ValueError(f"--jump-forward-min-tokens must be >= 1, got {self.jump_forward_min_tokens}")
         if self.grammar_cache_size < 1:
             raise ValueError(f"--grammar-cache-size must be >= 1, got {self.grammar_cache_size}")
+        if self.speculative_algorithm is not None:
+            from services.worker.speculative.drafter import algorithms
+            if self.speculative_algorithm not in algorithms():
+                raise ValueError(f"--speculative-algorithm must be one of {algorithms()}, "
+                                 f"got {self.speculative_algorithm!r}")
+        if not 1 <= self.speculative_num_draft_tokens <= 64:
+            raise ValueError(f"--speculative-num-draft-tokens must be in [1, 64], got {self.speculative_num_draft_tokens}")
+        if self.verify_max_rows < 0:
+            raise ValueError(f"--verify-max-rows must be >= 0, got {self.verify_max_rows}")
         if self.quant_max_rows < 0:
             raise ValueError(f"--quant-max-rows must be >= 0, got {self.quant_max_rows}")
 

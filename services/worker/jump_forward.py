@@ -42,7 +42,7 @@ class DraftRow:
     output_ids: list[int]  # history + draft[:i]: penalties and the sample counter see the draft
     sampling: SamplingParams
     seed: int
-    matcher: _FixedMask
+    matcher: _FixedMask | None  # None: no grammar (a speculative draft)
 
 
 def verify_rows(req, draft_ids: list[int], backend: GrammarBackend) -> list[DraftRow]:
@@ -60,6 +60,13 @@ def verify_rows(req, draft_ids: list[int], backend: GrammarBackend) -> list[Draf
     if walked:
         m.rollback(walked)
     return [DraftRow(req.prompt_ids, req.output_ids + draft_ids[:i], req.sampling, req.seed, _FixedMask(masks[i]))
+            for i in range(len(draft_ids) + 1)]
+
+
+def plain_verify_rows(req, draft_ids: list[int]) -> list[DraftRow]:
+    """verify_rows for a request without a grammar (a speculative draft): row i is the request
+    after the draft's first i tokens, unmasked."""
+    return [DraftRow(req.prompt_ids, req.output_ids + draft_ids[:i], req.sampling, req.seed, None)
             for i in range(len(draft_ids) + 1)]
 
 

@@ -22,7 +22,7 @@ from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
 from services.worker.grammar_cache import GrammarCache
 from services.worker.grammar_vocab import grammar_vocab
-from services.worker.jump_forward import accepted, draft, verify_rows
+from services.worker.jump_forward import accepted, draft, plain_verify_rows, verify_rows
 from services.worker.kv_pool import KVPool, KVPoolSpec
 from services.worker.loader.checkpoint import Checkpoint
 from services.worker.model.config import ModelConfig
@@ -30,6 +30,7 @@ from services.worker.model.layer_ops import create_layer_ops
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.registry import model_class
 from services.worker.sampler_inputs import run_sampler
+from services.worker.speculative.drafter import Drafter, DraftRequest, create_drafter
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ class ModelRunner:
         attached = self.backend.attach(self.model, config, checkpoint, self.prepacked)
         self.quantized_weights, self.one_call_rows = attached.quantized_weights, attached.one_call_rows
         self.decode_stack = self.one_call_rows > 0
+        # Steps with a verify item run as one call up to this many tokens (the stack's rows
+        # are computed independently of each other: a verify gives the logits decoding would).
+        self.verify_rows = config.verify_max_rows if self.decode_stack else 0
         self.kv_spec = KVPoolSpec.from_budget(
             mc, config.page_size, config.torch_dtype,
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
@@ -86,6 +90,9 @@ class ModelRunner:
         self.grammars = GrammarCache(lambda: create_grammar_backend(
             config.grammar_backend, grammar_vocab(checkpoint.source, mc.vocab_size, list(mc.eos_token_ids))),
             config.grammar_cache_size)
+        self.drafter: Drafter | None = (create_drafter(config.speculative_algorithm, config, self)
+                                        if config.speculative_algorithm else None)
+        self.max_draft_tokens = config.speculative_num_draft_tokens if self.drafter else 0
         log.info("worker ready: %s %s, %s, %s, %s%s, %d KV pages x %d tokens (%.2f GiB)", mc.name,
                  config.resolved_dtype, "prepacked linears" if self.prepacked else "plain linears",
                  f"file's quantized weights for steps of <= {config.quant_max_rows} tokens "
@@ -107,11 +114,15 @@ class ModelRunner:
             req.matcher = self.grammars.matcher(spec.sampling.constraint)
             for token in req.output_ids:  # re-admitted after a retraction: replay what it generated
                 req.matcher.accept_token(token)
+        if self.drafter is not None:
+            self.drafter.admit(spec.rid, req.prompt_ids + req.output_ids)
 
     def _release(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
         if req is not None:
             self.free_rows.append(req.row)
+            if self.drafter is not None:
+                self.drafter.release(rid)
 
     def _append_pages(self, req: _Request, pages: list[int], reset: bool) -> None:
         start = 0 if reset else req.num_pages
@@ -159,24 +170,48 @@ class ModelRunner:
             runs = [accepted(item.input_ids[1:], picked[lo:hi]) if item.verify else [picked[lo]]
                     for item, (lo, hi) in zip(items, spans)]
             logprobs = [logprobs[lo] for lo, _ in spans]
-        drafts = [self._take(req, item.rid, run) for req, item, run in zip(reqs, items, runs)]
+        drafts = [TokenRun(self._take(req, item.rid, run)) for req, item, run in zip(reqs, items, runs)]
+        if self.drafter is not None:
+            self._speculate(reqs, items, runs, drafts, result)
         result.rids += [item.rid for item in items]
         result.next_token_ids += [run[0] for run in runs]
         result.logprobs += logprobs
         if verifying:
             result.accepted = [TokenRun(run[1:]) for run in runs]
             self.grammars.stats.jump_forward_tokens += sum(len(run) - 1 for run in runs)
-        if any(drafts):
-            result.drafts = [TokenRun(d) for d in drafts]
+        if any(d.ids for d in drafts):
+            result.drafts = drafts
+
+    def _speculate(self, reqs: list[_Request], items: list, runs: list[list[int]], drafts: list[TokenRun],
+                   result: StepResult) -> None:
+        """Tell the drafter every row's new tokens, then draft for the rows the scheduler asked
+        (item.draft_depth) that have no grammar draft and want no logprobs (a draft's tokens
+        get none): drafts[i] becomes the speculative proposal."""
+        t0 = time.perf_counter()
+        for item, run in zip(items, runs):
+            self.drafter.extend(item.rid, run)
+        asked = [i for i, (req, item) in enumerate(zip(reqs, items))
+                 if item.draft_depth > 0 and not drafts[i].ids and not req.sampling.logprobs
+                 and not (req.matcher is not None and req.matcher.terminated)]
+        if asked:
+            room = [min(items[i].draft_depth, self.max_draft_tokens,
+                        reqs[i].sampling.max_new_tokens - len(reqs[i].output_ids) - 1) for i in asked]
+            proposed = self.drafter.propose([DraftRequest(items[i].rid, n) for i, n in zip(asked, room)])
+            for i, ids in zip(asked, proposed):
+                drafts[i] = TokenRun(list(ids), speculative=True)
+        result.draft_seconds += time.perf_counter() - t0
 
     def _verify_rows(self, reqs: list[_Request], items: list) -> tuple[list, list[tuple[int, int]]]:
         """Sampler rows when a verify item is in the step: one per position of each verify item
-        (jump_forward.verify_rows), one per other item; and each item's slice of them."""
+        (jump_forward.verify_rows with a grammar, plain_verify_rows without), one per other
+        item; and each item's slice of them."""
         rows, spans = [], []
         for req, item in zip(reqs, items):
             start = len(rows)
-            if item.verify:
+            if item.verify and req.matcher is not None:
                 rows += verify_rows(req, item.input_ids[1:], self.grammars.backend)
+            elif item.verify:
+                rows += plain_verify_rows(req, item.input_ids[1:])
             else:
                 rows.append(req)
             spans.append((start, len(rows)))
@@ -211,10 +246,9 @@ class ModelRunner:
             if item.input_ids[0] == LAST_SAMPLED:
                 item.input_ids = [_last_sampled(item.rid, req, item.start_pos)]
         sampled = [i for i, item in enumerate(plan.items) if item.sample]
-        if len(plan.items) <= self.one_call_rows and all(len(item.input_ids) == 1 for item in plan.items):
-            logits = self.backend.one_call_step(DecodeStep(
-                [item.input_ids[0] for item in plan.items], [item.start_pos for item in plan.items],
-                [r.row for r in reqs], sampled, self.page_table, self.kv_spec.page_size, self.pool), self._computing)
+        step = self._one_call(plan, reqs)
+        if step is not None:
+            logits = self.backend.one_call_step(step, self._computing)
             if logits is not None:
                 return logits, sampled
         q_lens = [len(item.input_ids) for item in plan.items]
@@ -237,6 +271,30 @@ class ModelRunner:
         meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
         self._computing()
         return self.model(input_ids, meta, logits_indices.to(self.device)), sampled
+
+    def _one_call(self, plan: StepPlan, reqs: list[_Request]) -> DecodeStep | None:
+        """The step as a one-call decode step when it is one: decodes, and verify items as one
+        row per position (row j of a verify item attends over its request's KV through position
+        start + j: the stack writes every row's K/V before any row attends). None: op by op."""
+        if any(len(item.input_ids) > 1 and not item.verify for item in plan.items):  # a prefill chunk
+            return None
+        rows = sum(len(item.input_ids) for item in plan.items)
+        verifying = rows > len(plan.items)
+        if rows > (self.verify_rows if verifying else self.one_call_rows):
+            return None
+        token_ids: list[int] = []
+        positions: list[int] = []
+        table_rows: list[int] = []
+        logits_rows: list[int] = []
+        for req, item in zip(reqs, plan.items):
+            first = len(token_ids)
+            token_ids += item.input_ids
+            positions += range(item.start_pos, item.start_pos + len(item.input_ids))
+            table_rows += [req.row] * len(item.input_ids)
+            if item.sample:
+                logits_rows += range(first, len(token_ids)) if item.verify else [len(token_ids) - 1]
+        return DecodeStep(token_ids, positions, table_rows, logits_rows, self.page_table, self.kv_spec.page_size,
+                          self.pool)
 
     def _computing(self) -> None:
         if self.on_compute is not None:

@@ -291,4 +291,5 @@ def worker_info(runner, eos_token_ids: tuple[int, ...]) -> pb.WorkerInfo:
             attention_bias=mc.attention_bias, bos_token_id=mc.bos_token_id,
             eos_token_ids=list(eos_token_ids), name=mc.name),
         num_kv_pages=spec.num_pages, page_size=spec.page_size, dtype=cfg.resolved_dtype, kv_dtype=cfg.resolved_dtype,
-        tp_size=1, weights_version="0", max_requests=cfg.max_requests)
+        tp_size=1, weights_version="0", max_requests=cfg.max_requests,
+        max_draft_tokens=runner.max_draft_tokens, verify_max_rows=runner.verify_rows)

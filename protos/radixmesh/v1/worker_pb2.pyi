@@ -32,7 +32,7 @@ class NewRequestSpec(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class StepItem(_message.Message):
-    __slots__ = ("rid", "input_ids", "start_pos", "new_pages", "reset_pages", "sample", "verify")
+    __slots__ = ("rid", "input_ids", "start_pos", "new_pages", "reset_pages", "sample", "verify", "draft_depth")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class StepItem(_message.Message):
     RESET_PAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DEPTH_FIELD_NUMBER: _ClassVar[int]
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -47,7 +48,8 @@ class StepItem(_message.Message):
     reset_pages: bool
     sample: bool
     verify: bool
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_pages: _Optional[_Iterable[int]] = ..., reset_pages: _Optional[bool] = ..., sample: _Optional[bool] = ..., verify: _Optional[bool] = ...) -> None: ...
+    draft_depth: int
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., new_pages: _Optional[_Iterable[int]] = ..., reset_pages: _Optional[bool] = ..., sample: _Optional[bool] = ..., verify: _Optional[bool] = ..., draft_depth: _Optional[int] = ...) -> None: ...
 
 class KVCopy(_message.Message):
     __slots__ = ("src_tier", "dst_tier", "src_pages", "dst_pages", "keys")
@@ -104,7 +106,7 @@ class LogprobSlot(_message.Message):
     def __init__(self, value: _Optional[_Union[SampledLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds", "kv_transfers", "accepted", "drafts")
+    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds", "kv_transfers", "accepted", "drafts", "draft_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RIDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class StepResult(_message.Message):
     KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rids: _containers.RepeatedScalarFieldContainer[str]
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -121,13 +124,16 @@ class StepResult(_message.Message):
     kv_transfers: _containers.RepeatedCompositeFieldContainer[KVTransferStat]
     accepted: _containers.RepeatedCompositeFieldContainer[TokenRun]
     drafts: _containers.RepeatedCompositeFieldContainer[TokenRun]
-    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv_transfers: _Optional[_Iterable[_Union[KVTransferStat, _Mapping]]] = ..., accepted: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ...) -> None: ...
+    draft_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv_transfers: _Optional[_Iterable[_Union[KVTransferStat, _Mapping]]] = ..., accepted: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
 
 class TokenRun(_message.Message):
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "speculative")
     IDS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -170,7 +176,7 @@ class ModelConfig(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rms_norm_eps: _Optional[float] = ..., rope_theta: _Optional[float] = ..., rope_scaling_json: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., tie_word_embeddings: _Optional[bool] = ..., attention_bias: _Optional[bool] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "num_kv_pages", "page_size", "dtype", "kv_dtype", "tp_size", "weights_version", "max_requests", "num_host_pages", "page_bytes", "model_identity", "kv_layout", "kvstore_addr")
+    __slots__ = ("model", "num_kv_pages", "page_size", "dtype", "kv_dtype", "tp_size", "weights_version", "max_requests", "num_host_pages", "page_bytes", "model_identity", "kv_layout", "kvstore_addr", "max_draft_tokens", "verify_max_rows")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +190,8 @@ class WorkerInfo(_message.Message):
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     model: ModelConfig
     num_kv_pages: int
     page_size: int
@@ -197,4 +205,6 @@ class WorkerInfo(_message.Message):
     model_identity: str
     kv_layout: str
     kvstore_addr: str
-    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., num_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., weights_version: _Optional[str] = ..., max_requests: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kvstore_addr: _Optional[str] = ...) -> None: ...
+    max_draft_tokens: int
+    verify_max_rows: int
+    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., num_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., weights_version: _Optional[str] = ..., max_requests: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kvstore_addr: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., verify_max_rows: _Optional[int] = ...) -> None: ...

@@ -39,12 +39,14 @@ class Attached:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """A pure-decode step (one token per item) in plain ints, for a backend's one-call path:
-    no per-step layout or attention-metadata tensors."""
+    """A decode step in plain ints, for a backend's one-call path: no per-step layout or
+    attention-metadata tensors. One token per row; a verify item (speculation, jump-forward)
+    is several rows sharing a page-table row at consecutive positions, and row j attends over
+    positions <= its own, the draft's earlier rows included (written before any row attends)."""
 
     token_ids: list[int]  # [B]
     positions: list[int]  # [B] each token's position
-    rows: list[int]  # [B] each item's row of page_table
+    rows: list[int]  # [B] each token's row of page_table
     sampled: list[int]  # indices into B whose logits come back
     page_table: torch.Tensor  # [N, P] int64: the runner's, row r holds request r's pages
     page_size: int
@@ -60,7 +62,8 @@ class AttentionBackend(Protocol):
     def one_call_step(self, step: DecodeStep, before_compute: Callable[[], None]) -> torch.Tensor | None:
         """The whole step in one call, KV written → float32 logits [len(step.sampled), V], calling
         before_compute right before its compute; None when it does not take the step (nothing
-        done): the runner runs it op by op. Only called for steps of at most attach's one_call_rows."""
+        done): the runner runs it op by op. Only called for steps of at most attach's one_call_rows
+        tokens, or of at most the runner's verify_max_rows when a verify item is in it."""
 
     def prepare(self, layout: BatchLayout, pool: KVPool) -> None:
         """Build per-step index tensors once; every layer's `forward` reuses them."""

@@ -57,8 +57,9 @@ class CpuBackend:
         return Attached(self.quantized_weights, model.decode_stack_rows if self.decode_stack else 0)
 
     def one_call_step(self, step: DecodeStep, before_compute: Callable[[], None]) -> torch.Tensor | None:
-        """Steps of at most the stack's rows (the pool is in the model's dtype: the stack checks it)."""
-        if not self.decode_stack or len(step.token_ids) > self.model.decode_stack_rows:
+        """Any step the runner offers (it keeps to one_call_rows, or its verify_max_rows when the
+        step verifies a draft); the pool is in the model's dtype: the stack checks it."""
+        if not self.decode_stack:
             return None
 
         def i64(values: list[int]) -> torch.Tensor:

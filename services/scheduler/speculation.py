@@ -1,0 +1,67 @@
+"""How deep to speculate for a request this step: adaptive to the load and to its acceptance.
+
+A verify item of d drafted tokens costs about `row_cost` of a one-token step per extra row (the
+weights are read once for every row; on the CPU's quantized blocks each row adds its FMAs), and
+yields 1 + E[accepted] tokens, where with a per-token acceptance rate a the expected accepted
+prefix of d drafted tokens is a (1 - a^d) / (1 - a). For a request in a step of B rows, the
+depth that maximizes the step's tokens per unit of time is
+
+    argmax_d (B + E[accepted | d]) / (1 + row_cost (B - 1 + d)),   d in 0..max_depth
+
+so speculation deepens for a request whose drafts are accepted, shrinks for one whose are
+not, and fades as the batch grows (each extra row costs the whole batch's time); above
+`disable_batch_size` running requests it is off. A request's rate is an exponential average of
+its verifies' accepted / drafted, starting at the fleet-wide average; while its depth is 0 it
+drifts back toward that average, so a request that stopped speculating gets tried again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.request import Request
+
+EMA = 0.3  # weight of the newest verify in a request's acceptance rate
+RECOVER = 0.05  # per step without a draft, how far the rate drifts back to the fleet's
+
+
+@dataclass
+class SpeculationPolicy:
+    max_depth: int  # the worker's drafter's limit (0: no speculation)
+    disable_batch_size: int  # no speculation with more running requests than this
+    row_cost: float  # one extra row of a step, in one-token steps
+    prior: float = 0.6  # the fleet-wide acceptance rate, an exponential average too
+    rates: dict[str, float] = field(default_factory=dict)
+
+    def depth(self, req: Request, batch_size: int) -> int:
+        """Tokens the worker may draft for req after this step's sample."""
+        if (self.max_depth <= 0 or batch_size > self.disable_batch_size or not req.sampling.speculative
+                or req.sampling.logprobs):
+            return 0
+        rate = self.rates.get(req.rid, self.prior)
+        best, best_gain = 0, batch_size / (1 + self.row_cost * (batch_size - 1))
+        for d in range(1, self.max_depth + 1):
+            gain = (batch_size + _expected_accepted(rate, d)) / (1 + self.row_cost * (batch_size - 1 + d))
+            if gain > best_gain * 1.0001:
+                best, best_gain = d, gain
+        if best == 0:
+            self.rates[req.rid] = rate + RECOVER * (self.prior - rate)
+        return best
+
+    def verified(self, req: Request, drafted: int, accepted: int) -> None:
+        """A verify item's outcome: `accepted` of `drafted` tokens."""
+        if drafted <= 0:
+            return
+        observed = accepted / drafted
+        rate = self.rates.get(req.rid, self.prior)
+        self.rates[req.rid] = rate + EMA * (observed - rate)
+        self.prior += 0.05 * (observed - self.prior)
+
+    def forget(self, rid: str) -> None:
+        self.rates.pop(rid, None)
+
+
+def _expected_accepted(rate: float, depth: int) -> float:
+    """E[accepted prefix] of `depth` drafted tokens, each accepted with probability `rate`."""
+    if rate >= 1.0:
+        return float(depth)
+    return rate * (1 - rate ** depth) / (1 - rate)
