@@ -29,6 +29,8 @@ from services.common import tracing
 from services.common.outputs import FinishReason, RequestOutput
 from services.step.contract import StepPlan
 
+ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64)
+
 
 @dataclass(eq=False)
 class _Seq:
@@ -43,6 +45,7 @@ class _Seq:
     queue: trace.Span | None = None
     decode: trace.Span | None = None
     traceparent: str = ""
+    spec: tuple[int, int, int] = (0, 0, 0)  # speculation: verify steps, drafted, accepted (the latest output's)
 
 
 @dataclass
@@ -78,6 +81,8 @@ class SchedulerTelemetry:
             m.histogram(r, "request_decode_time_seconds", "first token to last token", m.LATENCY_BUCKETS),
             m.histogram(r, "request_prompt_tokens", "prompt tokens per request", m.TOKEN_BUCKETS),
             m.histogram(r, "request_generation_tokens", "generated tokens per request", m.TOKEN_BUCKETS))
+        self.accept_length = m.histogram(r, "spec_accept_length", "tokens a speculative verify item produced "
+                                         "(accepted draft tokens + the target's own token)", ACCEPT_BUCKETS)
         r.register(m.LiveCollector(lambda: self.model if service.core is not None else None, self._live))
         self._itl = None  # the labelled ITL child, observed per token: looked up once per model
 
@@ -109,6 +114,13 @@ class SchedulerTelemetry:
             "jump_forward_tokens": ("counter", "output tokens a grammar forced that rode a verify item instead "
                                                "of a model step of their own (jump-forward)", s.jump_forward_tokens),
             "grammar_waiting_requests": ("gauge", "requests waiting for their grammar to compile", len(core.grammars)),
+            "spec_steps": ("counter", "steps that verified a speculative draft", s.spec_steps),
+            "spec_step_share": ("gauge", "speculative steps / steps since start", s.spec_steps / s.steps if s.steps else 0.0),
+            "spec_verify_items": ("counter", "speculative verify items (one request's draft each)", s.spec_verify_items),
+            "spec_draft_tokens": ("counter", "tokens drafted and verified", s.spec_draft_tokens),
+            "spec_accepted_tokens": ("counter", "drafted tokens the target accepted", s.spec_accepted_tokens),
+            "spec_draft_seconds": ("counter", "the worker's time drafting", s.draft_seconds),
+            "spec_verify_seconds": ("counter", "the worker's time in steps that verified a draft", s.verify_seconds),
         }
 
     # --- hooks -------------------------------------------------------------------------------
@@ -132,6 +144,9 @@ class SchedulerTelemetry:
 
     def step(self, plan: StepPlan, t0: float, t1: float, outs: list[RequestOutput]) -> None:
         on = tracing.enabled()
+        lengths = self._service.core.accept_lengths if self._service.core is not None else ()
+        while lengths:
+            self.accept_length.labels(self.model).observe(lengths.popleft())
         for item in plan.items:
             seq = self._seqs.get(item.rid)
             if seq is None:
@@ -169,6 +184,8 @@ class SchedulerTelemetry:
                 elif seq.last_token is not None:
                     (self._itl or self.h.itl.labels(self.model)).observe((t - seq.last_token) / len(out.token_ids))
                 seq.last_token = t
+            if out.spec_verify_steps:
+                seq.spec = (out.spec_verify_steps, out.spec_draft_tokens, out.spec_accepted_tokens)
             if out.finished:
                 self._finish(out.rid, out.finish_reason or FinishReason.STOP, out.prompt_tokens, out.completion_tokens,
                              out.cached_tokens, out.error, t)
@@ -210,6 +227,10 @@ class SchedulerTelemetry:
             seq.queue.end(end)  # aborted or failed while waiting
         if seq.decode is not None:
             seq.decode.set_attribute("radixmesh.decode_steps", seq.decode_steps)
+            if seq.spec[0]:
+                seq.decode.set_attributes({"radixmesh.spec.verify_steps": seq.spec[0],
+                                           "radixmesh.spec.proposed_tokens": seq.spec[1],
+                                           "radixmesh.spec.accepted_tokens": seq.spec[2]})
             seq.decode.set_attribute("gen_ai.usage.output_tokens", completion)
             seq.decode.end(end)
         attrs = {
