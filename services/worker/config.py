@@ -72,6 +72,9 @@ class WorkerConfig:
     speculative_draft_model_path: str | None = field(default=None, metadata={
         "help": "STANDALONE: the draft model (a .gguf or HF directory; the target's own file drafts on its "
                 "quantized blocks)"})
+    speculative_draft_kv_cache_bytes: int = field(default=256 << 20, metadata={
+        "help": "STANDALONE: the draft model's own KV pool byte budget (a request the pool has no room for "
+                "gets no draft that step)"})
     speculative_ngram_min_match_window_size: int = field(default=1, metadata={
         "help": "NGRAM: the shortest suffix looked up"})
     speculative_ngram_max_match_window_size: int = field(default=4, metadata={
@@ -105,8 +108,14 @@ class WorkerConfig:
             if self.speculative_algorithm not in algorithms():
                 raise ValueError(f"--speculative-algorithm must be one of {algorithms()}, "
                                  f"got {self.speculative_algorithm!r}")
+            if self.speculative_algorithm == "STANDALONE" and not self.speculative_draft_model_path:
+                raise ValueError("--speculative-algorithm STANDALONE drafts with a second model: give its "
+                                 "checkpoint with --speculative-draft-model-path (a .gguf file or HF directory; "
+                                 "the target's own file works)")
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError(f"--speculative-num-draft-tokens must be in [1, 64], got {self.speculative_num_draft_tokens}")
+        if self.speculative_draft_kv_cache_bytes < 1:
+            raise ValueError(f"--speculative-draft-kv-cache-bytes must be >= 1, got {self.speculative_draft_kv_cache_bytes}")
         if self.verify_max_rows < 0:
             raise ValueError(f"--verify-max-rows must be >= 0, got {self.verify_max_rows}")
         if self.quant_max_rows < 0:

@@ -47,6 +47,7 @@ class Drafter(Protocol):
 # --speculative-algorithm name -> "module:factory"; the factory takes (WorkerConfig, runner).
 _DRAFTERS: dict[str, str] = {
     "NGRAM": "services.worker.speculative.ngram:NgramDrafter.from_config",
+    "STANDALONE": "services.worker.speculative.draft_model:DraftModelDrafter.from_config",
 }
 
 
