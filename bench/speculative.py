@@ -1,0 +1,221 @@
+"""Speculative decoding, measured (issue 18), in one run; ratios against plain decoding and the peers.
+
+Workload: bench/data/copy_heavy.json (quotes, code edits that repeat their input, multi-turn chats
+that re-send their history), greedy, 128 new tokens, EOS honoured.
+
+1. radixmesh single stream (`radixmesh up`, one request at a time, streamed): inter-token latency
+   (decode time / (tokens - 1)) with speculation off, n-gram (NGRAM), and the draft-model drafter
+   (STANDALONE, the default GGUF drafting for itself), with each drafter's acceptance length.
+2. radixmesh at 64 concurrent requests: output tokens/s with adaptive n-gram speculation vs off.
+3. the peers, each alone on the machine, single stream on the same workload: llama-server with its
+   own speculation (its draft-model mode, the same GGUF drafting for itself; its lookup mode where
+   the build has one), and vLLM's CPU backend with its n-gram speculation where it runs.
+
+    .venv/bin/python bench/speculative.py [--skip-llama] [--skip-vllm] [--quick]
+Prints the ratios and writes bench/results/speculative-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+import peers  # noqa: E402
+
+WORKLOAD = json.load(open(os.path.join(REPO, "bench", "data", "copy_heavy.json")))
+MAX_TOKENS = 128
+
+
+def stream_one(url: str, model: str, messages: list[dict], extra: dict | None = None) -> dict:
+    """One streamed greedy chat completion → first-token and last-token times, token count."""
+    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **(extra or {})}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0, first, last, usage, text = time.perf_counter(), None, None, None, ""
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    text += piece
+    tokens = usage["completion_tokens"] if usage else None
+    return {"ttft_s": (first - t0) if first else None, "decode_s": (last - first) if first else None,
+            "tokens": tokens, "speculative": (usage or {}).get("speculative"), "text": text}
+
+
+def single_stream(url: str, model: str, extra: dict | None = None) -> dict:
+    stream_one(url, model, WORKLOAD[0]["messages"], extra)  # warm-up
+    runs = [stream_one(url, model, c["messages"], extra) for c in WORKLOAD]
+    itls = [r["decode_s"] / (r["tokens"] - 1) for r in runs if r["tokens"] and r["tokens"] > 1]
+    spec = [r["speculative"] for r in runs if r["speculative"]]
+    out = {"requests": len(runs), "output_tokens": sum(r["tokens"] or 0 for r in runs),
+           "mean_itl_ms": round(1000 * statistics.mean(itls), 3),
+           "median_itl_ms": round(1000 * statistics.median(itls), 3),
+           "mean_ttft_ms": round(1000 * statistics.mean(r["ttft_s"] for r in runs if r["ttft_s"]), 2),
+           "texts": [r["text"] for r in runs]}
+    if spec:
+        steps = sum(s["verify_steps"] for s in spec)
+        out["accept_length"] = round(1 + sum(s["accepted_tokens"] for s in spec) / steps, 3) if steps else None
+        out["acceptance_rate"] = round(sum(s["accepted_tokens"] for s in spec)
+                                       / max(1, sum(s["draft_tokens"] for s in spec)), 3)
+    return out
+
+
+def concurrent(url: str, model: str, clients: int, requests: int) -> dict:
+    jobs = [WORKLOAD[i % len(WORKLOAD)]["messages"] for i in range(requests)]
+
+    def one(messages):
+        body = {"model": model, "messages": messages, "max_tokens": 64, "temperature": 0}
+        req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=900) as r:
+            return json.load(r)["usage"]["completion_tokens"]
+
+    one(jobs[0])
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        tokens = sum(pool.map(one, jobs))
+    wall = time.perf_counter() - t0
+    return {"clients": clients, "requests": requests, "output_tokens": tokens, "seconds": round(wall, 2),
+            "output_tokens_per_s": round(tokens / wall, 2)}
+
+
+def radixmesh(flags: list[str], clients: int = 0, requests: int = 0) -> dict:
+    cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--max-connections-per-client",
+           "none"] + flags
+    out = {"command": "radixmesh " + shlex.join(cmd[4:])}
+    with peers.Server(cmd, None) as server:
+        model = json.load(urllib.request.urlopen(server.url + "/v1/models"))["data"][0]["id"]
+        out["single_stream"] = single_stream(server.url, model)
+        print(f"{out['command']}: single-stream ITL {out['single_stream']['mean_itl_ms']} ms, accept length "
+              f"{out['single_stream'].get('accept_length')}", file=sys.stderr, flush=True)
+        if clients:
+            out["concurrent"] = concurrent(server.url, model, clients, requests)
+            print(f"  {clients} clients: {out['concurrent']['output_tokens_per_s']} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
+def llama(args, model_path: str, mode: str) -> dict:
+    binary = peers.llama_binary(peers.llama_venv(args.cache_dir))
+    if binary is None:
+        return {"skipped": "llama-server is not built: run bench/peers.py once (it builds it)"}
+    help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+    port = peers.free_port()
+    cmd = peers.llama_server_command(binary, model_path, port, 1, 4096, args.threads, "on")
+    if mode == "draft":
+        cmd += ["-md", model_path, "--draft-max", "6", "--draft-min", "1"]
+    elif mode == "lookup":
+        flag = next((f for f in ("--spec-ngram", "--lookup-ngram") if f in help_text), None)
+        if flag is None:
+            return {"skipped": "this llama-server build has no n-gram/lookup speculation flag in --help"}
+        cmd += [flag]
+    with peers.Server(cmd, f"http://127.0.0.1:{port}") as server:
+        out = {"command": shlex.join(cmd), "single_stream": single_stream(server.url, "default")}
+    print(f"llama-server {mode}: ITL {out['single_stream']['mean_itl_ms']} ms", file=sys.stderr, flush=True)
+    return out
+
+
+def vllm(args, speculative: bool) -> dict:
+    exe = os.path.join(args.vllm_venv, "bin", "vllm")
+    if not os.path.exists(exe):
+        return {"skipped": "vLLM is not installed (bash bench/setup_vllm.sh)"}
+    port = peers.free_port()
+    cmd = [exe, "serve", args.vllm_model, "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "8",
+           "--served-model-name", "smollm2", "--port", str(port), "--host", "127.0.0.1"]
+    if speculative:
+        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 6,
+                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1})]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    try:
+        with peers.Server(cmd, f"http://127.0.0.1:{port}", ready_timeout_s=900) as server:
+            out = {"command": shlex.join(cmd), "single_stream": single_stream(server.url, "smollm2")}
+    except peers.ServerFailed as e:
+        return {"command": shlex.join(cmd), "failed": str(e)[-1500:]}
+    print(f"vLLM speculative={speculative}: ITL {out['single_stream']['mean_itl_ms']} ms", file=sys.stderr, flush=True)
+    return out
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def itl(res: dict) -> float | None:
+    return (res.get("single_stream") or {}).get("mean_itl_ms")
+
+
+def summary(res: dict) -> dict:
+    off, ngram, draft = res["off"], res["ngram"], res.get("standalone", {})
+    s = {"n-gram single-stream ITL speedup (off / on)": ratio(itl(off), itl(ngram)),
+         "n-gram accept length": ngram["single_stream"].get("accept_length"),
+         "draft-model single-stream ITL speedup (off / on)": ratio(itl(off), itl(draft)),
+         "draft-model accept length": (draft.get("single_stream") or {}).get("accept_length"),
+         "64 clients tok/s, adaptive n-gram / off": ratio(ngram["concurrent"]["output_tokens_per_s"],
+                                                          off["concurrent"]["output_tokens_per_s"]),
+         "greedy texts identical, n-gram vs off": ngram["single_stream"]["texts"] == off["single_stream"]["texts"]}
+    for name in ("llama_draft", "llama_lookup", "vllm_off", "vllm_ngram"):
+        peer = res.get(name, {})
+        s[f"{name} ITL / radixmesh n-gram ITL"] = ratio(itl(peer), itl(ngram)) if itl(peer) else (
+            peer.get("skipped") or (peer.get("failed") or "")[:200] or None)
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-standalone", action="store_true")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
+    ap.add_argument("--cache-dir", default="~/.cache/radixmesh/peers")
+    ap.add_argument("--vllm-venv", default=os.path.expanduser("~/.cache/radixmesh/peers/vllm/venv"))
+    ap.add_argument("--vllm-model", default=os.path.expanduser("~/.cache/radixmesh/peers/vllm/smollm2-hf"))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from services.common.model_path import default_model_path
+    model_path = default_model_path()
+    res = {"cpu": peers.cpu_name() if hasattr(peers, "cpu_name") else None, "workload": "bench/data/copy_heavy.json",
+           "max_tokens": MAX_TOKENS}
+    res["off"] = radixmesh([], args.clients, args.requests)
+    res["ngram"] = radixmesh(["--speculative-algorithm", "NGRAM"], args.clients, args.requests)
+    if not args.skip_standalone:
+        res["standalone"] = radixmesh(["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+                                       model_path])
+    if not args.skip_llama:
+        res["llama_draft"] = llama(args, model_path, "draft")
+        res["llama_lookup"] = llama(args, model_path, "lookup")
+    if not args.skip_vllm:
+        res["vllm_off"] = vllm(args, False)
+        res["vllm_ngram"] = vllm(args, True)
+    res["summary"] = summary(res)
+    print(json.dumps(res["summary"], indent=1))
+    out = args.out or os.path.join(REPO, "bench", "results", f"speculative-{time.strftime('%Y-%m-%d')}.json")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", out, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
