@@ -109,6 +109,23 @@ def test_ngram_float32_equals_plain_batched_and_staggered(checkpoint, tokenizer,
         close(e)
 
 
+def test_draft_model_float32_equals_plain_one_at_a_time(checkpoint, tokenizer, plain32):
+    """STANDALONE: the default GGUF drafting for itself, in a second runner with its own KV."""
+    from services.common.model_path import default_model_path
+    ids, want = plain32
+    worker = WorkerConfig(dtype="float32", kv_cache_bytes=96 << 20, speculative_algorithm="STANDALONE",
+                          speculative_draft_model_path=default_model_path(), speculative_num_draft_tokens=4,
+                          speculative_draft_kv_cache_bytes=64 << 20)
+    e = Engine(worker=worker, scheduler=SchedulerConfig(), checkpoint=checkpoint, tokenizer=tokenizer)
+    try:
+        assert one_at_a_time(e, ids[:5], GREEDY) == want["greedy"][:5]
+        s = e.scheduler.stats
+        assert s.spec_verify_items > 0 and s.spec_accepted_tokens > s.spec_draft_tokens // 2
+        e.runner.drafter.check_invariants()
+    finally:
+        close(e)
+
+
 def test_ngram_default_dtype_equals_plain_one_at_a_time(checkpoint, tokenizer):
     plain = engine(checkpoint, tokenizer, "auto", spec=False)
     try:
@@ -120,5 +137,48 @@ def test_ngram_default_dtype_equals_plain_one_at_a_time(checkpoint, tokenizer):
     try:
         assert one_at_a_time(e, ids, GREEDY) == want
         assert e.scheduler.stats.spec_accepted_tokens > 0
+    finally:
+        close(e)
+
+
+def test_retraction_and_an_abort_mid_speculation_leave_no_kv_behind(checkpoint, tokenizer, plain32):
+    """A KV pool too small for the batch (requests are retracted and recomputed, drafts in
+    flight) and one request aborted while it speculates: the others' outputs are plain decoding's,
+    the accounting holds after every run, and once the cache is flushed every page is free."""
+    ids, want = plain32
+    bytes_per_token = 2 * 30 * 3 * 64 * 4  # float32 K and V, 30 layers, 3 KV heads of 64
+    longest = max(len(p) for p in ids[:4] + [ids[8]]) + MAX_TOKENS  # the pool holds one request and a bit
+    worker = WorkerConfig(dtype="float32", kv_cache_bytes=(3 * longest // 2) * bytes_per_token, page_size=4,
+                          speculative_algorithm="NGRAM")
+    e = Engine(worker=worker, scheduler=SchedulerConfig(speculative_disable_batch_size=16, init_new_token_ratio=0.05,
+                                                        min_new_token_ratio=0.05),
+               checkpoint=checkpoint, tokenizer=tokenizer)
+    try:
+        victim = ids[8]
+        outs: dict[int, list[int]] = {i: [] for i in range(4)}
+        done = [threading.Event() for _ in range(5)]
+        rid_box: list[str] = []
+
+        def sink_for(i):
+            def sink(out):
+                if i == 4 and out.token_ids and not rid_box:  # the victim has started speculating
+                    rid_box.append(out.rid)
+                    e.abort(out.rid)
+                if i < 4:
+                    outs[i].extend(out.token_ids)
+                if out.finished:
+                    done[i].set()
+            return sink
+
+        for i in range(4):
+            e.submit(ids[i], GREEDY, sink_for(i))
+        e.submit(victim, GREEDY, sink_for(4))
+        assert all(d.wait(timeout=600) for d in done)
+        assert [outs[i] for i in range(4)] == want["greedy"][:4]
+        s = e.scheduler.stats
+        assert s.retracted > 0 and s.spec_verify_items > 0 and s.aborted == 1
+        e.scheduler.check_invariants()
+        assert not e.scheduler.running and e.scheduler.flush_cache()
+        assert e.scheduler.kv.allocator.num_free == e.scheduler.kv.num_pages
     finally:
         close(e)
