@@ -168,3 +168,30 @@ def test_linears_only_runs_the_step_matmuls_and_checks_rows(runners):
     for bad in (0, 65):
         with pytest.raises(RuntimeError, match="1 to 64 rows"):
             stack.linears_only(bad)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_verify_item_gives_the_logits_of_decoding_its_tokens_one_by_one(runners, dtype):
+    """Speculation's verify item [last, d1..d5] runs as one call: six rows sharing the request's
+    page-table row at consecutive positions (each attends over the KV the rows before it wrote in
+    the same layer). Its logits and KV equal six one-token steps', bit for bit, beside another
+    request's decode."""
+    runner = runners(dtype, True)
+    steps = _decode(runner, ["a", "b"], 6)  # one by one: a's tokens and logits at each step
+    decoded = list(runner.requests["a"].output_ids)
+    k_one, v_one = runner.pool.k.clone(), runner.pool.v.clone()
+    runner.reset()
+    specs = [NewRequestSpec(r, PROMPTS[r], [], SamplingParams(temperature=0), 0) for r in ("a", "b")]
+    runner.execute(StepPlan(0, specs, [StepItem(r, PROMPTS[r], 0, PAGES[r], True) for r in ("a", "b")]))
+    first = runner.requests["a"].output_ids[-1]
+    assert first == decoded[0]
+    b_pos = len(PROMPTS["b"])
+    plan = StepPlan(1, [], [StepItem("a", [first] + decoded[1:6], len(PROMPTS["a"]), [], verify=True),
+                            StepItem("b", [runner.requests["b"].output_ids[-1]], b_pos, [])])
+    assert runner._one_call(plan, [runner.requests["a"], runner.requests["b"]]) is not None  # the stack takes it
+    logits, _ = runner.compute_logits(plan)  # [6 rows of a, 1 row of b]
+    assert torch.equal(logits[:6], torch.stack([s[0] for s in steps]))
+    assert torch.equal(logits[6], steps[0][1])
+    positions = range(len(PROMPTS["a"]), len(PROMPTS["a"]) + 6)  # a's pages 0-2: slots are positions
+    assert torch.equal(runner.pool.k[:, list(positions)], k_one[:, list(positions)])
+    assert torch.equal(runner.pool.v[:, list(positions)], v_one[:, list(positions)])

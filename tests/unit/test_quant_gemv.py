@@ -47,6 +47,17 @@ def test_kernel_matches_float32_matmul(kernel, qtype, N, K, T):
     torch.testing.assert_close(out, ref, atol=1e-4 * K ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, qtype):
+    """Bit for bit, for every row count: speculation's verify steps (several rows of one request)
+    must give the logits a one-row decode step gives (services/worker/model_runner.py)."""
+    qw, _ = _quantized(67, 576, qtype, seed=3)
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([quant_gemv.quant_linear(x[i:i + 1], qw, None, kernel) for i in range(11)])
+    for T in range(2, 12):
+        assert torch.equal(quant_gemv.quant_linear(x[:T], qw, None, kernel), alone[:T]), T
+
+
 def test_bfloat16_in_float32_or_bfloat16_out(kernel):
     qw, _ = _quantized(40, 64, "Q4_1")
     x = torch.randn(3, 64).to(torch.bfloat16)
