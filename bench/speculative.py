@@ -121,15 +121,14 @@ def llama(args, model_path: str, mode: str) -> dict:
     if binary is None:
         return {"skipped": "llama-server is not built: run bench/peers.py once (it builds it)"}
     help_text = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+    if "--spec-type" not in help_text:
+        return {"skipped": "this llama-server build has no --spec-type (speculative decoding) flag"}
     port = peers.free_port()
     cmd = peers.llama_server_command(binary, model_path, port, 1, 4096, args.threads, "on")
-    if mode == "draft":
-        cmd += ["-md", model_path, "--draft-max", "6", "--draft-min", "1"]
-    elif mode == "lookup":
-        flag = next((f for f in ("--spec-ngram", "--lookup-ngram") if f in help_text), None)
-        if flag is None:
-            return {"skipped": "this llama-server build has no n-gram/lookup speculation flag in --help"}
-        cmd += [flag]
+    if mode == "draft":  # the same GGUF drafting for itself, as radixmesh's STANDALONE run
+        cmd += ["--spec-type", "draft-simple", "-md", model_path, "--spec-draft-n-max", "6"]
+    else:  # prompt lookup with radixmesh's n-gram window (2) and depth (8)
+        cmd += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2", "--spec-ngram-simple-size-m", "8"]
     with peers.Server(cmd, f"http://127.0.0.1:{port}") as server:
         out = {"command": shlex.join(cmd), "single_stream": single_stream(server.url, "default")}
     print(f"llama-server {mode}: ITL {out['single_stream']['mean_itl_ms']} ms", file=sys.stderr, flush=True)
@@ -144,8 +143,8 @@ def vllm(args, speculative: bool) -> dict:
     cmd = [exe, "serve", args.vllm_model, "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "8",
            "--served-model-name", "smollm2", "--port", str(port), "--host", "127.0.0.1"]
     if speculative:
-        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 6,
-                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1})]
+        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 8,
+                                                    "prompt_lookup_max": 8, "prompt_lookup_min": 2})]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     try:
         with peers.Server(cmd, f"http://127.0.0.1:{port}", ready_timeout_s=900) as server:
@@ -154,6 +153,11 @@ def vllm(args, speculative: bool) -> dict:
         return {"command": shlex.join(cmd), "failed": str(e)[-1500:]}
     print(f"vLLM speculative={speculative}: ITL {out['single_stream']['mean_itl_ms']} ms", file=sys.stderr, flush=True)
     return out
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 def ratio(a, b):
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from services.common.model_path import default_model_path
     model_path = default_model_path()
-    res = {"cpu": peers.cpu_name() if hasattr(peers, "cpu_name") else None, "workload": "bench/data/copy_heavy.json",
+    res = {"cpu": cpu_model(), "workload": "bench/data/copy_heavy.json",
            "max_tokens": MAX_TOKENS}
     res["off"] = radixmesh([], args.clients, args.requests)
     res["ngram"] = radixmesh(["--speculative-algorithm", "NGRAM"], args.clients, args.requests)

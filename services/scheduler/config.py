@@ -34,9 +34,10 @@ class SchedulerConfig:
         "help": "speculative decoding (the worker's --speculative-algorithm): off while more requests than this "
                 "run; below it the depth adapts to the batch and to each request's acceptance "
                 "(services/scheduler/speculation.py)"})
-    speculative_row_cost: float = field(default=0.4, metadata={
+    speculative_row_cost: float = field(default=0.2, metadata={
         "help": "speculation's cost model: one more token in a step costs this fraction of a one-token step "
-                "(the CPU's quantized decode step, measured by bench/speculative.py)"})
+                "(the CPU's one-call decode step on the quantized blocks: 0.15-0.4 from 2 to 8 tokens; "
+                "docs/speculative.md)"})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:

@@ -67,7 +67,7 @@ class WorkerConfig:
     speculative_algorithm: str | None = field(default=None, metadata={
         "help": "speculative decoding's drafter: NGRAM (prompt lookup over the request's own tokens) or "
                 "STANDALONE (a draft model, --speculative-draft-model-path); none: off (services/worker/speculative)"})
-    speculative_num_draft_tokens: int = field(default=6, metadata={
+    speculative_num_draft_tokens: int = field(default=8, metadata={
         "help": "speculation: the most tokens drafted per verify (the scheduler adapts the depth below it)"})
     speculative_draft_model_path: str | None = field(default=None, metadata={
         "help": "STANDALONE: the draft model (a .gguf or HF directory; the target's own file drafts on its "
@@ -75,9 +75,10 @@ class WorkerConfig:
     speculative_draft_kv_cache_bytes: int = field(default=256 << 20, metadata={
         "help": "STANDALONE: the draft model's own KV pool byte budget (a request the pool has no room for "
                 "gets no draft that step)"})
-    speculative_ngram_min_match_window_size: int = field(default=1, metadata={
-        "help": "NGRAM: the shortest suffix looked up"})
-    speculative_ngram_max_match_window_size: int = field(default=4, metadata={
+    speculative_ngram_min_match_window_size: int = field(default=2, metadata={
+        "help": "NGRAM: the shortest suffix looked up (1 drafts more often, and is accepted less: "
+                "bench/speculative.py)"})
+    speculative_ngram_max_match_window_size: int = field(default=8, metadata={
         "help": "NGRAM: the longest suffix looked up (the longest that occurred before wins)"})
     verify_max_rows: int = field(default=16, metadata={
         "help": "CPU: a step with verify items (speculation, jump-forward) of at most this many tokens runs as "
