@@ -155,6 +155,58 @@ def vllm(args, speculative: bool) -> dict:
     return out
 
 
+def verify_step_costs(max_rows: int = 9) -> dict:
+    """The one-call step's time by tokens in it (one request: [last, *draft]), in-process: what a
+    verify item of d drafted tokens costs against a one-token step."""
+    from services.common.sampling_params import SamplingParams
+    from services.engine.engine import Engine
+    from services.step.contract import NewRequestSpec, StepItem, StepPlan
+    from services.worker.config import WorkerConfig
+    engine = Engine(worker=WorkerConfig(kv_cache_bytes=64 << 20))
+    try:
+        runner, prompt = engine.runner, list(range(100, 400))
+        runner.execute(StepPlan(1, [NewRequestSpec("a", prompt, [], SamplingParams(temperature=0), 1)],
+                                [StepItem("a", prompt, 0, list(range(40)), True)]))
+        out, step_id = {}, 2
+        for rows in range(1, max_rows + 1):
+            times = []
+            for _ in range(15):
+                item = StepItem("a", [5] + [7] * (rows - 1), len(prompt), [], False, verify=rows > 1)
+                t0 = time.perf_counter()
+                runner.compute_logits(StepPlan(step_id, [], [item]))
+                times.append(time.perf_counter() - t0)
+                step_id += 1
+            out[rows] = round(1000 * statistics.median(times), 2)
+        return {"step_ms_by_tokens": out, "relative": {r: round(t / out[1], 2) for r, t in out.items()}}
+    finally:
+        engine.shutdown()
+
+
+def engine_breakdown() -> dict:
+    """In-process, the workload one request at a time with n-gram speculation: the share of output
+    tokens that came from verify items, and the worker's time per token in the steps that ran them."""
+    from services.common.sampling_params import SamplingParams
+    from services.engine.engine import Engine
+    from services.worker.config import WorkerConfig
+    engine = Engine(worker=WorkerConfig(kv_cache_bytes=256 << 20, speculative_algorithm="NGRAM"))
+    try:
+        sampling = SamplingParams(temperature=0, max_new_tokens=MAX_TOKENS)
+        engine.generate(messages=WORKLOAD[0]["messages"], sampling=sampling)
+        s = engine.scheduler.stats
+        before = (s.steps, s.spec_steps, s.spec_verify_items, s.spec_accepted_tokens, s.verify_seconds)
+        tokens = 0
+        for conv in WORKLOAD:
+            tokens += len(engine.generate(messages=conv["messages"], sampling=sampling).token_ids)
+        verify_items = s.spec_verify_items - before[2]
+        verify_tokens = verify_items + s.spec_accepted_tokens - before[3]
+        return {"output_tokens": tokens, "tokens_from_verify_items": verify_tokens,
+                "share_from_verify_items": round(verify_tokens / tokens, 3),
+                "verify_ms_per_token": round(1000 * (s.verify_seconds - before[4]) / verify_tokens, 2)
+                if verify_tokens else None, "steps": s.steps - before[0], "verify_steps": s.spec_steps - before[1]}
+    finally:
+        engine.shutdown()
+
+
 def cpu_model() -> str:
     with open("/proc/cpuinfo") as f:
         return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
@@ -196,7 +248,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-venv", default=os.path.expanduser("~/.cache/radixmesh/peers/vllm/venv"))
     ap.add_argument("--vllm-model", default=os.path.expanduser("~/.cache/radixmesh/peers/vllm/smollm2-hf"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--costs-only", action="store_true",
+                    help="only the in-process parts: verify step cost by tokens, and where the tokens came from")
     args = ap.parse_args(argv)
+    if args.costs_only:
+        res = {"cpu": cpu_model(), "verify_step_costs": verify_step_costs(), "engine_breakdown": engine_breakdown()}
+        print(json.dumps(res, indent=1))
+        out = args.out or os.path.join(REPO, "bench", "results", f"speculative-costs-{time.strftime('%Y-%m-%d')}.json")
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
     from services.common.model_path import default_model_path
     model_path = default_model_path()
     res = {"cpu": cpu_model(), "workload": "bench/data/copy_heavy.json",

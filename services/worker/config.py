@@ -67,8 +67,9 @@ class WorkerConfig:
     speculative_algorithm: str | None = field(default=None, metadata={
         "help": "speculative decoding's drafter: NGRAM (prompt lookup over the request's own tokens) or "
                 "STANDALONE (a draft model, --speculative-draft-model-path); none: off (services/worker/speculative)"})
-    speculative_num_draft_tokens: int = field(default=8, metadata={
-        "help": "speculation: the most tokens drafted per verify (the scheduler adapts the depth below it)"})
+    speculative_num_draft_tokens: int = field(default=7, metadata={
+        "help": "speculation: the most tokens drafted per verify (the scheduler adapts the depth below it); 7 "
+                "keeps a batch-1 verify at 8 rows, one pass of the quantized matmul over the weights"})
     speculative_draft_model_path: str | None = field(default=None, metadata={
         "help": "STANDALONE: the draft model (a .gguf or HF directory; the target's own file drafts on its "
                 "quantized blocks)"})

@@ -30,6 +30,22 @@ SMALL_MESH = ["--dtype", "float32", "--kv-cache-bytes", str(32 << 20), "--max-re
               "--check-invariants"]
 
 
+def otlp_env(endpoint: str) -> dict[str, str]:
+    """Every service exports its spans to an OTLP/gRPC receiver at `endpoint`, promptly."""
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+
+
+def gateway_url_and_metrics(mesh: "Mesh", services) -> tuple[str, dict[str, str]]:
+    """A mesh started with --metrics-port 0 and the gateway: its HTTP URL and each named
+    service's /metrics URL (the ports each logged as `listening`)."""
+    listening = {e["service"]: e for e in mesh.log if e.get("msg") == "listening"}
+    url = f"http://127.0.0.1:{listening['gateway']['http_port']}"
+    metrics = {name: f"http://127.0.0.1:{listening[name]['metrics_port']}/metrics"
+               for name in services if name != "gateway"}
+    return url, metrics
+
+
 class Mesh:
     """The launcher with its stderr (JSON lines of every service) collected by a reader thread."""
 

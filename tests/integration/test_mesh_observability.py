@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.mesh_harness import SMALL_MESH, Mesh
+from tests.integration.mesh_harness import SMALL_MESH, Mesh, gateway_url_and_metrics, otlp_env
 from tests.integration.otlp_receiver import Receiver, Span
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
@@ -30,15 +30,10 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def mesh(receiver):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
-    m = Mesh(*SMALL_MESH, "--metrics-port", "0", gateway=True, env=env)
+    m = Mesh(*SMALL_MESH, "--metrics-port", "0", gateway=True, env=otlp_env(receiver.endpoint))
     try:
         m.wait_ready()
-        listening = {e["service"]: e for e in m.log if e.get("msg") == "listening"}
-        m.url = f"http://127.0.0.1:{listening['gateway']['http_port']}"
-        m.metrics_urls = {name: f"http://127.0.0.1:{listening[name]['metrics_port']}/metrics"
-                          for name in SERVICES if name != "gateway"}
+        m.url, m.metrics_urls = gateway_url_and_metrics(m, SERVICES)
         m.metrics_urls["gateway"] = m.url + "/metrics"
         with urllib.request.urlopen(m.url + "/v1/models", timeout=30) as r:
             m.model = json.load(r)["data"][0]["id"]

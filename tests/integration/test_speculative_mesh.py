@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.mesh_harness import SMALL_MESH, Mesh
-from tests.integration.otlp_receiver import Receiver
-from tests.integration.test_mesh_observability import scrape, total
+from tests.integration.mesh_harness import SMALL_MESH, Mesh, gateway_url_and_metrics, otlp_env
+from tests.integration.test_mesh_observability import receiver, scrape, total  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -22,21 +21,13 @@ WORKLOAD = json.loads((Path(__file__).parents[2] / "bench" / "data" / "copy_heav
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    with Receiver() as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
 def mesh(receiver):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
-    m = Mesh(*SMALL_MESH, "--speculative-algorithm", "NGRAM", "--metrics-port", "0", gateway=True, env=env)
+    m = Mesh(*SMALL_MESH, "--speculative-algorithm", "NGRAM", "--metrics-port", "0", gateway=True,
+             env=otlp_env(receiver.endpoint))
     try:
         m.wait_ready()
-        listening = {e["service"]: e for e in m.log if e.get("msg") == "listening"}
-        m.url = f"http://127.0.0.1:{listening['gateway']['http_port']}"
-        m.scheduler_metrics = f"http://127.0.0.1:{listening['scheduler']['metrics_port']}/metrics"
+        m.url, metrics = gateway_url_and_metrics(m, ["scheduler"])
+        m.scheduler_metrics = metrics["scheduler"]
         with urllib.request.urlopen(m.url + "/v1/models", timeout=30) as r:
             m.model = json.load(r)["data"][0]["id"]
         yield m
