@@ -13,6 +13,9 @@ not, and fades as the batch grows (each extra row costs the whole batch's time);
 `disable_batch_size` running requests it is off. A request's rate is an exponential average of
 its verifies' accepted / drafted, starting at the fleet-wide average; while its depth is 0 it
 drifts back toward that average, so a request that stopped speculating gets tried again.
+Acceptance comes in runs (a quote being copied is accepted whole, then the text moves on): after
+s drafts in a row accepted whole, the rate used is at least 1 - 2^-(s+1), so a run deepens at
+once instead of waiting for the average to catch up, and the first partial acceptance ends it.
 """
 from __future__ import annotations
 
@@ -31,20 +34,23 @@ class SpeculationPolicy:
     row_cost: float  # one extra row of a step, in one-token steps
     prior: float = 0.6  # the fleet-wide acceptance rate, an exponential average too
     rates: dict[str, float] = field(default_factory=dict)
+    streaks: dict[str, int] = field(default_factory=dict)  # drafts in a row accepted whole
 
     def depth(self, req: Request, batch_size: int) -> int:
         """Tokens the worker may draft for req after this step's sample."""
         if (self.max_depth <= 0 or batch_size > self.disable_batch_size or not req.sampling.speculative
                 or req.sampling.logprobs):
             return 0
-        rate = self.rates.get(req.rid, self.prior)
+        base = self.rates.get(req.rid, self.prior)
+        streak = self.streaks.get(req.rid, 0)
+        rate = max(base, 1 - 0.5 ** (streak + 1)) if streak else base
         best, best_gain = 0, batch_size / (1 + self.row_cost * (batch_size - 1))
         for d in range(1, self.max_depth + 1):
             gain = (batch_size + _expected_accepted(rate, d)) / (1 + self.row_cost * (batch_size - 1 + d))
             if gain > best_gain * 1.0001:
                 best, best_gain = d, gain
         if best == 0:
-            self.rates[req.rid] = rate + RECOVER * (self.prior - rate)
+            self.rates[req.rid] = base + RECOVER * (self.prior - base)
         return best
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
@@ -55,9 +61,11 @@ class SpeculationPolicy:
         rate = self.rates.get(req.rid, self.prior)
         self.rates[req.rid] = rate + EMA * (observed - rate)
         self.prior += 0.05 * (observed - self.prior)
+        self.streaks[req.rid] = self.streaks.get(req.rid, 0) + 1 if accepted == drafted else 0
 
     def forget(self, rid: str) -> None:
         self.rates.pop(rid, None)
+        self.streaks.pop(rid, None)
 
 
 def _expected_accepted(rate: float, depth: int) -> float:

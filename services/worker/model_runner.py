@@ -44,6 +44,7 @@ class _Request:
     seed: int
     num_pages: int = 0
     matcher: Matcher | None = None  # its constraint's grammar state, advanced with every sampled token
+    drafted_speculatively: bool = False  # its last draft came from the drafter, not its grammar
 
 
 @dataclass
@@ -170,6 +171,9 @@ class ModelRunner:
             runs = [accepted(item.input_ids[1:], picked[lo:hi]) if item.verify else [picked[lo]]
                     for item, (lo, hi) in zip(items, spans)]
             logprobs = [logprobs[lo] for lo, _ in spans]
+        if verifying:  # the tokens a grammar forced (a speculative draft's are the scheduler's to count)
+            self.grammars.stats.jump_forward_tokens += sum(
+                len(run) - 1 for req, run in zip(reqs, runs) if not req.drafted_speculatively)
         drafts = [TokenRun(self._take(req, item.rid, run)) for req, item, run in zip(reqs, items, runs)]
         if self.drafter is not None:
             self._speculate(reqs, items, runs, drafts, result)
@@ -178,7 +182,8 @@ class ModelRunner:
         result.logprobs += logprobs
         if verifying:
             result.accepted = [TokenRun(run[1:]) for run in runs]
-            self.grammars.stats.jump_forward_tokens += sum(len(run) - 1 for run in runs)
+        for req, d in zip(reqs, drafts):
+            req.drafted_speculatively = d.speculative and bool(d.ids)
         if any(d.ids for d in drafts):
             result.drafts = drafts
 

@@ -109,6 +109,28 @@ def test_ngram_float32_equals_plain_batched_and_staggered(checkpoint, tokenizer,
         close(e)
 
 
+def test_a_stop_string_inside_an_accepted_run_ends_the_text_where_plain_decoding_does(checkpoint, tokenizer,
+                                                                                      plain32):
+    """The quote and code-edit outputs copy their prompts, so their stop strings fall inside
+    accepted runs: the text ends just before each, as plain decoding's does."""
+    ids, want = plain32
+    e = engine(checkpoint, tokenizer, "float32", spec=True)
+    try:
+        cases = []
+        for i in (0, 5, 6):
+            text = tokenizer.decode(want["greedy"][i])
+            stop = text[len(text) // 2:len(text) // 2 + 6]  # a piece from the middle of the copy
+            cases.append((i, stop, text[:text.index(stop)]))
+        params = [SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop])
+                  for _, stop, _ in cases]
+        outs = e.generate_batch([ids[i] for i, _, _ in cases], params)
+        for (i, stop, expected), out in zip(cases, outs):
+            assert out.text == expected and out.finish_reason == "stop" and out.matched_stop == stop, i
+        assert e.scheduler.stats.spec_accepted_tokens > 0
+    finally:
+        close(e)
+
+
 def test_draft_model_float32_equals_plain_one_at_a_time(checkpoint, tokenizer, plain32):
     """STANDALONE: the default GGUF drafting for itself, in a second runner with its own KV."""
     from services.common.model_path import default_model_path

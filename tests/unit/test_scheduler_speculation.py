@@ -177,3 +177,16 @@ def test_a_request_that_stopped_speculating_is_tried_again():
     p.prior = 0.9  # the fleet's drafts are doing well
     depths = [p.depth(req, 1) for _ in range(200)]
     assert depths[0] == 0 and depths[-1] > 0
+
+
+def test_a_run_of_whole_acceptances_deepens_at_once_and_a_partial_one_ends_it():
+    p = policy()
+    req = _Req()
+    for _ in range(10):
+        p.verified(req, 4, 2)  # 50%: the average alone keeps drafts short
+    shallow = p.depth(req, 1)
+    p.verified(req, shallow, shallow)  # a quote starts being copied: accepted whole
+    p.verified(req, 2, 2)
+    assert p.depth(req, 1) > shallow + 1
+    p.verified(req, 6, 1)  # the copy ended
+    assert p.depth(req, 1) <= shallow
