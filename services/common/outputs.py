@@ -44,6 +44,16 @@ class TokenLogprob:
     bytes: bytes | None = None
 
 
+# Speculative decoding's per-request counters: RequestOutput's, the scheduler's Request's and the
+# protos' (GenerateChunk, Usage) field names alike.
+SPEC_COUNTERS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")
+
+
+def spec_counters(counted) -> dict[str, int]:
+    """The speculative counters of anything carrying them under SPEC_COUNTERS' names."""
+    return {name: getattr(counted, name) for name in SPEC_COUNTERS}
+
+
 @dataclass
 class RequestOutput:
     """New tokens of one sequence since its last output; counters are cumulative for the request."""

@@ -11,11 +11,8 @@ from dataclasses import dataclass, field
 
 from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import scheduler_pb2 as spb
-from services.common.outputs import RequestOutput
+from services.common.outputs import SPEC_COUNTERS, RequestOutput, spec_counters
 from services.common.outputs_convert import finish_to_proto, logprob_to_proto
-
-
-SPEC_COUNTERS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")  # RequestOutput = proto names
 
 
 @dataclass
@@ -32,7 +29,7 @@ class Usage:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion[index] = out.completion_tokens
         self.cached[index] = out.cached_tokens
-        self.spec[index] = tuple(getattr(out, name) for name in SPEC_COUNTERS)
+        self.spec[index] = tuple(spec_counters(out).values())
 
     def fill(self, chunk: cpb.GenerateChunk) -> cpb.GenerateChunk:
         chunk.prompt_tokens = self.prompt_tokens

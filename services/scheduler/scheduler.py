@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from services.common.grammar.backend import GrammarBackend, create_backend as create_grammar_backend
 from services.common.grammar.constraint import Constraint
 from services.common.hicache_config import HiCacheConfig
-from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, TopToken
+from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, TopToken, spec_counters
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grammar_queue import GrammarQueue
@@ -285,9 +285,9 @@ class Scheduler:
         """Trim drafts so the step's tokens stay within what the worker runs as one call (its
         verify_max_rows): a longer step would run op by op, slower, and in a reduced dtype
         with logits that depend on the batch."""
-        spare = self.limits.verify_max_rows - len(decoding)
         if self.limits.verify_max_rows <= 0:
             return
+        spare = self.limits.verify_max_rows - len(decoding)
         for req in decoding:
             if req.draft:
                 req.draft = req.draft[:max(spare, 0)]
@@ -496,7 +496,7 @@ class Scheduler:
         logprobs = [] if lp is None else [TokenLogprob(tokens[0], lp.logprob, [TopToken(t, v) for t, v in lp.top])]
         out = RequestOutput(req.rid, taken, logprobs, prompt_tokens=len(req.prompt_ids),
                             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
-                            **_spec_counters(req))
+                            **spec_counters(req))
         if reason:
             self._finish(req, reason, matched, out)
         self._outputs.append(out)
@@ -575,6 +575,7 @@ class Scheduler:
             if req in self.waiting:  # else it waited for its grammar
                 self.waiting.remove(req)
             req.status = Status.FINISHED
+            self.spec.forget(req.rid)  # retracted after it speculated: its acceptance rate too
             self.stats.aborted += 1
             self._outputs.append(self._abort_output(req))
         for rid in aborts & self.running.keys():
@@ -587,7 +588,7 @@ class Scheduler:
     def _abort_output(req: Request) -> RequestOutput:
         return RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ABORT, prompt_tokens=len(req.prompt_ids),
                              completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
-                             **_spec_counters(req))
+                             **spec_counters(req))
 
     def _refresh_gauges(self) -> None:
         s = self.stats
@@ -629,8 +630,3 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def _spec_counters(req: Request) -> dict[str, int]:
-    return {"spec_verify_steps": req.spec_verify_steps, "spec_draft_tokens": req.spec_draft_tokens,
-            "spec_accepted_tokens": req.spec_accepted_tokens}

@@ -51,11 +51,11 @@ from protos.radixmesh.v1 import scheduler_pb2_grpc
 from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common import tls, tracing
 from services.common.convert import sampling_from_proto
-from services.common.outputs import FinishReason, RequestOutput
+from services.common.outputs import FinishReason, RequestOutput, spec_counters
 from services.common.outputs_convert import finish_to_proto
 from services.common.sampling_params import InvalidRequest
 from services.common.server import Readiness
-from services.scheduler.convert import SPEC_COUNTERS, Usage, carry_counters, output_events, stats_proto
+from services.scheduler.convert import Usage, carry_counters, output_events, stats_proto
 from services.scheduler.driver import DriverHooks, StepDriver
 from services.scheduler.grpc_link import GrpcStepLink
 from services.scheduler.outputs import QueueFull
@@ -202,24 +202,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for crid, matched in early:
             req = core.running.get(crid)
             if req is not None:  # it yields no output: count its usage here
-                self._count(len(req.prompt_ids), len(req.output_ids), req.cached_tokens, _spec(req))
+                self._count(len(req.prompt_ids), len(req.output_ids), req.cached_tokens, spec_counters(req))
                 self.telemetry.finished_early(crid, len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
                 core.finish_early(crid, FinishReason.STOP, matched)
             else:  # waiting (e.g. retracted): nothing to keep, drop it
                 core.abort(crid)
 
-    def _count(self, prompt: int, completion: int, cached: int, spec: tuple[int, ...]) -> None:
+    def _count(self, prompt: int, completion: int, cached: int, spec: dict[str, int]) -> None:
         u = self._usage
         u.prompt_tokens, u.completion_tokens, u.cached_tokens = (
             u.prompt_tokens + prompt, u.completion_tokens + completion, u.cached_tokens + cached)
-        for name, n in zip(SPEC_COUNTERS, spec, strict=True):
+        for name, n in spec.items():
             setattr(u, name, getattr(u, name) + n)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             owner = self._owner.get(out.rid)
             if out.finished:
-                self._count(out.prompt_tokens, out.completion_tokens, out.cached_tokens, _spec(out))
+                self._count(out.prompt_tokens, out.completion_tokens, out.cached_tokens, spec_counters(out))
             if owner is not None:
                 stream, index = owner
                 stream.queue.put_nowait(("out", index, out))
@@ -384,8 +384,3 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 async def _until(done, deadline: float, poll_s: float = 0.05) -> None:
     while not done() and time.monotonic() < deadline:
         await asyncio.sleep(poll_s)
-
-
-def _spec(counted) -> tuple[int, ...]:
-    """The speculative counters of a RequestOutput or a core Request (the same names)."""
-    return tuple(getattr(counted, name) for name in SPEC_COUNTERS)

@@ -174,37 +174,38 @@ class ModelRunner:
         if verifying:  # the tokens a grammar forced (a speculative draft's are the scheduler's to count)
             self.grammars.stats.jump_forward_tokens += sum(
                 len(run) - 1 for req, run in zip(reqs, runs) if not req.drafted_speculatively)
-        drafts = [TokenRun(self._take(req, item.rid, run)) for req, item, run in zip(reqs, items, runs)]
-        if self.drafter is not None:
-            self._speculate(reqs, items, runs, drafts, result)
+        forced = [self._take(req, item.rid, run) for req, item, run in zip(reqs, items, runs)]  # grammars' drafts
+        proposed = self._speculate(reqs, items, runs, forced, result) if self.drafter is not None else {}
         result.rids += [item.rid for item in items]
         result.next_token_ids += [run[0] for run in runs]
         result.logprobs += logprobs
         if verifying:
             result.accepted = [TokenRun(run[1:]) for run in runs]
-        for req, d in zip(reqs, drafts):
-            req.drafted_speculatively = d.speculative and bool(d.ids)
-        if any(d.ids for d in drafts):
-            result.drafts = drafts
+        if proposed or any(forced):
+            result.drafts = [TokenRun(proposed[i], speculative=True) if i in proposed else TokenRun(ids)
+                             for i, ids in enumerate(forced)]
 
-    def _speculate(self, reqs: list[_Request], items: list, runs: list[list[int]], drafts: list[TokenRun],
-                   result: StepResult) -> None:
+    def _speculate(self, reqs: list[_Request], items: list, runs: list[list[int]], forced: list[list[int]],
+                   result: StepResult) -> dict[int, list[int]]:
         """Tell the drafter every row's new tokens, then draft for the rows the scheduler asked
         (item.draft_depth) that have no grammar draft and want no logprobs (a draft's tokens
-        get none): drafts[i] becomes the speculative proposal."""
+        get none) → row index → its speculative draft (non-empty ones only)."""
         t0 = time.perf_counter()
         for item, run in zip(items, runs):
             self.drafter.extend(item.rid, run)
         asked = [i for i, (req, item) in enumerate(zip(reqs, items))
-                 if item.draft_depth > 0 and not drafts[i].ids and not req.sampling.logprobs
+                 if item.draft_depth > 0 and not forced[i] and not req.sampling.logprobs
                  and not (req.matcher is not None and req.matcher.terminated)]
+        proposed: dict[int, list[int]] = {}
         if asked:
             room = [min(items[i].draft_depth, self.max_draft_tokens,
                         reqs[i].sampling.max_new_tokens - len(reqs[i].output_ids) - 1) for i in asked]
-            proposed = self.drafter.propose([DraftRequest(items[i].rid, n) for i, n in zip(asked, room)])
-            for i, ids in zip(asked, proposed):
-                drafts[i] = TokenRun(list(ids), speculative=True)
+            drafts = self.drafter.propose([DraftRequest(items[i].rid, n) for i, n in zip(asked, room)])
+            proposed = {i: list(ids) for i, ids in zip(asked, drafts) if ids}
+        for i, req in enumerate(reqs):
+            req.drafted_speculatively = i in proposed
         result.draft_seconds += time.perf_counter() - t0
+        return proposed
 
     def _verify_rows(self, reqs: list[_Request], items: list) -> tuple[list, list[tuple[int, int]]]:
         """Sampler rows when a verify item is in the step: one per position of each verify item
