@@ -74,6 +74,7 @@ class RequestOutput:
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    weights_version: str = ""  # of the weights that computed the tokens (set by the services' streams)
 
     @classmethod
     def joined(cls, outputs: list["RequestOutput"]) -> "RequestOutput":
@@ -83,4 +84,5 @@ class RequestOutput:
         return cls(last.rid, [t for o in outputs for t in o.token_ids], [lp for o in outputs for lp in o.logprobs],
                    "".join(o.text for o in outputs), last.index, last.finished, last.finish_reason,
                    last.matched_stop, last.prompt_tokens, last.completion_tokens, last.cached_tokens, last.error,
-                   last.spec_verify_steps, last.spec_draft_tokens, last.spec_accepted_tokens)
+                   last.spec_verify_steps, last.spec_draft_tokens, last.spec_accepted_tokens,
+                   next((o.weights_version for o in reversed(outputs) if o.weights_version), ""))

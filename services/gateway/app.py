@@ -12,6 +12,7 @@ import logging
 from aiohttp import web
 
 from services.gateway.admin import admin_routes
+from services.gateway.model_admin import model_admin_routes
 from services.gateway.auth import KEYS, KeyRing
 from services.gateway.backend import Backend, BackendError
 from services.gateway.config import GatewayConfig
@@ -110,6 +111,7 @@ def build_app(config: GatewayConfig, backend: Backend, *, monitor_backend: bool 
     app[CONNECTIONS] = ConnectionGuard(config.header_timeout_s, config.max_connections_per_client)
     app.add_routes(routes)
     app.add_routes(admin_routes)  # /admin: the router's replicas (services/gateway/admin.py)
+    app.add_routes(model_admin_routes)  # adapters and weight updates (services/gateway/model_admin.py)
 
     async def scrape(request: web.Request) -> web.Response:
         return await metrics.handle(app[METRICS].registry)

@@ -33,7 +33,8 @@ from services.gateway.errors import APIError
 log = logging.getLogger(__name__)
 
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
-ADMIN_PREFIXES = ("/admin/", "/flush_cache", "/update_weights")
+ADMIN_PREFIXES = ("/admin/", "/flush_cache", "/update_weights", "/model_state", "/v1/load_lora_adapter",
+                  "/v1/unload_lora_adapter", "/init_weights_update_group")
 _CHALLENGE = 'Bearer realm="radixmesh"'
 
 

@@ -22,7 +22,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.radixmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from protos.radixmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import tracing
 from services.common.convert import sampling_to_proto
 from services.common.outputs import RequestOutput
@@ -49,6 +49,11 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     has_chat_template: bool = True
     tool_call_format: str = "hermes"  # tool_choice auto's format: the template's, or --tool-call-parser's
+    # LoRA adapters loaded behind the backend (requests name one as their model), and its weights'
+    # version: from ModelAdmin.GetModelState, refreshed with the readiness checks.
+    adapters: tuple[str, ...] = ()
+    adapter_paths: tuple[str, ...] = ()
+    weights_version: str = ""
 
 
 @dataclass
@@ -69,6 +74,7 @@ class GenerateCall:
     # the largest value that can come out of it and is not sent.
     fill_context: bool = False
     fill_cap: int | None = None
+    adapter: str = ""  # the LoRA adapter to run under ("" = the base model)
 
 
 Event = RequestOutput  # one per sequence `index`: token outputs, then one finishing output without tokens
@@ -102,7 +108,8 @@ def generate_request(call: GenerateCall) -> tokenizer_pb2.GenerateTextRequest:
     protobuf cannot hold (the gateway bounds them before)."""
     req = tokenizer_pb2.GenerateTextRequest(
         rid=call.rid, sampling=sampling_to_proto(call.sampling, unset_max_new_tokens=call.fill_context), n=call.n,
-        skip_special_tokens=call.skip_special_tokens, include_stop_str_in_output=call.include_stop_str_in_output)
+        skip_special_tokens=call.skip_special_tokens, include_stop_str_in_output=call.include_stop_str_in_output,
+        adapter=call.adapter)
     if call.fill_context and call.fill_cap is not None:
         req.default_max_new_tokens = call.fill_cap
     if call.input_ids is not None:
@@ -130,7 +137,8 @@ def _event(rid: str, msg: common_pb2.GenerateResponse) -> Event:
         return RequestOutput(rid, list(c.token_ids), [logprob_from_proto(lp) for lp in c.logprobs], c.text, c.index,
                              prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
                              cached_tokens=c.cached_tokens, spec_verify_steps=c.spec_verify_steps,
-                             spec_draft_tokens=c.spec_draft_tokens, spec_accepted_tokens=c.spec_accepted_tokens)
+                             spec_draft_tokens=c.spec_draft_tokens, spec_accepted_tokens=c.spec_accepted_tokens,
+                             weights_version=c.weights_version)
     if kind == "finish":
         f = msg.finish
         return RequestOutput(rid, index=f.index, finished=True, finish_reason=finish_reason_from_proto(f.finish_reason),
@@ -149,14 +157,27 @@ class GrpcBackend:
         self._channel = tracing.channel(address)  # carries the HTTP request's trace on
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._admin = admin_pb2_grpc.ModelAdminStub(self._channel)
 
     async def info(self) -> ModelInfo:
         try:
             r = await self._stub.Info(tokenizer_pb2.InfoRequest(), timeout=self.probe_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise _rpc_error(e) from None
+        try:
+            state = await self._admin.GetModelState(admin_pb2.GetModelStateRequest(), timeout=self.probe_timeout_s)
+        except grpc.aio.AioRpcError:  # a backend without model administration: no adapters to list
+            state = admin_pb2.ModelState()
         return ModelInfo(r.model_name, r.vocab_size, r.context_length, tuple(r.eos_token_ids),
-                         r.has_chat_template, r.tool_call_format)
+                         r.has_chat_template, r.tool_call_format, tuple(a.name for a in state.adapters),
+                         tuple(a.path for a in state.adapters), state.weights_version)
+
+    async def admin(self, method: str, request) -> admin_pb2.ModelState:
+        """One radixmesh.v1.ModelAdmin call (a router fans it out to every replica)."""
+        try:
+            return await getattr(self._admin, method)(request, timeout=900)
+        except grpc.aio.AioRpcError as e:
+            raise _rpc_error(e) from None
 
     async def not_ready(self) -> str | None:
         """grpc health of the tokenizer must be SERVING, and its Ready (the

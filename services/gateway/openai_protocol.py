@@ -79,11 +79,23 @@ def model_not_found_message(name: str, served: Sequence[str]) -> str:
     return f"the model {name!r} does not exist; this server serves {', '.join(map(repr, served))}"
 
 
-def _check_model(body: dict, served: Sequence[str]) -> str:
-    """The served id (the first name) when the body names any served name; else model_not_found."""
-    if body["model"] not in served:
-        raise APIError(400, model_not_found_message(body["model"], served), param="model", code="model_not_found")
-    return served[0]
+def _check_model(body: dict, served: Sequence[str], info: ModelInfo) -> tuple[str, str]:
+    """(the model id responses carry, the LoRA adapter): the served id (the first name) and no
+    adapter when the body names a served name; the adapter's own name and the adapter when it
+    names a loaded adapter (as vLLM); else model_not_found."""
+    name = body["model"]
+    if name in served:
+        return served[0], ""
+    if name in info.adapters:
+        return name, name
+    raise APIError(400, model_not_found_message(name, [*served, *info.adapters]), param="model",
+                   code="model_not_found")
+
+
+def _with_adapter(calls: list[GenerateCall], adapter: str) -> list[GenerateCall]:
+    for call in calls:
+        call.adapter = adapter
+    return calls
 
 
 def _fills_context(values: dict, fill: bool) -> bool:
@@ -204,7 +216,7 @@ def _max_tokens_alias(body: dict) -> tuple[dict, dict]:
 def parse_completion(body: dict, info: ModelInfo, served: Sequence[str], default_max_tokens: int | None = None
                      ) -> ParsedRequest:
     body = _validated(schemas.COMPLETION_REQUEST, body)
-    model = _check_model(body, served)
+    model, adapter = _check_model(body, served, info)
     stream, include_usage = _stream_flags(body)
     n = body.get("n") or 1
     logprobs = body.get("logprobs")
@@ -232,14 +244,15 @@ def parse_completion(body: dict, info: ModelInfo, served: Sequence[str], default
                 raise invalid(f"prompt ({len(p['input_ids'])} tokens) + max_tokens ({sp.max_new_tokens}) exceeds "
                               f"the model's context length of {info.context_length} tokens", param="prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    return ParsedRequest("completion", rid, model, _calls(rid, sp, n, prompts, body, default_max_tokens, fills), n,
-                         stream, include_usage, logprobs is not None, logprobs or 0)
+    calls = _with_adapter(_calls(rid, sp, n, prompts, body, default_max_tokens, fills), adapter)
+    return ParsedRequest("completion", rid, model, calls, n, stream, include_usage, logprobs is not None,
+                         logprobs or 0)
 
 
 def parse_chat(body: dict, info: ModelInfo, served: Sequence[str], default_max_tokens: int | None = None
                ) -> ParsedRequest:
     body = _validated(schemas.CHAT_REQUEST, body)
-    model = _check_model(body, served)
+    model, adapter = _check_model(body, served, info)
     if not info.has_chat_template:
         raise invalid(f"the model {model!r} has no chat template: use /v1/completions", param="messages")
     stream, include_usage = _stream_flags(body)
@@ -261,8 +274,8 @@ def parse_chat(body: dict, info: ModelInfo, served: Sequence[str], default_max_t
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     prompt = {"messages": messages, "tools": tools.tools if tools is not None else None,
               "tool_call_format": tools.format.name if tools is not None else ""}
-    return ParsedRequest("chat", rid, model, _calls(rid, sp, n, [prompt], body, default_max_tokens, fills), n,
-                         stream, include_usage, logprobs, top, tools)
+    calls = _with_adapter(_calls(rid, sp, n, [prompt], body, default_max_tokens, fills), adapter)
+    return ParsedRequest("chat", rid, model, calls, n, stream, include_usage, logprobs, top, tools)
 
 
 def _chat_message(m: dict) -> dict:
@@ -298,5 +311,10 @@ def parse_generate(body: dict, info: ModelInfo, served: Sequence[str], default_m
         prompt = {"text": body["text"]}
     rid = body.get("rid") or uuid.uuid4().hex
     n = params.get("n") or 1
-    return ParsedRequest("generate", rid, served[0], _calls(rid, sp, n, [prompt], params), n, bool(body.get("stream")),
-                         False, sp.logprobs, top)
+    adapter = body.get("adapter") or body.get("lora_path") or ""  # SGLang names it lora_path
+    if adapter and adapter not in info.adapters:
+        raise invalid(f"unknown LoRA adapter {adapter!r} (loaded: {', '.join(info.adapters) or 'none'})",
+                      param="adapter")
+    calls = _with_adapter(_calls(rid, sp, n, [prompt], params), adapter)
+    return ParsedRequest("generate", rid, adapter or served[0], calls, n, bool(body.get("stream")), False,
+                         sp.logprobs, top)

@@ -191,15 +191,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 def _model_card(state: GatewayState) -> dict:
+    info = state.info
     return {"id": state.served_name, "object": "model", "created": state.started, "owned_by": "radixmesh",
-            "max_model_len": state.info.context_length}
+            "root": state.served_name, "parent": None, "max_model_len": info.context_length,
+            "weights_version": info.weights_version or "0"}
+
+
+def _adapter_cards(state: GatewayState) -> list[dict]:
+    """The loaded LoRA adapters, as vLLM lists them: parent is the base model."""
+    info = state.info
+    return [{"id": name, "object": "model", "created": state.started, "owned_by": "radixmesh", "root": path,
+             "parent": state.served_name, "max_model_len": info.context_length,
+             "weights_version": info.weights_version or "0"}
+            for name, path in zip(info.adapters, info.adapter_paths)]
 
 
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
     await state.require_info()
-    return web.json_response({"object": "list", "data": [_model_card(state)]})
+    return web.json_response({"object": "list", "data": [_model_card(state), *_adapter_cards(state)]})
 
 
 @routes.get("/v1/models/{model:.+}")  # model names may contain "/"
@@ -207,10 +218,13 @@ async def get_model(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
     await state.require_info()
     name = request.match_info["model"]
-    if name not in state.served_names:
-        raise APIError(404, model_not_found_message(name, state.served_names),
+    if name in state.served_names:
+        return web.json_response(_model_card(state))
+    card = next((c for c in _adapter_cards(state) if c["id"] == name), None)
+    if card is None:
+        raise APIError(404, model_not_found_message(name, [*state.served_names, *state.info.adapters]),
                        "invalid_request_error", param="model", code="model_not_found")
-    return web.json_response(_model_card(state))
+    return web.json_response(card)
 
 
 @routes.get("/health")

@@ -236,6 +236,9 @@ GENERATE_REQUEST = {
         "return_logprob": BOOL,
         "top_logprobs_num": _int(0, MAX_TOP_LOGPROBS),
         "rid": {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_RID_CHARS},
+        "adapter": {"type": ["string", "null"], "maxLength": 256,
+                    "description": "a loaded LoRA adapter's name (GET /v1/models); none: the base model"},
+        "lora_path": {"type": ["string", "null"], "maxLength": 256, "description": "SGLang's name for adapter"},
     },
 }
 

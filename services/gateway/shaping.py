@@ -48,6 +48,7 @@ class Collector:
         self.created = int(time.time())
         self.choices = [Choice() for _ in range(len(req.calls) * req.n)]
         self._usage = [_CallUsage() for _ in req.calls]
+        self.weights_version = ""  # of the weights that computed the tokens (the backend's chunks say)
         # chat with tools, streamed: each choice's text → delta.tool_calls
         self.tool_streams = [ToolCallStream(req.tools) for _ in self.choices] if req.tools is not None else None
 
@@ -59,6 +60,7 @@ class Collector:
             choice.finish_reason, choice.matched_stop = event.finish_reason, event.matched_stop
             return index
         u = self._usage[call_index]
+        self.weights_version = event.weights_version or self.weights_version
         u.prompt, u.cached = max(u.prompt, event.prompt_tokens), max(u.cached, event.cached_tokens)
         u.completion = max(u.completion, event.completion_tokens)
         spec = (event.spec_verify_steps, event.spec_draft_tokens, event.spec_accepted_tokens)
@@ -92,7 +94,10 @@ class Collector:
         return usage
 
     def _envelope(self, obj: str) -> dict:
-        return {"id": self.req.id, "object": obj, "created": self.created, "model": self.req.model}
+        env = {"id": self.req.id, "object": obj, "created": self.created, "model": self.req.model}
+        if self.weights_version:  # OpenAI's field for "which backend configuration served this"
+            env["system_fingerprint"] = f"weights-v{self.weights_version}"
+        return env
 
 
 # --- logprobs in OpenAI's two shapes ----------------------------------------------------
@@ -244,6 +249,8 @@ def generate_object(col: Collector, index: int, meta: bool = True) -> dict:
         "prompt_tokens": usage["prompt_tokens"], "completion_tokens": len(c.token_ids),
         "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
     }
+    if col.weights_version:
+        info["weights_version"] = col.weights_version
     spec = usage.get("speculative")  # present when the request speculated, as in usage
     if spec:
         info |= {"spec_verify_ct": spec["verify_steps"], "spec_draft_tokens": spec["draft_tokens"],

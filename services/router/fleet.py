@@ -178,13 +178,17 @@ class Fleet:
         states = ", ".join(f"{r.address} {r.state}/{r.breaker.state}" for r in self.replicas.values())
         self.readiness.set(False, f"no replica is routable ({states or 'the fleet is empty'})")
 
-    def choose(self, key: str, exclude: set[str]) -> tuple[Replica, Choice] | None:
+    def choose(self, key: str, exclude: set[str], adapter: str = "") -> tuple[Replica, Choice] | None:
         """The replica for the next attempt, preferring ones not in `exclude` (already failed
-        for this request); None when no replica may take work."""
+        for this request), then, for a LoRA adapter's request, ones that report the adapter
+        resident in a slot (its last load report: no swap-in before the request runs); None
+        when no replica may take work."""
         routable = [r for r in self.replicas.values() if r.routable]
         fresh = [r for r in routable if r.address not in exclude] or routable
         if not fresh:
             return None
+        if adapter:
+            fresh = [r for r in fresh if adapter in r.report.resident_adapters] or fresh
         fresh.sort(key=lambda r: r.address)
         choice = self.policy.choose(key, [Candidate(r.address, r.load) for r in fresh])
         replica = self.replicas[choice.address]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from protos.radixmesh.v1 import router_pb2_grpc, tokenizer_pb2_grpc
+from protos.radixmesh.v1 import admin_pb2_grpc, router_pb2_grpc, tokenizer_pb2_grpc
 from services.common.config import parse_config
 from services.common.server import run_service
 from services.router import metrics
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(RouterConfig, argv, parser)
     from services.common.server import Readiness
     from services.router.fleet import Fleet
+    from services.router.admin_fanout import FanOutAdmin
     from services.router.service import RouterAdmin, RouterFront
 
     readiness = Readiness()  # NOT_SERVING while no replica is routable (services/router/fleet.py)
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     def add_servicers(server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(front, server)
         router_pb2_grpc.add_RouterServicer_to_server(admin, server)
+        admin_pb2_grpc.add_ModelAdminServicer_to_server(FanOutAdmin(fleet), server)  # to every replica
 
     async def start() -> None:
         for address in config.replica_addrs:

@@ -52,7 +52,7 @@ def routing_key(request: pb.GenerateTextRequest) -> str:
         body = "".join(chr(0x100 + (i % 0x10F000)) for i in request.input_ids.ids)
     else:
         body = ""
-    return f"{request.namespace}\x00{body}"
+    return f"{request.namespace}\x00{request.adapter}\x00{body}"
 
 
 class _Retry(Exception):
@@ -83,7 +83,7 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self._backoff(attempt))
-            picked = self.fleet.choose(key, tried)
+            picked = self.fleet.choose(key, tried, request.adapter)
             if picked is None:
                 break
             replica, _ = picked

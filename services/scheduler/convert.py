@@ -40,14 +40,15 @@ class Usage:
         return chunk
 
 
-def output_events(index: int, out: RequestOutput, usage: Usage) -> list[cpb.GenerateResponse]:
+def output_events(index: int, out: RequestOutput, usage: Usage, weights_version: str = "") -> list[cpb.GenerateResponse]:
     """The stream events of one core output: a chunk (when it has tokens), then its Finish."""
     usage.update(index, out)
     events = []
     finish = finish_to_proto(index, out.finish_reason, out.matched_stop) if out.finished else None
     if out.token_ids:
         chunk = usage.fill(cpb.GenerateChunk(
-            index=index, token_ids=out.token_ids, logprobs=[logprob_to_proto(lp) for lp in out.logprobs]))
+            index=index, token_ids=out.token_ids, logprobs=[logprob_to_proto(lp) for lp in out.logprobs],
+            weights_version=weights_version))
         if finish is not None:
             chunk.finish.CopyFrom(finish)
         events.append(cpb.GenerateResponse(chunk=chunk))
@@ -66,7 +67,8 @@ def stats_proto(core, page_size: int, connected: bool, usage: cpb.Usage) -> spb.
         cache_hit_tokens=s.prefix_hit_tokens, cache_query_tokens=s.prefix_query_tokens,
         cache_hits=s.prefix_hits, cache_queries=s.prefix_queries,
         retracted=s.retracted, aborted=s.aborted, finished=s.finished, steps=s.steps,
-        worker_connected=connected, total_usage=usage)
+        worker_connected=connected, total_usage=usage, weights_version=core.limits.weights_version,
+        adapters=sorted(core.adapters), resident_adapters=list(core.resident_adapters))
 
 
 CARRIED_COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens", "prefix_queries", "prefix_hits",

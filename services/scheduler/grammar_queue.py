@@ -26,6 +26,10 @@ class GrammarQueue:
     def __len__(self) -> int:
         return sum(map(len, self._waiting.values()))
 
+    def held(self) -> list[Request]:
+        """Every request waiting for its grammar."""
+        return [r for reqs in self._waiting.values() for r in reqs]
+
     def is_ready(self, c: Constraint) -> bool:
         if c.key in self._ready:
             self._ready.move_to_end(c.key)

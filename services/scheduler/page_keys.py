@@ -20,6 +20,13 @@ class PageKeys:
         self._secret = secret
         self._hashers: dict[str, PageHasher] = {}
 
+    def set_weights_version(self, version: str) -> None:
+        """A weight update: every key from now on names pages of the new weights, so no page of
+        the old ones can match again (in the kvstore they are garbage its LRU drops)."""
+        model, _, layout = self._ns
+        self._ns = (model, version, layout)
+        self._hashers.clear()
+
     def hasher(self, adapter: str) -> PageHasher:
         h = self._hashers.get(adapter)
         if h is None:

@@ -21,7 +21,8 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     seed: int
-    namespace: str = ""  # adapter / weights version: part of the prefix-cache key
+    namespace: str = ""  # tenant and adapter identity: part of the prefix-cache and kvstore keys
+    adapter: str = ""  # the LoRA adapter it runs under, by name ("" = the base model)
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: Status = Status.WAITING

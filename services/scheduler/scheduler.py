@@ -22,8 +22,8 @@ last token.
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, replace
 
 from services.common.grammar.backend import GrammarBackend, create_backend as create_grammar_backend
 from services.common.grammar.constraint import Constraint
@@ -58,6 +58,7 @@ class ModelLimits:
     kv_layout: str = ""  # services/common/page_hash.kv_layout of the worker's pages
     max_draft_tokens: int = 0  # speculation: the most tokens the worker's drafter proposes (0: none)
     verify_max_rows: int = 0  # tokens of a step with verify items that the worker runs as one call (0: any)
+    max_loras: int = 0  # distinct LoRA adapters one step may use (0: the worker serves none)
 
 
 @dataclass
@@ -69,10 +70,16 @@ class _SentStep:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, limits: ModelLimits, hicache: HiCacheConfig | None = None,
-                 store: StoreProbe | None = None):
+                 store: StoreProbe | None = None, adapters: dict[str, str] | None = None):
         """hicache/store: the tiers below the worker's pool (limits.host_pages > 0 turns
-        the host tier on; `store` answers the kvstore's Exists)."""
+        the host tier on; `store` answers the kvstore's Exists). adapters: the LoRA adapters the
+        worker has loaded, name → identity (set_adapters keeps it current)."""
         self.config, self.limits = config, limits
+        self.adapters: dict[str, str] = dict(adapters or {})
+        # The adapters in the worker's slots, least recently used first: a mirror of its LRU
+        # (services/worker/lora), reported to routers so they send an adapter's requests where it is.
+        self.resident_adapters: OrderedDict[str, None] = OrderedDict()
+        self.admission_paused = False  # a weight update is under way: nothing new starts
         self.stats = SchedulerStats(kv_pages_total=limits.num_pages)
         hicache = hicache or HiCacheConfig()
         if store is not None and not limits.model_identity:
@@ -82,6 +89,7 @@ class Scheduler:
         cache = new_radix_cache(limits.num_pages, limits.page_size, config.disable_radix_cache, limits.host_pages,
                                 write_back=store is not None and hicache.hicache_write_policy == "write_back",
                                 keys_for=keys.node_keys)
+        self.page_keys = keys
         self.hicache = HiCache(hicache, cache, keys, limits.page_bytes, store, self.stats)
         self.kv = KVManager(cache, should_load=self.hicache.should_load, on_cached=self.hicache.written)
         self.stats.host_pages_total = limits.host_pages if self.kv.host_allocator else 0
@@ -124,16 +132,65 @@ class Scheduler:
                 f"({lim.num_pages * lim.page_size} tokens): lower max_tokens or raise --kv-cache-bytes")
 
     def submit(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, seed: int,
-               namespace: str = "") -> None:
+               namespace: str = "", adapter: str = "") -> None:
         self.validate(prompt_ids, sampling)
+        namespace = self.cache_namespace(namespace, adapter)
         if rid in self.running or any(r.rid == rid for r in self.waiting):
             raise InvalidRequest(f"request id {rid!r} is already in use")
         self.check_capacity(len(prompt_ids))
-        req = Request(rid, list(prompt_ids), sampling, seed, namespace)
+        req = Request(rid, list(prompt_ids), sampling, seed, namespace, adapter)
         if sampling.constraint is not None and not self.grammars.is_ready(sampling.constraint):
             self.grammars.hold(req)  # until the worker compiled its grammar: grammar_prepared()
         else:
             self.waiting.append(req)
+
+    def cache_namespace(self, namespace: str, adapter: str) -> str:
+        """The prefix-cache (and kvstore) namespace of a request: the tenant's, plus the adapter's
+        identity (its name and a digest of its weights), so no prefix is shared across adapters or
+        with the base model. Raises InvalidRequest for an adapter the worker has not loaded."""
+        if not adapter:
+            return namespace
+        identity = self.adapters.get(adapter)
+        if identity is None:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise InvalidRequest(f"unknown LoRA adapter {adapter!r} (loaded: {loaded})")
+        return f"{namespace}/lora:{identity}" if namespace else f"lora:{identity}"
+
+    def set_adapters(self, adapters: dict[str, str]) -> None:
+        """The worker's loaded adapters changed (name → identity)."""
+        self.adapters = dict(adapters)
+        for name in [n for n in self.resident_adapters if n not in adapters]:
+            del self.resident_adapters[name]
+
+    def adapter_users(self, name: str) -> int:
+        """Requests queued or running under adapter `name`."""
+        return sum(r.adapter == name for r in (*self.waiting, *self.running.values(), *self.grammars.held()))
+
+    def retract_all(self) -> int:
+        """Send every running request back to the queue (its KV stays cached until a flush);
+        they re-run from their prompt and outputs when admitted again. Returns how many."""
+        ratio, running = self.new_token_ratio, list(self.running.values())
+        for req in running:
+            self._retract(req)
+        self.new_token_ratio = ratio  # not a sign of an optimistic reservation
+        return len(running)
+
+    def weights_updated(self, version: str) -> int:
+        """The worker swapped its weights: drop every cached page (both tiers) and key pages by
+        the new version, so nothing computed under the old weights is ever read again (the
+        kvstore's old pages stop matching). Needs no request running and no step in flight.
+        Returns the pages dropped."""
+        if self.running or self._sent:
+            raise RuntimeError("weights_updated() while requests run or steps are in flight")
+        cache = self.kv.cache
+        dropped = cache.cached_pages + cache.host_pages
+        cache.reset()
+        self.limits = replace(self.limits, weights_version=version)
+        self.page_keys.set_weights_version(version)
+        for req in self.waiting:  # keys and store answers computed under the old version
+            req.page_keys, req.store_pages, req.store_state = [], 0, ""
+        self._refresh_gauges()
+        return dropped
 
     def take_grammar_jobs(self) -> list[Constraint]:
         """Constraints the worker should compile (each asked for once) before their requests are admitted."""
@@ -184,6 +241,7 @@ class Scheduler:
         self._schedule_decodes(items, scheduled)
         self._schedule_prefills(items, scheduled)
         self._set_draft_depths(items, scheduled)
+        self._touch_adapters(scheduled)
         if not items and self.running and not self.waiting and not self._sent:
             # Nothing can grow: free memory by retracting the least advanced request.
             victim = self._pick_victim()
@@ -197,7 +255,7 @@ class Scheduler:
             for req in scheduled:
                 if not req.worker_has_state:
                     plan.new_requests.append(NewRequestSpec(
-                        req.rid, req.prompt_ids, list(req.output_ids), req.sampling, req.seed))
+                        req.rid, req.prompt_ids, list(req.output_ids), req.sampling, req.seed, req.adapter))
                     req.worker_has_state = True
             # A request retracted and re-admitted within this step: its new spec
             # replaces the worker's old state, which must not be dropped after it.
@@ -209,6 +267,23 @@ class Scheduler:
         self._refresh_gauges()
         self.stats.schedule_seconds += time.perf_counter() - t0
         return plan
+
+    def _touch_adapters(self, scheduled: list[Request]) -> None:
+        """Mirror the worker's slot LRU: the step's adapters become the most recently used."""
+        lru = self.resident_adapters
+        for name in dict.fromkeys(r.adapter for r in scheduled if r.adapter):
+            lru[name] = None
+            lru.move_to_end(name)
+        while len(lru) > self.limits.max_loras:
+            lru.popitem(last=False)
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Every running request runs in every step, so the running adapters must fit the
+        worker's slots: a new adapter waits while max_loras others are running."""
+        if not req.adapter:
+            return True
+        running = {r.adapter for r in self.running.values() if r.adapter}
+        return req.adapter in running or len(running) < self.limits.max_loras
 
     def _item(self, req: Request, n: int) -> StepItem:
         start = req.computed
@@ -331,7 +406,7 @@ class Scheduler:
         for req in self.waiting:  # the store's answer (and a prefetch) while it waits
             if not req.store_state and not req.unsampled:
                 self.hicache.probe(req)
-        if not self.waiting or budget <= 0:
+        if not self.waiting or budget <= 0 or self.admission_paused:
             return
         cache = self.kv.cache if self.kv.cache_enabled else None
         ordered = order_waiting(self.waiting, self.config.schedule_policy, cache,
@@ -370,6 +445,8 @@ class Scheduler:
             return 0  # its prefix is arriving from the store: admit it with the next plan
         if self._shares_inflight_prefill(req):
             return 0  # its prefix is being computed right now: reuse it next step
+        if not self._adapter_fits(req):
+            return 0  # max_loras other adapters are running: wait for one to finish
         matched = self.kv.match(req)
         n = min(req.pending, budget)
         if n < req.pending and self.config.chunked_prefill_size < 0:

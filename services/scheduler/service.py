@@ -131,13 +131,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         limits = ModelLimits(info.num_kv_pages, info.page_size, m.max_position_embeddings, m.vocab_size,
                              tuple(m.eos_token_ids), info.num_host_pages, info.page_bytes, info.model_identity,
                              info.weights_version or "0", info.kv_layout, info.max_draft_tokens,
-                             info.verify_max_rows)
+                             info.verify_max_rows, info.max_loras)
         cfg = self.config.scheduler
         if info.max_requests and cfg.max_running_requests > info.max_requests:
             log.warning("capping max_running_requests to the worker's page-table rows",
                         extra={"requested": cfg.max_running_requests, "worker_max_requests": info.max_requests})
             cfg = replace(cfg, max_running_requests=info.max_requests)
-        core = Scheduler(cfg, limits, getattr(self.config, "hicache", None), self._kvstore_probe(info))
+        core = Scheduler(cfg, limits, getattr(self.config, "hicache", None), self._kvstore_probe(info),
+                         {a.name: a.identity for a in info.adapters})
         if self.core is not None:
             carry_counters(self.core.stats, core.stats)
         self.core, self.info = core, info
@@ -265,6 +266,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if rid in self._streams:
                 raise InvalidRequest(f"request id {rid!r} is already in use")
             core.validate(ids, sampling)
+            core.cache_namespace(request.namespace, request.adapter)  # an unknown adapter fails here
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
@@ -272,7 +274,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         submitted: list[str] = []
         try:
             for i, crid in enumerate(stream.core_rids):
-                core.submit(crid, ids, sampling, (seed + i) % _SEED_MOD, request.namespace)
+                core.submit(crid, ids, sampling, (seed + i) % _SEED_MOD, request.namespace, request.adapter)
                 submitted.append(crid)
                 self.telemetry.submitted(crid, len(ids), sampling, i)
         except (QueueFull, InvalidRequest) as e:
@@ -291,7 +293,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             arrived + timeout, self._expire, stream, core)
         try:
             while stream.open:
-                for event in self._events(stream, await stream.queue.get()):
+                for event in self._events(stream, await stream.queue.get(), core.limits.weights_version):
                     yield event
         finally:  # finished, failed, timed out, or cancelled by the client
             if expiry is not None:
@@ -320,7 +322,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                  f"{self.config.request_timeout_s:g}s" + (f" ({self.stalled})" if self.stalled else "")))
 
     @staticmethod
-    def _events(stream: _Stream, item: tuple) -> list[cpb.GenerateResponse]:
+    def _events(stream: _Stream, item: tuple, weights_version: str) -> list[cpb.GenerateResponse]:
         kind, a, b = item
         if kind == "error":
             stream.open.clear()
@@ -337,7 +339,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                                          message=out.error or "request failed"))]
         if out.finished:
             stream.open.discard(a)
-        return output_events(a, out, stream.usage)
+        return output_events(a, out, stream.usage, weights_version)
 
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:
         stream = self._streams.get(request.rid)
@@ -379,6 +381,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self.info is None or not self.connected:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler has no worker connected")
         return self.info
+
+    def model_changed(self, state) -> None:
+        """An admin call changed the worker's adapters or weights (an admin_pb2.ModelState):
+        GetInfo answers with the new ones."""
+        if self.info is not None:
+            del self.info.adapters[:]
+            self.info.adapters.extend(state.adapters)
+            self.info.weights_version = state.weights_version
 
 
 async def _until(done, deadline: float, poll_s: float = 0.05) -> None:

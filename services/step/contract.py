@@ -25,6 +25,7 @@ class NewRequestSpec:
     output_ids: list[int]  # tokens already generated (non-empty after a retraction)
     sampling: SamplingParams
     seed: int  # always set: drawn at admission when the user gave none
+    adapter: str = ""  # the LoRA adapter it runs under, by name ("" = the base model)
 
 
 # A decode item's input when the scheduler planned the step before it learned the

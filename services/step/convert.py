@@ -39,6 +39,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
                 output_ids=r.output_ids,
                 sampling=sampling_to_proto(r.sampling),
                 seed=r.seed,
+                adapter=r.adapter,
             )
             for r in plan.new_requests
         ],
@@ -71,6 +72,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
                 output_ids=list(r.output_ids),
                 sampling=sampling_from_proto(r.sampling),
                 seed=r.seed,
+                adapter=r.adapter,
             )
             for r in msg.new_requests
         ],

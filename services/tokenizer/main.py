@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos.radixmesh.v1 import tokenizer_pb2_grpc
+from protos.radixmesh.v1 import admin_pb2_grpc, tokenizer_pb2_grpc
+from services.common import tracing
+from services.common.admin_forward import ForwardingAdmin
 from services.common.config import CommonConfig, parse_config
 from services.common.server import run_service
 
@@ -42,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def add_servicers(server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(service, server)
+        # Model administration passes through to the scheduler (services/common/admin_forward.py).
+        admin_pb2_grpc.add_ModelAdminServicer_to_server(
+            ForwardingAdmin(lambda: tracing.channel(config.scheduler_addr), f"scheduler {config.scheduler_addr}"),
+            server)
 
     return run_service("tokenizer", config.common, add_servicers, on_start=service.start, on_drain=service.drain,
                        registry=service.registry)

@@ -63,7 +63,7 @@ class Pipeline:
 
     async def run(self) -> AsyncIterator[cpb.GenerateResponse]:
         sreq = spb.GenerateRequest(rid=self.rid, input_ids=self.prompt_ids, sampling=self.request.sampling,
-                                   namespace=self.request.namespace)
+                                   namespace=self.request.namespace, adapter=self.request.adapter)
         if self.request.HasField("n"):
             sreq.n = self.request.n
         self.sched_call = self._scheduler.Generate(sreq)
@@ -99,7 +99,8 @@ class Pipeline:
         ids = list(c.token_ids)
         visible = ids[:-1] if _ends_with_stop_token(fin, ids) else ids
         resp = await self._detokenize(c.index, visible, finished=fin is not None)
-        out = cpb.GenerateChunk(index=c.index, token_ids=ids, text=resp.text, logprobs=c.logprobs, **_counters(c))
+        out = cpb.GenerateChunk(index=c.index, token_ids=ids, text=resp.text, logprobs=c.logprobs,
+                                weights_version=c.weights_version, **_counters(c))
         if self._token_text is not None:
             for lp in out.logprobs:
                 lp.token, lp.token_bytes = self._token_text(lp.token_id)

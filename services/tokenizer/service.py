@@ -245,7 +245,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             num_running=s.num_running, num_waiting=s.num_waiting, in_flight=len(self._active),
             kv_usage=s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0,
             cache_hit_tokens=s.cache_hit_tokens, cache_query_tokens=s.cache_query_tokens,
-            cache_hit_rate=s.cache_hit_tokens / s.cache_query_tokens if s.cache_query_tokens else 0.0)
+            cache_hit_rate=s.cache_hit_tokens / s.cache_query_tokens if s.cache_query_tokens else 0.0,
+            weights_version=s.weights_version, adapters=s.adapters, resident_adapters=s.resident_adapters)
 
     async def Ready(self, request: pb.ReadyRequest, context: grpc.aio.ServicerContext) -> pb.ReadyResponse:
         stages = await asyncio.gather(self._scheduler_stages(), self._detokenizer_stage())

@@ -26,7 +26,7 @@ from protos.radixmesh.v1 import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 from protos.radixmesh.v1 import worker_pb2 as radixmesh_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v1/scheduler.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\x1a\x19radixmesh/v1/worker.proto\"\x8a\x01\n\x0fGenerateRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x0e\n\x01n\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x04\n\x02_n\"`\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x61s_stop\x18\x03 \x01(\x08\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\tB\x08\n\x06_index\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xff\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x15\n\rkv_pages_used\x18\x03 \x01(\x04\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x04\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x18\n\x10\x63\x61\x63he_hit_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12\x63\x61\x63he_query_tokens\x18\x07 \x01(\x04\x12(\n\x0btotal_usage\x18\x08 \x01(\x0b\x32\x13.radixmesh.v1.Usage\x12\x17\n\x0fkv_pages_cached\x18\t \x01(\x04\x12\x11\n\tretracted\x18\n \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x0b \x01(\x04\x12\x10\n\x08\x66inished\x18\x0c \x01(\x04\x12\r\n\x05steps\x18\r \x01(\x04\x12\x18\n\x10worker_connected\x18\x0e \x01(\x08\x12\x12\n\ncache_hits\x18\x0f \x01(\x04\x12\x15\n\rcache_queries\x18\x10 \x01(\x04\"\x13\n\x11\x46lushCacheRequest\"6\n\x12\x46lushCacheResponse\x12\x0f\n\x07\x66lushed\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xf7\x02\n\tScheduler\x12K\n\x08Generate\x12\x1d.radixmesh.v1.GenerateRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v1.AbortRequest\x1a\x1b.radixmesh.v1.AbortResponse\x12G\n\x08GetStats\x12\x1d.radixmesh.v1.GetStatsRequest\x1a\x1c.radixmesh.v1.SchedulerStats\x12O\n\nFlushCache\x12\x1f.radixmesh.v1.FlushCacheRequest\x1a .radixmesh.v1.FlushCacheResponse\x12\x41\n\x07GetInfo\x12\x1c.radixmesh.v1.GetInfoRequest\x1a\x18.radixmesh.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v1/scheduler.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\x1a\x19radixmesh/v1/worker.proto\"\x9b\x01\n\x0fGenerateRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x0e\n\x01n\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\tB\x04\n\x02_n\"`\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x61s_stop\x18\x03 \x01(\x08\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\tB\x08\n\x06_index\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xc5\x03\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x15\n\rkv_pages_used\x18\x03 \x01(\x04\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x04\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x18\n\x10\x63\x61\x63he_hit_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12\x63\x61\x63he_query_tokens\x18\x07 \x01(\x04\x12(\n\x0btotal_usage\x18\x08 \x01(\x0b\x32\x13.radixmesh.v1.Usage\x12\x17\n\x0fkv_pages_cached\x18\t \x01(\x04\x12\x11\n\tretracted\x18\n \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x0b \x01(\x04\x12\x10\n\x08\x66inished\x18\x0c \x01(\x04\x12\r\n\x05steps\x18\r \x01(\x04\x12\x18\n\x10worker_connected\x18\x0e \x01(\x08\x12\x12\n\ncache_hits\x18\x0f \x01(\x04\x12\x15\n\rcache_queries\x18\x10 \x01(\x04\x12\x17\n\x0fweights_version\x18\x11 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x12 \x03(\t\x12\x19\n\x11resident_adapters\x18\x13 \x03(\t\"\x13\n\x11\x46lushCacheRequest\"6\n\x12\x46lushCacheResponse\x12\x0f\n\x07\x66lushed\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xf7\x02\n\tScheduler\x12K\n\x08Generate\x12\x1d.radixmesh.v1.GenerateRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v1.AbortRequest\x1a\x1b.radixmesh.v1.AbortResponse\x12G\n\x08GetStats\x12\x1d.radixmesh.v1.GetStatsRequest\x1a\x1c.radixmesh.v1.SchedulerStats\x12O\n\nFlushCache\x12\x1f.radixmesh.v1.FlushCacheRequest\x1a .radixmesh.v1.FlushCacheResponse\x12\x41\n\x07GetInfo\x12\x1c.radixmesh.v1.GetInfoRequest\x1a\x18.radixmesh.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.radixmesh.v1.schedul
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=101
-  _globals['_GENERATEREQUEST']._serialized_end=239
-  _globals['_ABORTREQUEST']._serialized_start=241
-  _globals['_ABORTREQUEST']._serialized_end=337
-  _globals['_ABORTRESPONSE']._serialized_start=339
-  _globals['_ABORTRESPONSE']._serialized_end=369
-  _globals['_GETSTATSREQUEST']._serialized_start=371
-  _globals['_GETSTATSREQUEST']._serialized_end=388
-  _globals['_SCHEDULERSTATS']._serialized_start=391
-  _globals['_SCHEDULERSTATS']._serialized_end=774
-  _globals['_FLUSHCACHEREQUEST']._serialized_start=776
-  _globals['_FLUSHCACHEREQUEST']._serialized_end=795
-  _globals['_FLUSHCACHERESPONSE']._serialized_start=797
-  _globals['_FLUSHCACHERESPONSE']._serialized_end=851
-  _globals['_SCHEDULER']._serialized_start=854
-  _globals['_SCHEDULER']._serialized_end=1229
+  _globals['_GENERATEREQUEST']._serialized_end=256
+  _globals['_ABORTREQUEST']._serialized_start=258
+  _globals['_ABORTREQUEST']._serialized_end=354
+  _globals['_ABORTRESPONSE']._serialized_start=356
+  _globals['_ABORTRESPONSE']._serialized_end=386
+  _globals['_GETSTATSREQUEST']._serialized_start=388
+  _globals['_GETSTATSREQUEST']._serialized_end=405
+  _globals['_SCHEDULERSTATS']._serialized_start=408
+  _globals['_SCHEDULERSTATS']._serialized_end=861
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=863
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=882
+  _globals['_FLUSHCACHERESPONSE']._serialized_start=884
+  _globals['_FLUSHCACHERESPONSE']._serialized_end=938
+  _globals['_SCHEDULER']._serialized_start=941
+  _globals['_SCHEDULER']._serialized_end=1316
 # @@protoc_insertion_point(module_scope)

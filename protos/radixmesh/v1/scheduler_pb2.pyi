@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("rid", "input_ids", "sampling", "namespace", "n")
+    __slots__ = ("rid", "input_ids", "sampling", "namespace", "n", "adapter")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     namespace: str
     n: int
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., n: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("rid", "index", "as_stop", "matched_stop")
@@ -45,7 +47,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_pages_used", "kv_pages_total", "page_size", "cache_hit_tokens", "cache_query_tokens", "total_usage", "kv_pages_cached", "retracted", "aborted", "finished", "steps", "worker_connected", "cache_hits", "cache_queries")
+    __slots__ = ("num_running", "num_waiting", "kv_pages_used", "kv_pages_total", "page_size", "cache_hit_tokens", "cache_query_tokens", "total_usage", "kv_pages_cached", "retracted", "aborted", "finished", "steps", "worker_connected", "cache_hits", "cache_queries", "weights_version", "adapters", "resident_adapters")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +64,9 @@ class SchedulerStats(_message.Message):
     WORKER_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_pages_used: int
@@ -78,7 +83,10 @@ class SchedulerStats(_message.Message):
     worker_connected: bool
     cache_hits: int
     cache_queries: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., page_size: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_query_tokens: _Optional[int] = ..., total_usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_pages_cached: _Optional[int] = ..., retracted: _Optional[int] = ..., aborted: _Optional[int] = ..., finished: _Optional[int] = ..., steps: _Optional[int] = ..., worker_connected: _Optional[bool] = ..., cache_hits: _Optional[int] = ..., cache_queries: _Optional[int] = ...) -> None: ...
+    weights_version: str
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    resident_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., page_size: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_query_tokens: _Optional[int] = ..., total_usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_pages_cached: _Optional[int] = ..., retracted: _Optional[int] = ..., aborted: _Optional[int] = ..., finished: _Optional[int] = ..., steps: _Optional[int] = ..., worker_connected: _Optional[bool] = ..., cache_hits: _Optional[int] = ..., cache_queries: _Optional[int] = ..., weights_version: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., resident_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FlushCacheRequest(_message.Message):
     __slots__ = ()

@@ -106,7 +106,7 @@ class InfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., tool_call_format: _Optional[str] = ...) -> None: ...
 
 class GenerateTextRequest(_message.Message):
-    __slots__ = ("rid", "text", "conversation", "input_ids", "sampling", "n", "namespace", "add_special_tokens", "skip_special_tokens", "include_stop_str_in_output", "default_max_new_tokens")
+    __slots__ = ("rid", "text", "conversation", "input_ids", "sampling", "n", "namespace", "add_special_tokens", "skip_special_tokens", "include_stop_str_in_output", "default_max_new_tokens", "adapter")
     RID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class GenerateTextRequest(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     rid: str
     text: str
     conversation: Conversation
@@ -129,7 +130,8 @@ class GenerateTextRequest(_message.Message):
     skip_special_tokens: bool
     include_stop_str_in_output: bool
     default_max_new_tokens: int
-    def __init__(self, rid: _Optional[str] = ..., text: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., namespace: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., default_max_new_tokens: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, rid: _Optional[str] = ..., text: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., namespace: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., default_max_new_tokens: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class ReadyRequest(_message.Message):
     __slots__ = ()
@@ -160,7 +162,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "in_flight", "kv_usage", "cache_hit_tokens", "cache_query_tokens", "cache_hit_rate")
+    __slots__ = ("num_running", "num_waiting", "in_flight", "kv_usage", "cache_hit_tokens", "cache_query_tokens", "cache_hit_rate", "weights_version", "adapters", "resident_adapters")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +170,9 @@ class LoadReport(_message.Message):
     CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     in_flight: int
@@ -175,4 +180,7 @@ class LoadReport(_message.Message):
     cache_hit_tokens: int
     cache_query_tokens: int
     cache_hit_rate: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., kv_usage: _Optional[float] = ..., cache_hit_tokens: _Optional[int] = ..., cache_query_tokens: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ...) -> None: ...
+    weights_version: str
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    resident_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., kv_usage: _Optional[float] = ..., cache_hit_tokens: _Optional[int] = ..., cache_query_tokens: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., weights_version: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., resident_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

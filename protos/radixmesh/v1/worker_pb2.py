@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.radixmesh.v1 import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19radixmesh/v1/worker.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\"A\n\x16PrepareGrammarResponse\x12\x0e\n\x06\x63\x61\x63hed\x18\x01 \x01(\x08\x12\x17\n\x0f\x63ompile_seconds\x18\x02 \x01(\x01\"\x98\x01\n\x0eNewRequestSpec\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\"\xaa\x01\n\x08StepItem\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x11\n\tnew_pages\x18\x04 \x03(\x05\x12\x13\n\x0breset_pages\x18\x05 \x01(\x08\x12\x13\n\x06sample\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x0e\n\x06verify\x18\x07 \x01(\x08\x12\x13\n\x0b\x64raft_depth\x18\x08 \x01(\rB\t\n\x07_sample\"`\n\x06KVCopy\x12\x10\n\x08src_tier\x18\x01 \x01(\t\x12\x10\n\x08\x64st_tier\x18\x02 \x01(\t\x12\x11\n\tsrc_pages\x18\x03 \x03(\r\x12\x11\n\tdst_pages\x18\x04 \x03(\r\x12\x0c\n\x04keys\x18\x05 \x03(\x0c\"\xb6\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1c.radixmesh.v1.NewRequestSpec\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.radixmesh.v1.StepItem\x12\x15\n\rreleased_rids\x18\x04 \x03(\t\x12\'\n\tkv_copies\x18\x05 \x03(\x0b\x32\x14.radixmesh.v1.KVCopy\"?\n\x0eKVTransferStat\x12\r\n\x05pages\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"O\n\x0fSampledLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\";\n\x0bLogprobSlot\x12,\n\x05value\x18\x01 \x01(\x0b\x32\x1d.radixmesh.v1.SampledLogprobs\"\xa6\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rids\x18\x02 \x03(\t\x12\x16\n\x0enext_token_ids\x18\x03 \x03(\x05\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.radixmesh.v1.LogprobSlot\x12\x17\n\x0f\x66orward_seconds\x18\x05 \x01(\x01\x12\x32\n\x0ckv_transfers\x18\x06 \x03(\x0b\x32\x1c.radixmesh.v1.KVTransferStat\x12(\n\x08\x61\x63\x63\x65pted\x18\x07 \x03(\x0b\x32\x16.radixmesh.v1.TokenRun\x12&\n\x06\x64rafts\x18\x08 \x03(\x0b\x32\x16.radixmesh.v1.TokenRun\x12\x15\n\rdraft_seconds\x18\t \x01(\x01\",\n\x08TokenRun\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x13\n\x0bspeculative\x18\x02 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xa4\x03\n\x0bModelConfig\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x19\n\x11intermediate_size\x18\x03 \x01(\r\x12\x19\n\x11num_hidden_layers\x18\x04 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x05 \x01(\r\x12\x1b\n\x13num_key_value_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x14\n\x0crms_norm_eps\x18\x08 \x01(\x01\x12\x12\n\nrope_theta\x18\t \x01(\x01\x12\x19\n\x11rope_scaling_json\x18\n \x01(\t\x12\x1f\n\x17max_position_embeddings\x18\x0b \x01(\r\x12\x1b\n\x13tie_word_embeddings\x18\x0c \x01(\x08\x12\x16\n\x0e\x61ttention_bias\x18\r \x01(\x08\x12\x19\n\x0c\x62os_token_id\x18\x0e \x01(\x05H\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x0f \x03(\x05\x12\x0c\n\x04name\x18\x10 \x01(\tB\x0f\n\r_bos_token_id\"\xe0\x02\n\nWorkerInfo\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.radixmesh.v1.ModelConfig\x12\x14\n\x0cnum_kv_pages\x18\x02 \x01(\x04\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x17\n\x0fweights_version\x18\x07 \x01(\t\x12\x14\n\x0cmax_requests\x18\x08 \x01(\r\x12\x16\n\x0enum_host_pages\x18\t \x01(\x04\x12\x12\n\npage_bytes\x18\n \x01(\x04\x12\x16\n\x0emodel_identity\x18\x0b \x01(\t\x12\x11\n\tkv_layout\x18\x0c \x01(\t\x12\x14\n\x0ckvstore_addr\x18\r \x01(\t\x12\x18\n\x10max_draft_tokens\x18\x0e \x01(\r\x12\x17\n\x0fverify_max_rows\x18\x0f \x01(\r2\xdb\x01\n\x06Worker\x12<\n\x04Step\x12\x16.radixmesh.v1.StepPlan\x1a\x18.radixmesh.v1.StepResult(\x01\x30\x01\x12\x41\n\x07GetInfo\x12\x1c.radixmesh.v1.GetInfoRequest\x1a\x18.radixmesh.v1.WorkerInfo\x12P\n\x0ePrepareGrammar\x12\x18.radixmesh.v1.Constraint\x1a$.radixmesh.v1.PrepareGrammarResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19radixmesh/v1/worker.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\"A\n\x16PrepareGrammarResponse\x12\x0e\n\x06\x63\x61\x63hed\x18\x01 \x01(\x08\x12\x17\n\x0f\x63ompile_seconds\x18\x02 \x01(\x01\"\xa9\x01\n\x0eNewRequestSpec\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\t\"\xaa\x01\n\x08StepItem\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x11\n\tnew_pages\x18\x04 \x03(\x05\x12\x13\n\x0breset_pages\x18\x05 \x01(\x08\x12\x13\n\x06sample\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x0e\n\x06verify\x18\x07 \x01(\x08\x12\x13\n\x0b\x64raft_depth\x18\x08 \x01(\rB\t\n\x07_sample\"`\n\x06KVCopy\x12\x10\n\x08src_tier\x18\x01 \x01(\t\x12\x10\n\x08\x64st_tier\x18\x02 \x01(\t\x12\x11\n\tsrc_pages\x18\x03 \x03(\r\x12\x11\n\tdst_pages\x18\x04 \x03(\r\x12\x0c\n\x04keys\x18\x05 \x03(\x0c\"\xb6\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1c.radixmesh.v1.NewRequestSpec\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.radixmesh.v1.StepItem\x12\x15\n\rreleased_rids\x18\x04 \x03(\t\x12\'\n\tkv_copies\x18\x05 \x03(\x0b\x32\x14.radixmesh.v1.KVCopy\"?\n\x0eKVTransferStat\x12\r\n\x05pages\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"O\n\x0fSampledLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\";\n\x0bLogprobSlot\x12,\n\x05value\x18\x01 \x01(\x0b\x32\x1d.radixmesh.v1.SampledLogprobs\"\xa6\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rids\x18\x02 \x03(\t\x12\x16\n\x0enext_token_ids\x18\x03 \x03(\x05\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.radixmesh.v1.LogprobSlot\x12\x17\n\x0f\x66orward_seconds\x18\x05 \x01(\x01\x12\x32\n\x0ckv_transfers\x18\x06 \x03(\x0b\x32\x1c.radixmesh.v1.KVTransferStat\x12(\n\x08\x61\x63\x63\x65pted\x18\x07 \x03(\x0b\x32\x16.radixmesh.v1.TokenRun\x12&\n\x06\x64rafts\x18\x08 \x03(\x0b\x32\x16.radixmesh.v1.TokenRun\x12\x15\n\rdraft_seconds\x18\t \x01(\x01\",\n\x08TokenRun\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x13\n\x0bspeculative\x18\x02 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xa4\x03\n\x0bModelConfig\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x19\n\x11intermediate_size\x18\x03 \x01(\r\x12\x19\n\x11num_hidden_layers\x18\x04 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x05 \x01(\r\x12\x1b\n\x13num_key_value_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x14\n\x0crms_norm_eps\x18\x08 \x01(\x01\x12\x12\n\nrope_theta\x18\t \x01(\x01\x12\x19\n\x11rope_scaling_json\x18\n \x01(\t\x12\x1f\n\x17max_position_embeddings\x18\x0b \x01(\r\x12\x1b\n\x13tie_word_embeddings\x18\x0c \x01(\x08\x12\x16\n\x0e\x61ttention_bias\x18\r \x01(\x08\x12\x19\n\x0c\x62os_token_id\x18\x0e \x01(\x05H\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x0f \x03(\x05\x12\x0c\n\x04name\x18\x10 \x01(\tB\x0f\n\r_bos_token_id\"\xa0\x03\n\nWorkerInfo\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.radixmesh.v1.ModelConfig\x12\x14\n\x0cnum_kv_pages\x18\x02 \x01(\x04\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x17\n\x0fweights_version\x18\x07 \x01(\t\x12\x14\n\x0cmax_requests\x18\x08 \x01(\r\x12\x16\n\x0enum_host_pages\x18\t \x01(\x04\x12\x12\n\npage_bytes\x18\n \x01(\x04\x12\x16\n\x0emodel_identity\x18\x0b \x01(\t\x12\x11\n\tkv_layout\x18\x0c \x01(\t\x12\x14\n\x0ckvstore_addr\x18\r \x01(\t\x12\x18\n\x10max_draft_tokens\x18\x0e \x01(\r\x12\x17\n\x0fverify_max_rows\x18\x0f \x01(\r\x12\x11\n\tmax_loras\x18\x10 \x01(\r\x12+\n\x08\x61\x64\x61pters\x18\x11 \x03(\x0b\x32\x19.radixmesh.v1.AdapterInfo\"s\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x10\n\x08resident\x18\x06 \x01(\x08\x32\xdb\x01\n\x06Worker\x12<\n\x04Step\x12\x16.radixmesh.v1.StepPlan\x1a\x18.radixmesh.v1.StepResult(\x01\x30\x01\x12\x41\n\x07GetInfo\x12\x1c.radixmesh.v1.GetInfoRequest\x1a\x18.radixmesh.v1.WorkerInfo\x12P\n\x0ePrepareGrammar\x12\x18.radixmesh.v1.Constraint\x1a$.radixmesh.v1.PrepareGrammarResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=70
   _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=135
   _globals['_NEWREQUESTSPEC']._serialized_start=138
-  _globals['_NEWREQUESTSPEC']._serialized_end=290
-  _globals['_STEPITEM']._serialized_start=293
-  _globals['_STEPITEM']._serialized_end=463
-  _globals['_KVCOPY']._serialized_start=465
-  _globals['_KVCOPY']._serialized_end=561
-  _globals['_STEPPLAN']._serialized_start=564
-  _globals['_STEPPLAN']._serialized_end=746
-  _globals['_KVTRANSFERSTAT']._serialized_start=748
-  _globals['_KVTRANSFERSTAT']._serialized_end=811
-  _globals['_SAMPLEDLOGPROBS']._serialized_start=813
-  _globals['_SAMPLEDLOGPROBS']._serialized_end=892
-  _globals['_LOGPROBSLOT']._serialized_start=894
-  _globals['_LOGPROBSLOT']._serialized_end=953
-  _globals['_STEPRESULT']._serialized_start=956
-  _globals['_STEPRESULT']._serialized_end=1250
-  _globals['_TOKENRUN']._serialized_start=1252
-  _globals['_TOKENRUN']._serialized_end=1296
-  _globals['_GETINFOREQUEST']._serialized_start=1298
-  _globals['_GETINFOREQUEST']._serialized_end=1314
-  _globals['_MODELCONFIG']._serialized_start=1317
-  _globals['_MODELCONFIG']._serialized_end=1737
-  _globals['_WORKERINFO']._serialized_start=1740
-  _globals['_WORKERINFO']._serialized_end=2092
-  _globals['_WORKER']._serialized_start=2095
-  _globals['_WORKER']._serialized_end=2314
+  _globals['_NEWREQUESTSPEC']._serialized_end=307
+  _globals['_STEPITEM']._serialized_start=310
+  _globals['_STEPITEM']._serialized_end=480
+  _globals['_KVCOPY']._serialized_start=482
+  _globals['_KVCOPY']._serialized_end=578
+  _globals['_STEPPLAN']._serialized_start=581
+  _globals['_STEPPLAN']._serialized_end=763
+  _globals['_KVTRANSFERSTAT']._serialized_start=765
+  _globals['_KVTRANSFERSTAT']._serialized_end=828
+  _globals['_SAMPLEDLOGPROBS']._serialized_start=830
+  _globals['_SAMPLEDLOGPROBS']._serialized_end=909
+  _globals['_LOGPROBSLOT']._serialized_start=911
+  _globals['_LOGPROBSLOT']._serialized_end=970
+  _globals['_STEPRESULT']._serialized_start=973
+  _globals['_STEPRESULT']._serialized_end=1267
+  _globals['_TOKENRUN']._serialized_start=1269
+  _globals['_TOKENRUN']._serialized_end=1313
+  _globals['_GETINFOREQUEST']._serialized_start=1315
+  _globals['_GETINFOREQUEST']._serialized_end=1331
+  _globals['_MODELCONFIG']._serialized_start=1334
+  _globals['_MODELCONFIG']._serialized_end=1754
+  _globals['_WORKERINFO']._serialized_start=1757
+  _globals['_WORKERINFO']._serialized_end=2173
+  _globals['_ADAPTERINFO']._serialized_start=2175
+  _globals['_ADAPTERINFO']._serialized_end=2290
+  _globals['_WORKER']._serialized_start=2293
+  _globals['_WORKER']._serialized_end=2512
 # @@protoc_insertion_point(module_scope)

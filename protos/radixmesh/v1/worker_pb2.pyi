@@ -16,20 +16,22 @@ class PrepareGrammarResponse(_message.Message):
     def __init__(self, cached: _Optional[bool] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
 
 class NewRequestSpec(_message.Message):
-    __slots__ = ("rid", "prompt_ids", "output_ids", "sampling", "seed", "traceparent")
+    __slots__ = ("rid", "prompt_ids", "output_ids", "sampling", "seed", "traceparent", "adapter")
     RID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     rid: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     seed: int
     traceparent: str
-    def __init__(self, rid: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, rid: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., traceparent: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class StepItem(_message.Message):
     __slots__ = ("rid", "input_ids", "start_pos", "new_pages", "reset_pages", "sample", "verify", "draft_depth")
@@ -176,7 +178,7 @@ class ModelConfig(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rms_norm_eps: _Optional[float] = ..., rope_theta: _Optional[float] = ..., rope_scaling_json: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., tie_word_embeddings: _Optional[bool] = ..., attention_bias: _Optional[bool] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "num_kv_pages", "page_size", "dtype", "kv_dtype", "tp_size", "weights_version", "max_requests", "num_host_pages", "page_bytes", "model_identity", "kv_layout", "kvstore_addr", "max_draft_tokens", "verify_max_rows")
+    __slots__ = ("model", "num_kv_pages", "page_size", "dtype", "kv_dtype", "tp_size", "weights_version", "max_requests", "num_host_pages", "page_bytes", "model_identity", "kv_layout", "kvstore_addr", "max_draft_tokens", "verify_max_rows", "max_loras", "adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +194,8 @@ class WorkerInfo(_message.Message):
     KVSTORE_ADDR_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: ModelConfig
     num_kv_pages: int
     page_size: int
@@ -207,4 +211,22 @@ class WorkerInfo(_message.Message):
     kvstore_addr: str
     max_draft_tokens: int
     verify_max_rows: int
-    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., num_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., weights_version: _Optional[str] = ..., max_requests: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kvstore_addr: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., verify_max_rows: _Optional[int] = ...) -> None: ...
+    max_loras: int
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., num_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., weights_version: _Optional[str] = ..., max_requests: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kvstore_addr: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., verify_max_rows: _Optional[int] = ..., max_loras: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "identity", "rank", "target_modules", "path", "resident")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    identity: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    path: str
+    resident: bool
+    def __init__(self, name: _Optional[str] = ..., identity: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., path: _Optional[str] = ..., resident: _Optional[bool] = ...) -> None: ...

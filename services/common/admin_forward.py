@@ -1,0 +1,43 @@
+"""radixmesh.v1.ModelAdmin at a stage that only passes it on (the tokenizer, to its scheduler):
+every method forwards the request as it is and the answer, or the error's status, back."""
+from __future__ import annotations
+
+from typing import Callable
+
+import grpc
+
+from protos.radixmesh.v1 import admin_pb2_grpc
+
+METHODS = ("GetModelState", "LoadLoraAdapter", "UnloadLoraAdapter", "UpdateWeightsFromDisk",
+           "UpdateWeightsFromTensor", "InitWeightsUpdateGroup", "UpdateWeightsFromDistributed")
+TIMEOUT_S = 900.0  # a weight update waits for running requests to finish first
+
+
+class ForwardingAdmin(admin_pb2_grpc.ModelAdminServicer):
+    def __init__(self, channel: Callable[[], grpc.aio.Channel], where: str) -> None:
+        """channel: opens one to the next stage (its ModelAdmin), on the first call (on the
+        serving event loop); where: its name in error messages."""
+        self._channel, self._stub, self._where = channel, None, where
+
+    async def forward(self, method: str, request, context: grpc.aio.ServicerContext):
+        if self._stub is None:
+            self._stub = admin_pb2_grpc.ModelAdminStub(self._channel())
+        try:
+            return await getattr(self._stub, method)(request, timeout=TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            detail = e.details() or code.name
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                detail = f"{self._where}: {detail}"
+            await context.abort(code, detail)
+
+
+def _forwarder(method: str):
+    async def call(self: ForwardingAdmin, request, context):
+        return await self.forward(method, request, context)
+    call.__name__ = method
+    return call
+
+
+for _method in METHODS:
+    setattr(ForwardingAdmin, _method, _forwarder(_method))
