@@ -22,20 +22,24 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from protos.radixmesh.v1 import admin_pb2 as apb
 from services.common.hicache_config import HiCacheConfig
 from services.common.model_path import resolve_model_path
 from services.common.outputs import FinishReason, RequestOutput
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.detokenizer.incremental import IncrementalDetokenizer
+from services.engine.runner_admin import RunnerAdmin
 from services.engine.runner_link import RunnerLink
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import carry_counters
 from services.scheduler.driver import DriverHooks, StepDriver
+from services.scheduler.model_admin import ModelAdmin
 from services.scheduler.outputs import QueueFull
 from services.scheduler.scheduler import ModelLimits, Scheduler
 from services.tokenizer.text_tokenizer import TextTokenizer, load_tokenizer
 from services.worker.config import WorkerConfig
 from services.worker.loader.checkpoint import Checkpoint, load_checkpoint
+from services.worker.admin import adapter_infos
 from services.worker.host_pool import attach_tiers
 from services.worker.model_runner import ModelRunner
 
@@ -83,9 +87,11 @@ class Engine:
                                            cache_on=not sched_cfg.disable_radix_cache)
         self.limits = ModelLimits(spec.num_pages, spec.page_size, mc.max_position_embeddings, mc.vocab_size, eos,
                                   max_draft_tokens=self.runner.max_draft_tokens,
-                                  verify_max_rows=self.runner.verify_rows, **tiers)
+                                  verify_max_rows=self.runner.verify_rows, max_loras=self.runner.max_loras,
+                                  **tiers)
         self._sched_config, self._hicache = sched_cfg, hicache
-        self.scheduler = Scheduler(sched_cfg, self.limits, hicache, self.kvstore)
+        self.scheduler = Scheduler(sched_cfg, self.limits, hicache, self.kvstore,
+                                   {a.name: a.identity for a in adapter_infos(self.runner)})
         self.model_name = mc.name
         self.overlap = not sched_cfg.disable_overlap_schedule
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -97,6 +103,8 @@ class Engine:
         self._driver = StepDriver(hooks, self.scheduler, RunnerLink(self.runner, self._executor),
                                   2 if self.overlap else 1, wake=self._wake)
         self._task = self._loop.create_task(self._driver.run())
+        self._runner_admin = RunnerAdmin(self.runner, self._executor)
+        self.admin = ModelAdmin(lambda: self.scheduler, lambda: self._runner_admin, self._wake.set)
         self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -114,16 +122,17 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def submit(self, ids: list[int], sampling: SamplingParams, sink: Callable[[RequestOutput], None],
-               rid: str | None = None, namespace: str = "") -> str:
-        """Queue a request; `sink` receives its chunks from the engine thread.
-        Raises InvalidRequest or QueueFull at once, before anything is queued."""
+               rid: str | None = None, namespace: str = "", adapter: str = "") -> str:
+        """Queue a request (under LoRA `adapter`, "" = the base model); `sink` receives its chunks
+        from the engine thread. Raises InvalidRequest or QueueFull at once, before anything is queued."""
         self.scheduler.validate(ids, sampling)
+        self.scheduler.cache_namespace(namespace, adapter)
         self.scheduler.check_capacity(len(ids))
         rid = rid or uuid.uuid4().hex
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=list(sampling.stop),
                                        min_tokens=sampling.min_new_tokens)
-        self._inbox.put(("submit", _Handle(rid, ids, sampling, sink, detok), seed, namespace))
+        self._inbox.put(("submit", _Handle(rid, ids, sampling, sink, detok), seed, namespace, adapter))
         self._notify()
         return rid
 
@@ -140,11 +149,11 @@ class Engine:
 
     def generate(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
                  messages: list[dict] | None = None, input_ids: list[int] | None = None,
-                 timeout: float | None = None) -> RequestOutput:
+                 timeout: float | None = None, adapter: str = "") -> RequestOutput:
         """Blocking: the whole completion."""
         q: queue.SimpleQueue = queue.SimpleQueue()
         ids = self.prompt_ids(prompt, messages, input_ids)
-        self.submit(ids, sampling or SamplingParams(), q.put)
+        self.submit(ids, sampling or SamplingParams(), q.put, adapter=adapter)
         chunks = []
         while True:
             chunk = q.get(timeout=timeout)
@@ -152,15 +161,16 @@ class Engine:
             if chunk.finished:
                 return RequestOutput.joined(chunks)
 
-    def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
-                       ) -> list[RequestOutput]:
-        """Submit all at once (they batch together), wait for all."""
+    def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                       adapters: list[str] | None = None) -> list[RequestOutput]:
+        """Submit all at once (they batch together), wait for all. adapters: one per prompt."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequest(f"{len(prompts)} prompts but {len(params)} sampling params")
+        adapters = adapters or [""] * len(prompts)
+        if len(params) != len(prompts) or len(adapters) != len(prompts):
+            raise InvalidRequest(f"{len(prompts)} prompts but {len(params)} sampling params, {len(adapters)} adapters")
         queues = [queue.SimpleQueue() for _ in prompts]
-        for ids, sp, q in zip(prompts, params, queues):
-            self.submit(ids, sp, q.put)
+        for ids, sp, q, adapter in zip(prompts, params, queues, adapters):
+            self.submit(ids, sp, q.put, adapter=adapter)
         results = []
         for q in queues:
             chunks = [q.get()]
@@ -217,7 +227,8 @@ class Engine:
             self.runner.reset()
         else:  # after the step running now, if any
             await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.reset)
-        core = Scheduler(self._sched_config, self.limits, self._hicache, self.kvstore)
+        old = self.scheduler  # its weights version and adapters are the runner's still
+        core = Scheduler(self._sched_config, old.limits, self._hicache, self.kvstore, old.adapters)
         carry_counters(self.scheduler.stats, core.stats)
         self.scheduler = core
         failed, self._handles = self._handles, {}
@@ -234,12 +245,32 @@ class Engine:
             if msg[0] == "abort":
                 core.abort(msg[1])
                 continue
-            _, handle, seed, namespace = msg
+            _, handle, seed, namespace, adapter = msg
             try:
-                core.submit(handle.rid, handle.prompt_ids, handle.sampling, seed, namespace)
+                core.submit(handle.rid, handle.prompt_ids, handle.sampling, seed, namespace, adapter)
                 self._handles[handle.rid] = handle
             except (InvalidRequest, QueueFull) as exc:
                 self._send(handle, RequestOutput(handle.rid, finished=True, finish_reason=FinishReason.ERROR, error=str(exc)))
+
+    # --- model administration (services/scheduler/model_admin.py) --------------------------
+    def admin_call(self, call, timeout: float | None = None):
+        """Run a ModelAdmin coroutine (self.admin.<method>(...)) on the engine's loop; blocking.
+        Returns its ModelState; raises AdminError."""
+        return asyncio.run_coroutine_threadsafe(call, self._loop).result(timeout)
+
+    def load_lora_adapter(self, name: str, path: str):
+        return self.admin_call(self.admin.load_adapter(apb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)))
+
+    def unload_lora_adapter(self, name: str):
+        return self.admin_call(self.admin.unload_adapter(apb.UnloadLoraAdapterRequest(lora_name=name)))
+
+    def update_weights_from_disk(self, path: str, retract: bool = False):
+        return self.admin_call(self.admin.update_weights(
+            "UpdateWeightsFromDisk", apb.UpdateWeightsFromDiskRequest(model_path=path), retract))
+
+    def update_weights_from_tensor(self, shm_path: str, retract: bool = False):
+        return self.admin_call(self.admin.update_weights(
+            "UpdateWeightsFromTensor", apb.UpdateWeightsFromTensorRequest(shm_path=shm_path), retract))
 
     def flush_kv_writes(self) -> None:
         """Wait until the pages written to the kvstore so far have landed (tests)."""

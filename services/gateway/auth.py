@@ -2,8 +2,9 @@
 
 Three kinds of route:
   probes  /health, /ready, /metrics: open, unless --probes-need-key (then as user routes)
-  admin   /admin/* (and the admin routes to come at SGLang's names, /flush_cache and
-          /update_weights*): the admin key (--admin-api-key)
+  admin   /admin/*, model administration (/model_state, /v1/load_lora_adapter,
+          /v1/unload_lora_adapter, /init_weights_update_group, /update_weights*: services/gateway/
+          model_admin.py) and /flush_cache: the admin key (--admin-api-key)
   user    everything else, /openapi.json included (it names the served model): a user key
           (--api-key, --api-key-file, $RADIXMESH_API_KEY) or the admin key
 

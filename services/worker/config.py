@@ -86,6 +86,13 @@ class WorkerConfig:
                 "one call on the quantized blocks (--decode-stack), whose logits do not depend on the rows "
                 "beside them; larger ones run op by op"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
+    lora_paths: tuple[str, ...] = field(default=(), metadata={
+        "help": "LoRA adapters to load at start, each NAME=PATH (a PEFT directory: adapter_config.json and "
+                "adapter_model.safetensors; services/worker/lora); requests name their adapter"})
+    max_loras: int = field(default=4, metadata={
+        "help": "LoRA: adapters resident at once for batched application (a step uses at most this many; "
+                "others wait on the host, least recently used evicted first); 0: no LoRA serving"})
+    max_lora_rank: int = field(default=64, metadata={"help": "LoRA: the largest adapter rank accepted"})
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -122,6 +129,18 @@ class WorkerConfig:
             raise ValueError(f"--verify-max-rows must be >= 0, got {self.verify_max_rows}")
         if self.quant_max_rows < 0:
             raise ValueError(f"--quant-max-rows must be >= 0, got {self.quant_max_rows}")
+        if self.max_loras < 0:
+            raise ValueError(f"--max-loras must be >= 0, got {self.max_loras}")
+        if self.lora_paths and not self.max_loras:
+            raise ValueError("--lora-paths needs --max-loras >= 1 (0 turns LoRA serving off)")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        parse_lora_paths(self.lora_paths)  # raises on a malformed entry
+
+    @property
+    def lora_adapters(self) -> tuple[tuple[str, str], ...]:
+        """--lora-paths as (name, path) pairs."""
+        return parse_lora_paths(self.lora_paths)
 
     @property
     def resolved_dtype(self) -> str:
@@ -135,3 +154,17 @@ class WorkerConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.resolved_dtype]
+
+
+def parse_lora_paths(entries: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """NAME=PATH entries → (name, path) pairs; ValueError for a malformed entry or a repeated name."""
+    pairs = []
+    for entry in entries:
+        name, eq, path = entry.partition("=")
+        if not (eq and name and path):
+            raise ValueError(f"--lora-paths entries must be NAME=PATH, got {entry!r}")
+        pairs.append((name, path))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-paths names must be distinct, got {names}")
+    return tuple(pairs)

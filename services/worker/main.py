@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos.radixmesh.v1 import worker_pb2_grpc
+from protos.radixmesh.v1 import admin_pb2_grpc, worker_pb2_grpc
 from services.common.config import CommonConfig, parse_config
 from services.common.hicache_config import HiCacheConfig
 from services.common.server import run_service
@@ -25,15 +25,20 @@ class WorkerServiceConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixmesh serve worker", description=__doc__)
     config = parse_config(WorkerServiceConfig, argv, parser)
+    from services.worker.admin_service import WorkerAdminService
     from services.worker.service import WorkerService
 
     service = WorkerService(config.worker, config.hicache)
 
+    admin = WorkerAdminService(service)
+
     def add_servicers(server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+        admin_pb2_grpc.add_ModelAdminServicer_to_server(admin, server)  # adapters, weight updates
 
     try:
         return run_service("worker", config.common, add_servicers, on_start=service.start,
                            registry=service.registry)
     finally:
         service.close()
+        admin.close()

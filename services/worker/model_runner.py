@@ -6,6 +6,7 @@ runs one forward for the whole batch and samples every row at once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from services.worker.grammar_vocab import grammar_vocab
 from services.worker.jump_forward import accepted, draft, plain_verify_rows, verify_rows
 from services.worker.kv_pool import KVPool, KVPoolSpec
 from services.worker.loader.checkpoint import Checkpoint
+from services.worker.lora.manager import LoraManager
 from services.worker.model.config import ModelConfig
 from services.worker.model.layer_ops import create_layer_ops
 from services.worker.model.llama import LlamaForCausalLM
@@ -45,6 +47,7 @@ class _Request:
     num_pages: int = 0
     matcher: Matcher | None = None  # its constraint's grammar state, advanced with every sampled token
     drafted_speculatively: bool = False  # its last draft came from the drafter, not its grammar
+    adapter: str = ""  # the LoRA adapter it runs under ("" = the base model)
 
 
 @dataclass
@@ -88,6 +91,14 @@ class ModelRunner:
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
         self.requests: dict[str, _Request] = {}
+        # LoRA adapters (services/worker/lora): loaded on the host, up to --max-loras resident in slots;
+        # None: --max-loras 0, no LoRA serving.
+        self.max_loras = config.max_loras
+        self.loras: LoraManager | None = LoraManager(
+            self.model, config.max_loras, config.max_lora_rank,
+            in_use=lambda name: any(r.adapter == name for r in self.requests.values())) if config.max_loras else None
+        for name, path in config.lora_adapters:
+            self.loras.load(name, path)
         self.grammars = GrammarCache(lambda: create_grammar_backend(
             config.grammar_backend, grammar_vocab(checkpoint.source, mc.vocab_size, list(mc.eos_token_ids))),
             config.grammar_cache_size)
@@ -103,6 +114,10 @@ class ModelRunner:
 
     # --- request state -------------------------------------------------------------
     def _admit(self, spec: NewRequestSpec) -> None:
+        if spec.adapter and (self.loras is None or spec.adapter not in self.loras):
+            loaded = [info.name for info in self.loras.infos()] if self.loras is not None else []
+            raise ValueError(f"request {spec.rid}: LoRA adapter {spec.adapter!r} is not loaded on this worker "
+                             f"(loaded: {loaded})")
         old = self.requests.pop(spec.rid, None)
         if old is not None:
             self.free_rows.append(old.row)
@@ -110,7 +125,8 @@ class ModelRunner:
             raise RuntimeError(f"worker holds {self.config.max_requests} requests already "
                                "(scheduler's max_running_requests exceeds the worker's)")
         req = self.requests[spec.rid] = _Request(self.free_rows.pop(), list(spec.prompt_ids),
-                                                 list(spec.output_ids), spec.sampling, spec.seed)
+                                                 list(spec.output_ids), spec.sampling, spec.seed,
+                                                 adapter=spec.adapter)
         if spec.sampling.constraint is not None:
             req.matcher = self.grammars.matcher(spec.sampling.constraint)
             for token in req.output_ids:  # re-admitted after a retraction: replay what it generated
@@ -275,13 +291,21 @@ class ModelRunner:
                 wanted += range(end - n + 1, end + 1)
             logits_indices = torch.tensor(wanted, dtype=torch.int64)
         meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
+        lora = None  # the step's rows by adapter slot (services/worker/lora/batch.py); None: all base
+        if self.loras is not None and any(req.adapter for req in reqs):
+            lora = self.loras.batch([(req.adapter, len(item.input_ids)) for req, item in zip(reqs, plan.items)])
         self._computing()
-        return self.model(input_ids, meta, logits_indices.to(self.device)), sampled
+        with self.loras.active(lora) if lora is not None else contextlib.nullcontext():
+            return self.model(input_ids, meta, logits_indices.to(self.device)), sampled
 
     def _one_call(self, plan: StepPlan, reqs: list[_Request]) -> DecodeStep | None:
         """The step as a one-call decode step when it is one: decodes, and verify items as one
         row per position (row j of a verify item attends over its request's KV through position
         start + j: the stack writes every row's K/V before any row attends). None: op by op."""
+        # The C++ stack computes the base model only (no LoRA hooks): a step with an adapter request,
+        # its speculative verify items included, runs op by op, where the linears apply adapters.
+        if any(req.adapter for req in reqs):
+            return None
         if any(len(item.input_ids) > 1 and not item.verify for item in plan.items):  # a prefill chunk
             return None
         rows = sum(len(item.input_ids) for item in plan.items)
@@ -305,6 +329,45 @@ class ModelRunner:
     def _computing(self) -> None:
         if self.on_compute is not None:
             self.on_compute()
+
+    # --- weight updates (services/worker/weights): between steps, on the step thread --------
+    weights_version: int = 0  # bumps by one with every successful update
+    _weight_groups = None  # services.worker.weights.distributed.UpdateGroups, on the first join
+
+    def update_weights_from_disk(self, path: str):
+        """An HF safetensors directory or a GGUF file of the serving architecture → its
+        WeightUpdateReport. Raises WeightUpdateError (a ValueError) with the old weights serving."""
+        from services.worker.weights.updater import update_from_disk
+        return update_from_disk(self, path)
+
+    def update_weights_from_tensor(self, tensors=None, *, shm_path: str | None = None):
+        """HF name → tensor in process, or shm_path: a safetensors file a trainer on this host wrote
+        (services/common/weight_sync.write_shared_tensors) → WeightUpdateReport; WeightUpdateError."""
+        from services.worker.weights.updater import update_from_tensor
+        return update_from_tensor(self, tensors, shm_path)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo", timeout_s: float = 60.0) -> None:
+        """Join a trainer's (rank 0) torch.distributed group as rank rank_offset; blocks until every
+        rank joined. Raises WeightUpdateError."""
+        from services.worker.weights.distributed import UpdateGroups
+        if self._weight_groups is None:
+            self._weight_groups = UpdateGroups()
+        self._weight_groups.join(master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
+                                 self.device)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str):
+        """Receive the tensors rank 0 broadcasts in group_name (HF names, dtype names, shapes, in
+        broadcast order) → WeightUpdateReport; WeightUpdateError (a broken group is closed)."""
+        from services.worker.weights.distributed import UpdateGroups
+        from services.worker.weights.updater import update_from_distributed
+        if self._weight_groups is None:
+            self._weight_groups = UpdateGroups()
+        return update_from_distributed(self, self._weight_groups, group_name, names, dtypes, shapes)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        if self._weight_groups is not None:
+            self._weight_groups.close(group_name)
 
 
 

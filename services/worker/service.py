@@ -57,6 +57,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.runner = None  # a ModelRunner once start() returned
         self.info: pb.WorkerInfo | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="worker-step")
+        # Held by every step while it runs; model administration (services/worker/admin_service.py)
+        # takes it to change weights or adapters between two steps.
+        self.model_lock = threading.Lock()
         self._stream_lock = asyncio.Lock()
         self._traced: dict[str, _Traced] = {}  # rid -> its link and worker.request span (tracing on)
         r = self.registry = CollectorRegistry()
@@ -227,7 +230,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """One plan, on the step thread: its span, the runner, its metrics."""
         t0, span = time.monotonic(), self._step_span(msg) if tracing.enabled() else None
         try:
-            result = result_to_proto(self.runner.execute(plan_from_proto(msg)))
+            with self.model_lock:
+                result = result_to_proto(self.runner.execute(plan_from_proto(msg)))
         except Exception as exc:
             if span is not None:
                 span.record_exception(exc)
@@ -238,6 +242,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             span.set_attribute("radixmesh.forward_seconds", result.forward_seconds)
             span.end()
         return result
+
+    def model_changed(self, state) -> None:
+        """An admin call changed adapters or weights (an admin_pb2.ModelState): GetInfo follows."""
+        if self.info is not None:
+            del self.info.adapters[:]
+            self.info.adapters.extend(state.adapters)
+            self.info.weights_version = state.weights_version
 
     def _reset(self) -> None:
         """Drop every request's state: a new stream's scheduler knows none of them."""
@@ -280,6 +291,8 @@ def stop_ids(path: str, model_eos: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def worker_info(runner, eos_token_ids: tuple[int, ...]) -> pb.WorkerInfo:
+    from services.worker.admin import adapter_infos
+
     mc, spec, cfg = runner.model_config, runner.kv_spec, runner.config
     return pb.WorkerInfo(
         model=pb.ModelConfig(
@@ -291,5 +304,6 @@ def worker_info(runner, eos_token_ids: tuple[int, ...]) -> pb.WorkerInfo:
             attention_bias=mc.attention_bias, bos_token_id=mc.bos_token_id,
             eos_token_ids=list(eos_token_ids), name=mc.name),
         num_kv_pages=spec.num_pages, page_size=spec.page_size, dtype=cfg.resolved_dtype, kv_dtype=cfg.resolved_dtype,
-        tp_size=1, weights_version="0", max_requests=cfg.max_requests,
-        max_draft_tokens=runner.max_draft_tokens, verify_max_rows=runner.verify_rows)
+        tp_size=1, weights_version=str(runner.weights_version), max_requests=cfg.max_requests,
+        max_draft_tokens=runner.max_draft_tokens, verify_max_rows=runner.verify_rows,
+        max_loras=runner.max_loras, adapters=adapter_infos(runner))

@@ -19,6 +19,10 @@ kernels/quant_gemv.py). Calls with at most `quant_max_rows` rows then run on
 them: at batch 1 a step is a read of the weights, and the blocks are 3.2x
 (Q4_1) fewer bytes than bfloat16. The math stays float32 with the file's exact
 weights, so this path is closer to the float32 reference than bfloat16 is.
+
+A Linear may carry a LoRA hook (`lora`, services/worker/lora/stacked.py) while adapters are
+loaded: whichever path computed the base output, the hook adds the step's adapter deltas to it.
+Without one the cost is a single attribute check.
 """
 from __future__ import annotations
 
@@ -87,6 +91,7 @@ class Linear(nn.Linear):
     quant = None  # a kernels.quant_gemv.QuantWeight
     quant_max_rows: int = 0
     _quant_kernel = None
+    lora = None  # a LoRA hook, hook(x, y) → y plus each row's adapter delta (services/worker/lora)
 
     def set_quant(self, quant, max_rows: int, kernel=None) -> None:
         """Run calls of at most max_rows rows on `quant` (a QuantWeight of this weight's
@@ -124,7 +129,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._runs_quantized(x):
-            return quant_linear(x, self.quant, self.bias, self._quant_kernel)
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = quant_linear(x, self.quant, self.bias, self._quant_kernel)
+        elif self.packed is not None:
+            y = packed_linear(x, self.packed, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)

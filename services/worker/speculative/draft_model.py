@@ -58,7 +58,8 @@ class DraftModelDrafter:
         target's page size, request rows, dtype and device, and its own KV budget."""
         path = config.speculative_draft_model_path
         draft_config = replace(config, model=path, speculative_algorithm=None, speculative_draft_model_path=None,
-                               kv_cache_bytes=config.speculative_draft_kv_cache_bytes, kv_mem_fraction=None)
+                               kv_cache_bytes=config.speculative_draft_kv_cache_bytes, kv_mem_fraction=None,
+                               lora_paths=(), max_loras=0)  # the draft model drafts on its base weights
         return cls(draft_config, load_checkpoint(path), runner.model_config.vocab_size)
 
     # --- the Drafter protocol ---------------------------------------------------------

@@ -1,0 +1,71 @@
+"""One fused linear's resident adapters, stacked by slot, and the hook that applies them.
+
+Slot s holds one adapter's modules of this linear side by side along the rank: A's rows are the
+modules' A's concatenated ([w, in], w = the sum of their ranks) and B is block-diagonal ([out, w]:
+module j's scaled B in its own output rows and its own rank columns, zeros elsewhere). Two matmuls
+then apply every segment of a fused linear (q, k and v of qkv_proj) for all the slot's rows; the
+zeros add exactly nothing, and a module the adapter does not target takes no columns at all. The
+stacks grow their width to the widest slot written, so memory follows the ranks in use rather
+than --max-lora-rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.lora.batch import LoraContext
+
+Segment = tuple[int, int, torch.Tensor, torch.Tensor]  # (lo, hi, A [r, in], scaled B [hi - lo, r])
+
+
+class StackedLora:
+    """The LoRA hook of one Linear (Linear.lora): `hook(x, y)` adds the active batch's deltas."""
+
+    def __init__(self, in_features: int, out_features: int, num_slots: int, dtype: torch.dtype,
+                 device: torch.device, context: LoraContext):
+        self.context = context
+        self.a = torch.zeros(num_slots, 0, in_features, dtype=dtype, device=device)  # [S, W, in]
+        self.b = torch.zeros(num_slots, out_features, 0, dtype=dtype, device=device)  # [S, out, W]
+        self.width = [0] * num_slots  # slot → the columns its adapter uses (0: none of this linear)
+
+    def write(self, slot: int, segments: list[Segment]) -> None:
+        """Hold `segments` (one adapter's modules of this linear) in `slot`, replacing what it held."""
+        width = sum(a.shape[0] for _, _, a, _ in segments)
+        if width > self.a.shape[1]:
+            self._grow(width)
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        col = 0
+        for lo, hi, a, b in segments:
+            r = a.shape[0]
+            self.a[slot, col:col + r] = a
+            self.b[slot, lo:hi, col:col + r] = b
+            col += r
+        self.width[slot] = width
+
+    def clear(self, slot: int) -> None:
+        self.width[slot] = 0
+
+    def _grow(self, width: int) -> None:
+        S, W, n_in = self.a.shape
+        a = self.a.new_zeros(S, width, n_in)
+        b = self.b.new_zeros(S, self.b.shape[1], width)
+        a[:, :W], b[:, :, :W] = self.a, self.b
+        self.a, self.b = a, b
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x [T, in], y = the base output [T, out] → y plus each slot's delta on its rows (in place)."""
+        batch = self.context.batch
+        if batch is None:
+            return y
+        for slot, rows in batch.groups:
+            w = self.width[slot]
+            if w == 0:
+                continue
+            h = F.linear(x[rows], self.a[slot, :w])  # [n, w]
+            delta = F.linear(h, self.b[slot, :, :w])  # [n, out]
+            if isinstance(rows, slice):
+                y[rows] += delta
+            else:
+                y.index_add_(0, rows, delta)
+        return y
