@@ -74,9 +74,10 @@ def load_latency(engine: Engine, path: str, name: str) -> tuple[float, float]:
     for slot, resident in enumerate(loras.slots):
         if resident == name:
             loras.slots[slot] = None
-    t0 = time.perf_counter()
-    loras.batch([(name, 1)])
-    warm = time.perf_counter() - t0
+    with torch.inference_mode():  # as on the step thread
+        t0 = time.perf_counter()
+        loras.batch([(name, 1)])
+        warm = time.perf_counter() - t0
     return cold, warm
 
 
@@ -113,6 +114,7 @@ def main() -> int:
         for _ in range(2):
             for mode, adapters in modes.items():
                 best[mode] = max(best[mode], run(engine, prompts, adapters, sp))
+                print(f"  {mode}: {best[mode]:.1f} tok/s so far", flush=True)
         cold, warm = load_latency(engine, dirs["late"], "late")
     finally:
         engine.shutdown()

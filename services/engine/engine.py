@@ -272,6 +272,20 @@ class Engine:
         return self.admin_call(self.admin.update_weights(
             "UpdateWeightsFromTensor", apb.UpdateWeightsFromTensorRequest(shm_path=shm_path), retract))
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weights", backend: str = "gloo", timeout_s: float = 60.0):
+        """Join a trainer's group (services/common/weight_sync.WeightBroadcaster); blocks until all joined."""
+        return self.admin_call(self._runner_admin.call("InitWeightsUpdateGroup", apb.InitWeightsUpdateGroupRequest(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+            group_name=group_name, backend=backend, timeout_s=timeout_s)))
+
+    def update_weights_from_distributed(self, metas, group_name: str = "weights", retract: bool = False):
+        """metas: (name, dtype name, shape) of the tensors the trainer broadcasts, in its order."""
+        request = apb.UpdateWeightsFromDistributedRequest(group_name=group_name, tensors=[
+            apb.TensorMeta(name=name, dtype=str(dtype).removeprefix("torch."), shape=list(shape))
+            for name, dtype, shape in metas])
+        return self.admin_call(self.admin.update_weights("UpdateWeightsFromDistributed", request, retract))
+
     def flush_kv_writes(self) -> None:
         """Wait until the pages written to the kvstore so far have landed (tests)."""
         if self.kvstore is not None:

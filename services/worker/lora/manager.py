@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import torch
 from torch import nn
 
 from services.worker.lora.adapter import AdapterError, LoraAdapter, check_name, load_adapter
@@ -43,7 +44,10 @@ class LoraManager:
             raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank, self._in_use = max_loras, max_rank, in_use
         weight = model.embed_tokens.weight
-        self.dtype, self.device = weight.dtype, weight.device
+        self.device = weight.device
+        # The adapters' math runs in the model's dtype; in half precision on a CPU the slots'
+        # matrices are prepacked for oneDNN (stacked.py), as the model's linears are.
+        self.dtype = weight.dtype
         self.targets: dict[TargetKey, Target] = model_targets(model)
         # Each target linear once, with its modules: linear → [(key, target)].
         self._linears: dict[Linear, list[tuple[TargetKey, Target]]] = {}
