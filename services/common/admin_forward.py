@@ -32,12 +32,18 @@ class ForwardingAdmin(admin_pb2_grpc.ModelAdminServicer):
             await context.abort(code, detail)
 
 
-def _forwarder(method: str):
-    async def call(self: ForwardingAdmin, request, context):
-        return await self.forward(method, request, context)
-    call.__name__ = method
-    return call
+def serve_every_method(cls: type, handler: str) -> type:
+    """Give a ModelAdmin servicer class one method per RPC, each calling
+    `self.<handler>(method name, request, context)`: the stages differ only in that handler."""
+    def rpc(method: str):
+        async def call(self, request, context):
+            return await getattr(self, handler)(method, request, context)
+        call.__name__ = method
+        return call
+
+    for method in METHODS:
+        setattr(cls, method, rpc(method))
+    return cls
 
 
-for _method in METHODS:
-    setattr(ForwardingAdmin, _method, _forwarder(_method))
+serve_every_method(ForwardingAdmin, "forward")

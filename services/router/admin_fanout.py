@@ -15,7 +15,7 @@ import grpc
 
 from protos.radixmesh.v1 import admin_pb2 as apb
 from protos.radixmesh.v1 import admin_pb2_grpc
-from services.common.admin_forward import METHODS, TIMEOUT_S
+from services.common.admin_forward import TIMEOUT_S, serve_every_method
 from services.router.fleet import Fleet, Replica
 
 
@@ -52,12 +52,4 @@ class FanOutAdmin(admin_pb2_grpc.ModelAdminServicer):
         return await getattr(stub, method)(request, timeout=TIMEOUT_S)
 
 
-def _fan(method: str):
-    async def call(self: FanOutAdmin, request, context):
-        return await self.fan_out(method, request, context)
-    call.__name__ = method
-    return call
-
-
-for _method in METHODS:
-    setattr(FanOutAdmin, _method, _fan(_method))
+serve_every_method(FanOutAdmin, "fan_out")

@@ -14,7 +14,7 @@ import grpc
 
 from protos.radixmesh.v1 import admin_pb2_grpc
 from services.common.admin_error import AdminError
-from services.common.admin_forward import METHODS
+from services.common.admin_forward import serve_every_method
 from services.worker.admin import WorkerAdmin
 
 UNLOCKED = {"InitWeightsUpdateGroup"}
@@ -50,12 +50,4 @@ class WorkerAdminService(admin_pb2_grpc.ModelAdminServicer):
         self._group_executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _method(name: str):
-    async def call(self: WorkerAdminService, request, context):
-        return await self.handle(name, request, context)
-    call.__name__ = name
-    return call
-
-
-for _name in METHODS:
-    setattr(WorkerAdminService, _name, _method(_name))
+serve_every_method(WorkerAdminService, "handle")
