@@ -51,6 +51,7 @@ UNTRACED = frozenset({
     "/radixmesh.v1.Tokenizer/Ready", "/radixmesh.v1.Tokenizer/Info", "/radixmesh.v1.Tokenizer/GetLoad",
     "/radixmesh.v1.Scheduler/GetStats", "/radixmesh.v1.Scheduler/GetInfo",
     "/radixmesh.v1.Worker/GetInfo", "/radixmesh.v1.Worker/Step",  # Step: per-step spans instead
+    "/radixmesh.v1.ModelAdmin/GetModelState",  # the gateway's readiness poll asks it every second
 })
 _UNTRACED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _SERVER_ERRORS = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
