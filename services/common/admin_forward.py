@@ -32,6 +32,14 @@ class ForwardingAdmin(admin_pb2_grpc.ModelAdminServicer):
             await context.abort(code, detail)
 
 
+def carry_model_state(info, state) -> None:
+    """Keep a WorkerInfo (what GetInfo answers) true to a ModelState an admin call returned."""
+    if info is not None:
+        del info.adapters[:]
+        info.adapters.extend(state.adapters)
+        info.weights_version = state.weights_version
+
+
 def serve_every_method(cls: type, handler: str) -> type:
     """Give a ModelAdmin servicer class one method per RPC, each calling
     `self.<handler>(method name, request, context)`: the stages differ only in that handler."""

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.radixmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import tracing
+from services.common.admin_forward import TIMEOUT_S as ADMIN_TIMEOUT_S
 from services.common.convert import sampling_to_proto
 from services.common.outputs import RequestOutput
 from services.common.outputs_convert import finish_reason_from_proto, logprob_from_proto, matched_stop_from_proto
@@ -175,7 +176,7 @@ class GrpcBackend:
     async def admin(self, method: str, request) -> admin_pb2.ModelState:
         """One radixmesh.v1.ModelAdmin call (a router fans it out to every replica)."""
         try:
-            return await getattr(self._admin, method)(request, timeout=900)
+            return await getattr(self._admin, method)(request, timeout=ADMIN_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             raise _rpc_error(e) from None
 

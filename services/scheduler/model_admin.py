@@ -23,8 +23,12 @@ import asyncio
 import time
 from typing import Callable, Protocol
 
+import grpc
+
 from protos.radixmesh.v1 import admin_pb2 as apb
+from protos.radixmesh.v1 import admin_pb2_grpc
 from services.common.admin_error import FAILED_PRECONDITION, NOT_FOUND, AdminError
+from services.common.admin_forward import TIMEOUT_S
 from services.scheduler.scheduler import Scheduler
 
 QUIESCE_POLL_S = 0.005
@@ -39,13 +43,10 @@ class WorkerAdminLink(Protocol):
 class GrpcWorkerAdmin:
     """The worker's ModelAdmin service over the scheduler's channel to it."""
 
-    def __init__(self, channel, timeout_s: float = 600.0) -> None:
-        from protos.radixmesh.v1 import admin_pb2_grpc
-        import grpc  # noqa: F401  (the stub's errors)
+    def __init__(self, channel, timeout_s: float = TIMEOUT_S) -> None:
         self._stub, self._timeout_s = admin_pb2_grpc.ModelAdminStub(channel), timeout_s
 
     async def call(self, method: str, request) -> apb.ModelState:
-        import grpc
         try:
             return await getattr(self._stub, method)(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:

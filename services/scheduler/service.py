@@ -50,6 +50,7 @@ from protos.radixmesh.v1 import scheduler_pb2 as spb
 from protos.radixmesh.v1 import scheduler_pb2_grpc
 from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common import tls, tracing
+from services.common.admin_forward import carry_model_state
 from services.common.convert import sampling_from_proto
 from services.common.outputs import FinishReason, RequestOutput, spec_counters
 from services.common.outputs_convert import finish_to_proto
@@ -385,10 +386,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def model_changed(self, state) -> None:
         """An admin call changed the worker's adapters or weights (an admin_pb2.ModelState):
         GetInfo answers with the new ones."""
-        if self.info is not None:
-            del self.info.adapters[:]
-            self.info.adapters.extend(state.adapters)
-            self.info.weights_version = state.weights_version
+        carry_model_state(self.info, state)
 
 
 async def _until(done, deadline: float, poll_s: float = 0.05) -> None:

@@ -77,12 +77,7 @@ class ModelRunner:
         # The backend's own tuning (the cpu backend's allocator, quantized weights, one-call decode steps).
         self.backend = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
                                       sliding_window=mc.sliding_window)
-        attached = self.backend.attach(self.model, config, checkpoint, self.prepacked)
-        self.quantized_weights, self.one_call_rows = attached.quantized_weights, attached.one_call_rows
-        self.decode_stack = self.one_call_rows > 0
-        # Steps with a verify item run as one call up to this many tokens (the stack's rows
-        # are computed independently of each other: a verify gives the logits decoding would).
-        self.verify_rows = config.verify_max_rows if self.decode_stack else 0
+        self.attach_backend(checkpoint)
         self.kv_spec = KVPoolSpec.from_budget(
             mc, config.page_size, config.torch_dtype,
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
@@ -111,6 +106,16 @@ class ModelRunner:
                  f"({self.quantized_weights} weights)" if self.quantized_weights else "no quantized weights",
                  type(self.model.ops).__name__, ", one-call decode steps" if self.decode_stack else "", self.kv_spec.num_pages,
                  self.kv_spec.page_size, self.kv_spec.total_bytes / 2**30)
+
+    def attach_backend(self, checkpoint: Checkpoint) -> None:
+        """Let the backend tune itself to the model and `checkpoint` (quantized blocks, one-call
+        decode steps), and take its answer; again after a weight update."""
+        attached = self.backend.attach(self.model, self.config, checkpoint, self.prepacked)
+        self.quantized_weights, self.one_call_rows = attached.quantized_weights, attached.one_call_rows
+        self.decode_stack = self.one_call_rows > 0
+        # Steps with a verify item run as one call up to this many tokens (the stack's rows
+        # are computed independently of each other: a verify gives the logits decoding would).
+        self.verify_rows = self.config.verify_max_rows if self.decode_stack else 0
 
     # --- request state -------------------------------------------------------------
     def _admit(self, spec: NewRequestSpec) -> None:

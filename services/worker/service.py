@@ -38,6 +38,7 @@ from protos.radixmesh.v1 import worker_pb2 as pb
 from protos.radixmesh.v1 import worker_pb2_grpc
 from services.common import metrics as m
 from services.common import tracing
+from services.common.admin_forward import carry_model_state
 from services.common.grammar.constraint import Constraint
 from services.common.model_path import resolve_model_path
 from services.common.sampling_params import InvalidRequest
@@ -245,10 +246,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def model_changed(self, state) -> None:
         """An admin call changed adapters or weights (an admin_pb2.ModelState): GetInfo follows."""
-        if self.info is not None:
-            del self.info.adapters[:]
-            self.info.adapters.extend(state.adapters)
-            self.info.weights_version = state.weights_version
+        carry_model_state(self.info, state)
 
     def _reset(self) -> None:
         """Drop every request's state: a new stream's scheduler knows none of them."""

@@ -47,7 +47,4 @@ def reattach(runner, checkpoint: Checkpoint) -> None:
         if isinstance(m, Linear):
             m.set_quant(None, 0)
     model.decode_stack, model.decode_stack_rows = None, 0
-    attached = runner.backend.attach(model, runner.config, checkpoint, runner.prepacked)
-    runner.quantized_weights, runner.one_call_rows = attached.quantized_weights, attached.one_call_rows
-    runner.decode_stack = runner.one_call_rows > 0
-    runner.verify_rows = runner.config.verify_max_rows if runner.decode_stack else 0
+    runner.attach_backend(checkpoint)
