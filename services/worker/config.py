@@ -8,6 +8,8 @@ import torch
 from kernels import cpu_isa
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --kv-cache-dtype values other than auto: KV pages stored 1 byte per element (services/worker/kv_pool.py)
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,10 @@ class WorkerConfig:
         "help": "tokens per KV page (16: a request's KV rows stay contiguous in runs of 16, which the CPU decode "
                 "kernel reads ~20%% faster than rows scattered one token at a time; prefix matches round down to pages)"})
     kv_cache_bytes: int | None = field(default=3 << 30, metadata={"help": "KV pool byte budget (default 3 GiB: ~70k tokens of SmolLM2 in float32)"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV pages' storage dtype: auto (the model's dtype) | fp8_e4m3 | fp8_e5m2 (1 byte per element, "
+                "per-layer scale 1.0, widened inside the attention kernels: the same --kv-cache-bytes holds about "
+                "twice the tokens of bfloat16; docs/quantization.md, FP8 KV cache)"})
     kv_mem_fraction: float | None = field(default=None, metadata={"help": "size the KV pool as this fraction of free memory instead of a byte budget"})
     attention_backend: str = field(default="cpu", metadata={
         "help": "cpu: torch + a C++ paged decode kernel (built on first use), and the CPU tuning: allocator, "
@@ -97,6 +103,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be auto or one of {sorted(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_requests < 1:
@@ -154,6 +163,11 @@ class WorkerConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.resolved_dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's storage dtype: the model's under auto, else the FP8 format named."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
 def parse_lora_paths(entries: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
