@@ -14,6 +14,8 @@ SUBCOMMANDS = {
     "up": "services.launcher.up:main",
     "healthcheck": "services.launcher.healthcheck:main",
     "bench": "services.loadgen.cli:main",
+    "eval": "services.eval.cli:main",
+    "quantize": "services.quantize.cli:main",
 }
 
 

@@ -303,6 +303,32 @@ class ModelRunner:
         with self.loras.active(lora) if lora is not None else contextlib.nullcontext():
             return self.model(input_ids, meta, logits_indices.to(self.device)), sampled
 
+    @torch.inference_mode()
+    def prefill_logits(self, plan: StepPlan) -> torch.Tensor:
+        """The accuracy harness's step (services/eval/perplexity.py): release and admit as execute()
+        does, run every item op by op as a prefill chunk runs (its K/V written to the pool, earlier
+        chunks' read back from it) → float32 logits [T, V] at every position of every item, in plan
+        order. Samples nothing."""
+        for rid in plan.released_rids:
+            self._release(rid)
+        for spec in plan.new_requests:
+            self._admit(spec)
+        reqs = [self.requests[item.rid] for item in plan.items]
+        for req, item in zip(reqs, plan.items):
+            self._append_pages(req, item.new_pages, item.reset_pages)
+        q_lens = [len(item.input_ids) for item in plan.items]
+        start = [item.start_pos for item in plan.items]
+        max_pages = -(-max(s + q for s, q in zip(start, q_lens)) // self.kv_spec.page_size)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        layout = BatchLayout.build(q_lens, start, self.page_table[rows, :max_pages].to(self.device),
+                                   self.kv_spec.page_size)
+        self.backend.prepare(layout, self.pool)
+        input_ids = torch.tensor([t for item in plan.items for t in item.input_ids], dtype=torch.int64,
+                                 device=self.device)
+        meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
+        every = torch.arange(input_ids.shape[0], device=self.device)
+        return self.model(input_ids, meta, every).float()
+
     def _one_call(self, plan: StepPlan, reqs: list[_Request]) -> DecodeStep | None:
         """The step as a one-call decode step when it is one: decodes, and verify items as one
         row per position (row j of a verify item attends over its request's KV through position

@@ -1,0 +1,65 @@
+"""GGUF → GGUF in another weight format: every metadata key copied (tokenizer, chat template,
+architecture), every tensor dequantized to float32 and re-encoded (services/quantize/formats.py
+picks each one's type), written with `gguf.GGUFWriter`."""
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import gguf
+from services.common.gguf_reader import FastGGUFReader
+from services.quantize.formats import QType, encode, tensor_type
+
+log = logging.getLogger(__name__)
+# Written by GGUFWriter itself (header counts, the architecture it was given) or changed here.
+_SKIPPED_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type"}
+# general.file_type (llama.cpp's LlamaFileType) of a file mostly in that type
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K": 15, "Q5_K": 17,
+              "Q6_K": 18, "BF16": 32}
+
+
+@dataclass
+class ConvertReport:
+    out: str
+    types: Counter = field(default_factory=Counter)  # tensor type -> how many tensors
+    bytes: int = 0  # the output file's size
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{n} {t}" for t, n in sorted(self.types.items()))
+        return f"wrote {self.out}: {sum(self.types.values())} tensors ({kinds}), {self.bytes / 2**20:.1f} MiB"
+
+
+def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+    for name, f in reader.fields.items():
+        if name in _SKIPPED_KEYS or not f.types:
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), vtype, sub_type=sub)
+
+
+def convert_gguf(src: str, out: str, target: str, embedding: str) -> ConvertReport:
+    """Re-encode GGUF file `src` into `out`: 2-D weights in `target`, the embedding/output head in
+    `embedding`, 1-D tensors F32 (formats.tensor_type)."""
+    reader = FastGGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch)
+    _copy_metadata(reader, writer)
+    writer.add_file_type(FILE_TYPES.get(target, 0))
+    report = ConvertReport(out)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)  # float32, numpy shape (rows last)
+        data = data.reshape([int(d) for d in reversed(t.shape)])
+        qtype = tensor_type(t.name, data.shape, target, embedding)
+        encoded = encode(data, qtype)
+        # F32/F16 arrays carry their type; anything else is bytes the writer must be told the type of.
+        writer.add_tensor(t.name, encoded, raw_dtype=None if qtype in ("F32", "F16") else QType[qtype])
+        report.types[qtype] += 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    report.bytes = os.path.getsize(out)
+    return report
