@@ -1,24 +1,31 @@
-"""Linear layers on GGUF-quantized weights (Q8_0, Q4_1) for small batches on CPU.
+"""Linear layers on quantized weights on CPU: GGUF Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K blocks and int8 per-channel weights, at any batch size.
 
-The C++ kernel is kernels/cpu/quant_gemv.cpp. A GGUF block of 32 weights is
-split once, at load, into its values and its scales widened to float32
-(`QuantWeight.from_blocks`), so the kernel's inner loop needs no half-float
-conversion. `QuantWeight.dequantize` is the torch reference and documents the
-formats. The worker keeps these next to its dense weights and uses them when a
-step has few rows (services/worker/model/linear.py).
+The C++ kernel is kernels/cpu/quant_gemv.cpp. A weight is split once, at load, into the
+kernel's layout (`QuantWeight.from_blocks`, kernels/quant_formats.py: packed values plus
+float32 scales and mins computed as gguf computes them), so the inner loop unpacks
+values and needs no half-float or 6-bit scale decoding. `QuantWeight.dequantize` is the
+torch reference, bit-exact with `gguf.quants.dequantize`. `quant_linear` computes steps of
+at most FUSED_MAX_ROWS rows as fused dot products on the packed values and larger ones as
+dequantized tiles times a GEMM, inside one call: no dequantized copy of the weight is kept.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 
+from kernels import quant_formats
 from kernels.cpu_build import load_cpu_extension
+from kernels.quant_formats import FORMATS, GROUP, Format
 
-BLOCK = 32
-# GGML type name -> (kernel's qtype code, bytes per GGUF block of 32 weights)
-QTYPES: dict[str, tuple[int, int]] = {"Q8_0": (0, 34), "Q4_1": (1, 20)}
+BLOCK = GROUP
+FUSED_MAX_ROWS = 8  # quant_gemv.h's kMaxRows: more rows go through dequantized tiles and a GEMM
+# GGML type name -> (kernel's qtype code, bytes per GGUF block): the GGUF types a file's
+# tensors may have for the kernel to use them.
+QTYPES: dict[str, tuple[int, int]] = {n: (f.code, f.type_size) for n, f in FORMATS.items() if f.block}
 
 
 def load() -> ModuleType | None:
@@ -28,12 +35,10 @@ def load() -> ModuleType | None:
 
 @dataclass
 class QuantWeight:
-    """One [N, K] weight in a GGUF block format, split for the kernel.
+    """One [N, K] weight in the kernel's layout (kernels/quant_formats.py's docstring).
 
-    Q8_0 (block: fp16 d, int8 q[32]): w = d * q. qs [N, K] int8 stored as uint8; m None.
-    Q4_1 (block: fp16 d, fp16 m, uint8 qs[16]): w_i = d * n_i + m with n_i the low nibble
-    of byte i for i < 16 and the high nibble of byte i - 16 after. qs [N, K/2].
-    d, m: [N, K/32] float32 (exact widenings of the file's fp16 scales).
+    qtype: a GGML type name (QTYPES) or "int8"; qs: uint8 [N, K / 32 * group bytes];
+    d: float32 [N, K / scale group]; m: float32 [N, K / 32] for the formats with a min, else None.
     """
 
     qtype: str
@@ -42,29 +47,47 @@ class QuantWeight:
     m: torch.Tensor | None
 
     @property
+    def format(self) -> Format:
+        return FORMATS[self.qtype]
+
+    @property
+    def code(self) -> int:
+        """The kernel's qtype argument (quant_linear, DecodeStack.add_linear)."""
+        return self.format.code
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * BLOCK
+        return self.qs.shape[0], self.qs.shape[1] // self.format.group_bytes * GROUP
 
     @property
     def nbytes(self) -> int:
+        """Resident bytes: packed values, scales and mins."""
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
     @classmethod
+    def from_split(cls, qtype: str, split: quant_formats.Split) -> "QuantWeight":
+        f = FORMATS[qtype]
+        qs = torch.from_numpy(quant_formats.pack_values(split.v, f.bits))
+        m = None if split.m is None else torch.from_numpy(np.ascontiguousarray(split.m, dtype=np.float32))
+        return cls(qtype, qs, torch.from_numpy(np.ascontiguousarray(split.d, dtype=np.float32)), m)
+
+    @classmethod
     def from_blocks(cls, blocks: torch.Tensor, qtype: str) -> "QuantWeight":
-        """blocks: uint8 [N, K/32 * block_bytes], the file's rows as stored."""
+        """blocks: uint8 [N, K / block * type_size], a GGUF tensor's rows as stored."""
         if qtype not in QTYPES:
-            raise ValueError(f"unsupported quantized type {qtype!r} (supported: {sorted(QTYPES)})")
-        size = QTYPES[qtype][1]
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
-            raise ValueError(f"{qtype} blocks must be uint8 [N, K/32 * {size}], got {blocks.dtype} "
+            raise ValueError(f"unsupported quantized type {qtype!r} (supported: {sorted(QTYPES)}); "
+                             f"requantize the file to one of them (radixmesh quantize)")
+        f = FORMATS[qtype]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % f.type_size:
+            raise ValueError(f"{qtype} blocks must be uint8 [N, K/{f.block} * {f.type_size}], got {blocks.dtype} "
                              f"{tuple(blocks.shape)}")
-        N = blocks.shape[0]
-        b = blocks.reshape(N, -1, size)  # [N, nb, size]
-        d = b[..., 0:2].contiguous().view(torch.float16).reshape(N, -1).float()
-        if qtype == "Q8_0":
-            return cls(qtype, b[..., 2:].reshape(N, -1).contiguous(), d, None)
-        m = b[..., 2:4].contiguous().view(torch.float16).reshape(N, -1).float()
-        return cls(qtype, b[..., 4:].reshape(N, -1).contiguous(), d, m)
+        return cls.from_split(qtype, quant_formats.split_gguf(blocks.numpy(), qtype))
+
+    @classmethod
+    def int8_per_channel(cls, weight: torch.Tensor) -> "QuantWeight":
+        """weight float [N, K] (K a multiple of 32) → symmetric int8 with one float32 scale per
+        output row (rounding rule: quant_formats.int8_per_channel)."""
+        return cls.from_split("int8", quant_formats.int8_per_channel(weight))
 
     @classmethod
     def cat_rows(cls, parts: list["QuantWeight"]) -> "QuantWeight":
@@ -75,21 +98,16 @@ class QuantWeight:
         return cls(parts[0].qtype, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
 
     def dequantize(self) -> torch.Tensor:
-        """→ float32 [N, K]: the weights the kernel multiplies by."""
-        N = self.qs.shape[0]
-        d = self.d[..., None]  # [N, nb, 1]
-        if self.qtype == "Q8_0":
-            return (d * self.qs.view(torch.int8).reshape(N, -1, BLOCK).float()).reshape(N, -1)
-        q = self.qs.reshape(N, -1, 16).to(torch.int32)
-        n = torch.cat([q & 15, q >> 4], dim=-1).float()  # [N, nb, 32]
-        return (d * n + self.m[..., None]).reshape(N, -1)
+        """→ float32 [N, K]: the weights the kernel multiplies by (bit-exact with gguf's dequantize)."""
+        return quant_formats.dequantize(self.format, self.qs, self.d, self.m)
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
                  module: ModuleType | None = None, float_out: bool = False) -> torch.Tensor:
-    """x [T, K] @ w.dequantize()^T (+ bias) → [T, N] in x's dtype, or float32 when
-    float_out (float32 math either way)."""
+    """x [T, K] @ w.dequantize()^T (+ bias) → [T, N] in x's dtype, or float32 when float_out.
+    T <= FUSED_MAX_ROWS: float32 math on the packed values. More rows: tiles of the weight
+    dequantized to bfloat16 (x bfloat16 on a CPU with bf16 matmul) or float32, times x."""
     module = module or load()
     if module is None:
         raise RuntimeError("the CPU quantized-linear kernel is not built")
-    return module.quant_linear(x, w.qs, w.d, w.m, QTYPES[w.qtype][0], bias, float_out)
+    return module.quant_linear(x, w.qs, w.d, w.m, w.code, bias, float_out)

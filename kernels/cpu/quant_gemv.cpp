@@ -1,19 +1,23 @@
-// Linear layers straight from GGUF-quantized weights, for the few-row matmuls
-// of small decode batches. At batch 1 a decode step is a weight-read: the
-// model's Q4_1/Q8_0 blocks are 3.2x / 1.9x fewer bytes than bfloat16 weights,
-// and this kernel reads them as stored. Activations stay in float32: the
-// result is the float32 matmul with the file's exact (dequantized) weights, up
-// to summation order; nothing is quantized on the fly.
+// Linear layers straight from quantized weights. At batch 1 a decode step is a
+// weight-read: 4-6 bit blocks are 2.5-4x fewer bytes than bfloat16 weights, and this
+// kernel reads them as stored. Activations stay in float32: for a few rows the result
+// is the float32 matmul with the file's exact (dequantized) weights, up to summation
+// order; nothing is quantized on the fly. Many rows go through dequantized tiles and a
+// GEMM (quant_gemv.h's tiled_matmul), never a resident dequantized copy.
 //
-// quant_linear(x [T, K] float32/bfloat16/float16, qs [N, ...] uint8, d [N, K/32] float32,
-//              m [N, K/32] float32 (Q4_1 only), qtype, bias [N]?, float_out)
+// quant_linear(x [T, K] float32/bfloat16/float16, qs [N, K/32 * group bytes] uint8,
+//              d [N, K/32 or K/16] float32, m [N, K/32] float32 (formats with a min), qtype,
+//              bias [N]?, float_out)
 //   -> [T, N] in x's dtype, or float32 when float_out (logits: no rounding to bf16)
-// The GGUF blocks are split at load (kernels/quant_gemv.py) into their values and their
-// scales widened to float32, so the inner loop broadcasts a scale straight from memory:
-//   qtype 0 = Q8_0: qs [N, K] int8 values q_i;           w_i = d * q_i
-//   qtype 1 = Q4_1: qs [N, K/2], per block 16 bytes:     w_i = d * n_i + m, n_i = low nibble
-//                   of byte i for i < 16, high nibble of byte i - 16 after
-// K must be a multiple of 32 (the block size).
+// Weights are split at load (kernels/quant_formats.py): values v packed per group of 32,
+// float32 scales computed exactly as gguf computes them:
+//   qtype 0 Q8_0 (and int8 per-channel): int8 v;             w = d * v
+//   qtype 1 Q4_1 (and Q4_K): 4-bit v;                        w = d * v + m
+//   qtype 2 Q4_0: 4-bit v;                                   w = d * (v - 8)
+//   qtype 3 Q5_0: 5-bit v;                                   w = d * (v - 16)
+//   qtype 4 Q5_1 (and Q5_K): 5-bit v;                        w = d * v + m
+//   qtype 5 Q6_K: 6-bit v, one scale per 16 weights;         w = d * (v - 32)
+// K must be a multiple of 32.
 #include <torch/extension.h>
 
 #include "quant_gemv.h"
@@ -22,40 +26,53 @@ using namespace radixmesh::qgemv;
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, std::optional<torch::Tensor> m,
                            int64_t qtype, std::optional<torch::Tensor> bias, bool float_out) {
-  TORCH_CHECK(qtype == kQ8_0 || qtype == kQ4_1, "qtype must be 0 (Q8_0) or 1 (Q4_1)");
+  TORCH_CHECK(valid_qtype(qtype), "qtype must be 0..5 (Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q6_K), got ", qtype);
   TORCH_CHECK(x.dim() == 2, "x must be [T, K]");
   const int64_t T = x.size(0), K = x.size(1), N = qs.size(0), nb = K / kBlock;
   TORCH_CHECK(K % kBlock == 0, "K (", K, ") must be a multiple of 32");
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
                   qs.size(1) == nb * qs_bytes(qtype),
               "qs must be contiguous uint8 [N, ", nb * qs_bytes(qtype), "] for K = ", K);
-  for (const auto* t : {&d, m ? &*m : &d})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == nb,
-                "scales must be contiguous float32 [N, K/32]");
-  TORCH_CHECK(m.has_value() == (qtype == kQ4_1), "Q4_1 needs m; Q8_0 has none");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 && d.size(0) == N &&
+                  d.size(1) == nb * scales_per_block(qtype),
+              "d must be contiguous float32 [N, ", nb * scales_per_block(qtype), "]");
+  TORCH_CHECK(m.has_value() == has_m(qtype), "Q4_1/Q5_1 (Q4_K/Q5_K) need m; the other formats have none");
+  if (m)
+    TORCH_CHECK(m->scalar_type() == at::kFloat && m->is_contiguous() && m->dim() == 2 && m->size(0) == N &&
+                    m->size(1) == nb,
+                "m must be contiguous float32 [N, K/32]");
   if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [N]");
-  const torch::Tensor xf = x.to(at::kFloat).contiguous();
   auto y = torch::empty({T, N}, x.options().dtype(at::kFloat));
-  if (T > 0) {
-    const uint8_t* q = qs.data_ptr<uint8_t>();
-    quant_matmul(qtype, q, d.data_ptr<float>(), m ? m->data_ptr<float>() : nullptr, xf.data_ptr<float>(), T, K, N,
-                 y.data_ptr<float>());
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const float* mp = m ? m->data_ptr<float>() : nullptr;
+  if (T > kMaxRows) {
+    tiled_matmul(qtype, q, d.data_ptr<float>(), mp, tile_input(x), N, y.data_ptr<float>());
+  } else if (T > 0) {
+    const torch::Tensor xf = x.to(at::kFloat).contiguous();
+    quant_matmul(qtype, q, d.data_ptr<float>(), mp, xf.data_ptr<float>(), T, K, N, y.data_ptr<float>());
   }
   if (bias) y.add_(bias->to(at::kFloat));
   return float_out || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-bool has_avx512_path() {
-#ifdef RADIXMESH_AVX512
-  return true;
+// Which fused path was compiled in: "avx512", "avx2" or "portable".
+std::string fused_path() {
+#if defined(RADIXMESH_AVX512)
+  return "avx512";
+#elif defined(RADIXMESH_AVX2)
+  return "avx2";
 #else
-  return false;
+  return "portable";
 #endif
 }
 
+bool has_avx512_path() { return fused_path() == "avx512"; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear, "x @ (d * q [+ m])^T for GGUF Q8_0/Q4_1 weights (CPU)", py::arg("x"),
-        py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("float_out") = false);
-  m.def("has_avx512_path", &has_avx512_path, "whether the AVX-512 matmul was compiled in (else the portable loop)");
+  m.def("quant_linear", &quant_linear, "x @ dequantized(W)^T for split GGUF / int8 weights (CPU)", py::arg("x"),
+        py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("qtype"), py::arg("bias") = py::none(),
+        py::arg("float_out") = false);
+  m.def("has_avx512_path", &has_avx512_path, "whether the AVX-512 matmul was compiled in");
+  m.def("fused_path", &fused_path, "the fused few-row path compiled in: avx512, avx2 or portable");
+  m.def("bf16_tiles", [] { return kBf16Tiles; }, "whether many-row steps on bfloat16 x use bfloat16 tiles");
 }

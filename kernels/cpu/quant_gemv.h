@@ -1,7 +1,8 @@
 // The quantized matmul of quant_gemv.cpp as a header, shared with decode_stack.cpp.
-// Formats and contract: quant_gemv.cpp's comment.
+// Formats and contract: quant_gemv.cpp's comment; layouts: kernels/quant_formats.py.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -14,19 +15,72 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define RADIXMESH_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RADIXMESH_AVX2 1
 #endif
 
 namespace radixmesh::qgemv {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weights (accumulators in registers)
-enum QType : int64_t { kQ8_0 = 0, kQ4_1 = 1 };
+constexpr int64_t kBlock = 32;   // weights per packed group
+constexpr int64_t kMaxRows = 8;  // rows of x per fused pass; more rows take the tile path
+// Kernel formats (Q4_K runs as Q4_1, Q5_K as Q5_1 and int8 per-channel as Q8_0: same layout).
+enum QType : int64_t { kQ8_0 = 0, kQ4_1 = 1, kQ4_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ6_K = 5 };
 
-// Bytes of quantized values per block: 32 int8 (Q8_0) or 16 bytes of nibbles (Q4_1).
-constexpr int64_t qs_bytes(int64_t qtype) { return qtype == kQ8_0 ? 32 : 16; }
+constexpr bool valid_qtype(int64_t qt) { return qt >= kQ8_0 && qt <= kQ6_K; }
+// Packed bytes per group of 32: int8 values, or 16 bytes of nibbles plus 4 (5-bit) or 8
+// (6-bit) bytes of high bits.
+constexpr int64_t qs_bytes(int64_t qt) {
+  return qt == kQ8_0 ? 32 : (qt == kQ4_1 || qt == kQ4_0) ? 16 : qt == kQ6_K ? 24 : 20;
+}
+constexpr bool has_m(int64_t qt) { return qt == kQ4_1 || qt == kQ5_1; }
+constexpr int32_t offset(int64_t qt) { return qt == kQ4_0 ? 8 : qt == kQ5_0 ? 16 : qt == kQ6_K ? 32 : 0; }
+constexpr int64_t scales_per_block(int64_t qt) { return qt == kQ6_K ? 2 : 1; }  // Q6_K: one per 16
+constexpr int bits(int64_t qt) { return qt == kQ8_0 ? 8 : (qt == kQ4_1 || qt == kQ4_0) ? 4 : qt == kQ6_K ? 6 : 5; }
 
-// The m term of Q4_1, sum_b m_b * (sum of x over block b), for x rows: a dot product
-// over blocks, so it costs nothing per weight. xsum [T, nb].
+// Calls f(std::integral_constant<int64_t, QT>) for a run-time qtype.
+template <typename F>
+inline auto dispatch(int64_t qt, const F& f) {
+  switch (qt) {
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>());
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>());
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>());
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>());
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>());
+    default: return f(std::integral_constant<int64_t, kQ6_K>());
+  }
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// One group's 32 values, less the format's offset (the integers w = d * v [+ m] multiplies).
+template <int64_t QT>
+inline void decode(const uint8_t* __restrict__ q, int32_t* __restrict__ v) {
+  if constexpr (QT == kQ8_0) {
+    for (int i = 0; i < 32; ++i) v[i] = static_cast<int8_t>(q[i]);
+  } else {
+    const uint32_t h0 = bits(QT) > 4 ? load_u32(q + 16) : 0, h1 = bits(QT) == 6 ? load_u32(q + 20) : 0;
+    for (int i = 0; i < 16; ++i) {
+      int32_t lo = q[i] & 15, hi = q[i] >> 4;
+      if constexpr (bits(QT) == 5) {
+        lo |= ((h0 >> i) & 1) << 4;
+        hi |= ((h0 >> (i + 16)) & 1) << 4;
+      } else if constexpr (bits(QT) == 6) {
+        lo |= ((h0 >> (2 * i)) & 3) << 4;
+        hi |= ((h1 >> (2 * i)) & 3) << 4;
+      }
+      v[i] = lo - offset(QT);
+      v[i + 16] = hi - offset(QT);
+    }
+  }
+}
+
+// The m terms of the formats with a min, sum_b m_b * (sum of x over group b), for x rows: a
+// dot product over groups, so it costs nothing per weight. xsum [R, nb].
 inline void add_m_terms(const float* __restrict__ m_row, const float* __restrict__ xsum, int64_t R, int64_t nb,
                         float* __restrict__ y) {
   for (int64_t r = 0; r < R; ++r) {
@@ -42,34 +96,30 @@ template <int64_t QT>
 void row_portable(const uint8_t* __restrict__ qs, const float* __restrict__ d, const float* __restrict__ x,
                   int64_t R, int64_t K, float* __restrict__ y) {
   const int64_t nb = K / kBlock;
+  constexpr int64_t S = scales_per_block(QT), G = kBlock / S;  // scales per group, weights per scale
+  int32_t v[kBlock];
   float n[kBlock];
   for (int64_t r = 0; r < R; ++r) y[r] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* q = qs + b * qs_bytes(QT);
-    for (int i = 0; i < 16; ++i) {
-      if (QT == kQ8_0) {
-        n[i] = static_cast<float>(static_cast<int8_t>(q[i]));
-        n[i + 16] = static_cast<float>(static_cast<int8_t>(q[i + 16]));
-      } else {
-        n[i] = static_cast<float>(q[i] & 15);
-        n[i + 16] = static_cast<float>(q[i] >> 4);
-      }
-    }
+    decode<QT>(qs + b * qs_bytes(QT), v);
+    for (int i = 0; i < kBlock; ++i) n[i] = static_cast<float>(v[i]);
     for (int64_t r = 0; r < R; ++r) {
       const float* xb = x + r * K + b * kBlock;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int i = 0; i < kBlock; ++i) s += n[i] * xb[i];
-      y[r] += d[b] * s;
+      for (int64_t s = 0; s < S; ++s) {
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = s * G; i < (s + 1) * G; ++i) acc += n[i] * xb[i];
+        y[r] += d[b * S + s] * acc;
+      }
     }
   }
 }
 
 #ifdef RADIXMESH_AVX512
 // ---- AVX-512 path: NR output rows x R (<= kMaxRows) x rows, accumulators in registers ----
-// Per block: widen the 32 values to float, two multiply-adds against x per row, one FMA by
-// the block's scale (a broadcast from memory: no shuffle port). Several output rows at once
-// keep independent FMA chains in flight (a row of 18 blocks is too short to hide latency).
+// Per group: widen the 32 values to float, two multiply-adds against x per row, one FMA by
+// the group's scale (a broadcast from memory: no shuffle port; Q6_K: one FMA per half, each
+// with its own scale). Several output rows at once keep independent FMA chains in flight.
 template <int64_t QT>
 inline void widen(const uint8_t* q, __m512& w0, __m512& w1) {
   if constexpr (QT == kQ8_0) {
@@ -77,16 +127,35 @@ inline void widen(const uint8_t* q, __m512& w0, __m512& w1) {
     w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
   } else {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    w0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-    w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(bytes, 4);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if constexpr (bits(QT) == 5) {  // bit i of the uint32 is bit 4 of value i
+      const __m512i h = _mm512_set1_epi32(static_cast<int>(load_u32(q + 16))), one = _mm512_set1_epi32(1);
+      lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota), one), 4));
+      const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
+      hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota16), one), 4));
+    } else if constexpr (bits(QT) == 6) {  // bits 2i, 2i + 1 of the uint64 are bits 4, 5 of value i
+      const __m512i shift = _mm512_add_epi32(iota, iota), three = _mm512_set1_epi32(3);
+      const __m512i h0 = _mm512_set1_epi32(static_cast<int>(load_u32(q + 16)));
+      const __m512i h1 = _mm512_set1_epi32(static_cast<int>(load_u32(q + 20)));
+      lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h0, shift), three), 4));
+      hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h1, shift), three), 4));
+    }
+    if constexpr (offset(QT) != 0) {
+      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(offset(QT)));
+      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(offset(QT)));
+    }
+    w0 = _mm512_cvtepi32_ps(lo);
+    w1 = _mm512_cvtepi32_ps(hi);
   }
 }
 
-// qs/d/m point at the first of NR consecutive output rows; y [NR, R]. For Q4_1 the m terms
-// (m [NR, nb] . xsum [R, nb]) join the accumulators before their one reduction.
+// qs/d/m point at the first of NR consecutive output rows; y [NR, R]. For the formats with a
+// min the m terms (m [NR, nb] . xsum [R, nb]) join the accumulators before their one reduction.
 template <int64_t QT, int R, int NR>
 void rows_avx512(const uint8_t* __restrict__ qs, const float* __restrict__ d, const float* __restrict__ m,
                  const float* __restrict__ x, const float* __restrict__ xsum, int64_t K, float* __restrict__ y) {
+  constexpr int64_t S = scales_per_block(QT);
   const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
   __m512 acc[NR][R];
   for (int n = 0; n < NR; ++n)
@@ -97,15 +166,21 @@ void rows_avx512(const uint8_t* __restrict__ qs, const float* __restrict__ d, co
     for (int n = 0; n < NR; ++n) {
       __m512 w0, w1;
       widen<QT>(qs + n * row_bytes + b * qs_bytes(QT), w0, w1);
-      const __m512 scale = _mm512_set1_ps(d[n * nb + b]);
+      const float* dn = d + n * nb * S + b * S;
+      const __m512 scale0 = _mm512_set1_ps(dn[0]);
       for (int r = 0; r < R; ++r) {
         const float* xb = x + r * K + b * kBlock;
-        const __m512 p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xb)));
-        acc[n][r] = _mm512_fmadd_ps(scale, p, acc[n][r]);
+        if constexpr (S == 2) {
+          acc[n][r] = _mm512_fmadd_ps(scale0, _mm512_mul_ps(w0, _mm512_loadu_ps(xb)), acc[n][r]);
+          acc[n][r] = _mm512_fmadd_ps(_mm512_set1_ps(dn[1]), _mm512_mul_ps(w1, _mm512_loadu_ps(xb + 16)), acc[n][r]);
+        } else {
+          const __m512 p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xb)));
+          acc[n][r] = _mm512_fmadd_ps(scale0, p, acc[n][r]);
+        }
       }
     }
   }
-  if constexpr (QT == kQ4_1) {
+  if constexpr (has_m(QT)) {
     for (int64_t b = 0; b < nb; b += 16) {
       const __mmask16 keep = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1u);
       for (int n = 0; n < NR; ++n) {
@@ -118,53 +193,134 @@ void rows_avx512(const uint8_t* __restrict__ qs, const float* __restrict__ d, co
     for (int r = 0; r < R; ++r) y[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
-// Output rows [begin, end) for R x rows, NR output rows at a time: enough independent
-// accumulators (NR x R) to keep both FMA ports busy behind each one's latency, few enough to
-// stay in the 32 registers with the widened weights (2 NR). One output row at a time left 3-8
-// x rows latency-bound: 3 rows cost 1.8x 2 rows; now each row past the first adds ~0.2 of a
-// one-row pass. The grouping never changes a sum: each output's order of operations is the
-// same for any NR and R, so a row's result does not depend on the rows beside it.
+// NR x R accumulators keep both FMA ports busy behind each one's latency and stay in the 32
+// registers with the widened weights (2 NR). The grouping never changes a sum: each output's
+// order of operations is the same for any NR and R, so a row's result does not depend on the
+// rows beside it.
 template <int64_t QT, int R>
-void span_avx512(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t K,
-                 int64_t begin, int64_t end, float* y /* [rows, R] from begin */) {
+void span_rows(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t K,
+               int64_t begin, int64_t end, float* y /* [rows, R] from begin */) {
   constexpr int NR = R <= 4 ? 4 : (R <= 6 ? 3 : 2);
-  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
+  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT), ds = nb * scales_per_block(QT);
   int64_t n = begin;
   for (; n + NR <= end; n += NR)
-    rows_avx512<QT, R, NR>(qs + n * row_bytes, d + n * nb, m + n * nb, x, xsum, K, y + (n - begin) * R);
+    rows_avx512<QT, R, NR>(qs + n * row_bytes, d + n * ds, m + n * nb, x, xsum, K, y + (n - begin) * R);
   for (; n < end; ++n)
-    rows_avx512<QT, R, 1>(qs + n * row_bytes, d + n * nb, m + n * nb, x, xsum, K, y + (n - begin) * R);
+    rows_avx512<QT, R, 1>(qs + n * row_bytes, d + n * ds, m + n * nb, x, xsum, K, y + (n - begin) * R);
+}
+#elif defined(RADIXMESH_AVX2)
+// ---- AVX2 path: eight lanes, the group's four quarters widened one at a time ------------
+// A widened quarter is scaled once (its group's or half's scale) and then multiply-added
+// into each x row's accumulator: NR x R accumulators plus one weight vector fit the 16
+// registers. As on AVX-512, each output's order of operations is independent of NR and R.
+template <int64_t QT, int k>
+inline __m256 widen_quarter(const uint8_t* q) {  // values 8k .. 8k + 7, less the offset, as float
+  __m256i v;
+  if constexpr (QT == kQ8_0) {
+    v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k)));
+  } else {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * (k & 1))));
+    v = k < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    if constexpr (bits(QT) == 5) {
+      const __m256i h = _mm256_set1_epi32(static_cast<int>(load_u32(q + 16)));
+      const __m256i bit = _mm256_srlv_epi32(h, _mm256_add_epi32(iota, _mm256_set1_epi32(8 * k)));
+      v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(bit, _mm256_set1_epi32(1)), 4));
+    } else if constexpr (bits(QT) == 6) {
+      const __m256i h = _mm256_set1_epi32(static_cast<int>(load_u32(q + (k < 2 ? 16 : 20))));
+      const __m256i idx = _mm256_add_epi32(iota, _mm256_set1_epi32(8 * (k & 1)));
+      const __m256i two = _mm256_srlv_epi32(h, _mm256_add_epi32(idx, idx));
+      v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(two, _mm256_set1_epi32(3)), 4));
+    }
+    if constexpr (offset(QT) != 0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(offset(QT)));
+  }
+  return _mm256_cvtepi32_ps(v);
 }
 
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int64_t QT, int R, int NR, int k>
+inline void quarter_avx2(const uint8_t* q, int64_t row_bytes, const float* d, int64_t ds, const float* x, int64_t K,
+                         __m256 (&acc)[NR][R]) {
+  constexpr int64_t S = scales_per_block(QT);
+  for (int n = 0; n < NR; ++n) {
+    const __m256 w = _mm256_mul_ps(widen_quarter<QT, k>(q + n * row_bytes),
+                                   _mm256_broadcast_ss(d + n * ds + (S == 2 ? k / 2 : 0)));
+    for (int r = 0; r < R; ++r) acc[n][r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * K + 8 * k), acc[n][r]);
+  }
+}
+
+template <int64_t QT, int R, int NR>
+void rows_avx2(const uint8_t* __restrict__ qs, const float* __restrict__ d, const float* __restrict__ m,
+               const float* __restrict__ x, const float* __restrict__ xsum, int64_t K, float* __restrict__ y) {
+  constexpr int64_t S = scales_per_block(QT);
+  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT), ds = nb * S;
+  __m256 acc[NR][R];
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < R; ++r) acc[n][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = qs + b * qs_bytes(QT);
+    const float* db = d + b * S;
+    const float* xb = x + b * kBlock;
+    quarter_avx2<QT, R, NR, 0>(q, row_bytes, db, ds, xb, K, acc);
+    quarter_avx2<QT, R, NR, 1>(q, row_bytes, db, ds, xb, K, acc);
+    quarter_avx2<QT, R, NR, 2>(q, row_bytes, db, ds, xb, K, acc);
+    quarter_avx2<QT, R, NR, 3>(q, row_bytes, db, ds, xb, K, acc);
+  }
+  for (int n = 0; n < NR; ++n) {
+    for (int r = 0; r < R; ++r) y[n * R + r] = hsum256(acc[n][r]);
+    if constexpr (has_m(QT)) add_m_terms(m + n * nb, xsum, R, nb, y + n * R);
+  }
+}
+
+template <int64_t QT, int R>
+void span_rows(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t K,
+               int64_t begin, int64_t end, float* y /* [rows, R] from begin */) {
+  constexpr int NR = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
+  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT), ds = nb * scales_per_block(QT);
+  int64_t n = begin;
+  for (; n + NR <= end; n += NR)
+    rows_avx2<QT, R, NR>(qs + n * row_bytes, d + n * ds, m + n * nb, x, xsum, K, y + (n - begin) * R);
+  for (; n < end; ++n)
+    rows_avx2<QT, R, 1>(qs + n * row_bytes, d + n * ds, m + n * nb, x, xsum, K, y + (n - begin) * R);
+}
+#endif
+
+#if defined(RADIXMESH_AVX512) || defined(RADIXMESH_AVX2)
 // Output rows [begin, end) for R (<= kMaxRows) x rows, m terms included: y [rows, R].
 template <int64_t QT>
 void span(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t R, int64_t K,
           int64_t begin, int64_t end, float* y) {
-  if (QT == kQ8_0) m = d;  // unread: keeps the row offsets defined
+  if (!has_m(QT)) m = d;  // unread: keeps the row offsets defined
   switch (R) {
-    case 1: return span_avx512<QT, 1>(qs, d, m, x, xsum, K, begin, end, y);
-    case 2: return span_avx512<QT, 2>(qs, d, m, x, xsum, K, begin, end, y);
-    case 3: return span_avx512<QT, 3>(qs, d, m, x, xsum, K, begin, end, y);
-    case 4: return span_avx512<QT, 4>(qs, d, m, x, xsum, K, begin, end, y);
-    case 5: return span_avx512<QT, 5>(qs, d, m, x, xsum, K, begin, end, y);
-    case 6: return span_avx512<QT, 6>(qs, d, m, x, xsum, K, begin, end, y);
-    case 7: return span_avx512<QT, 7>(qs, d, m, x, xsum, K, begin, end, y);
-    default: return span_avx512<QT, 8>(qs, d, m, x, xsum, K, begin, end, y);
+    case 1: return span_rows<QT, 1>(qs, d, m, x, xsum, K, begin, end, y);
+    case 2: return span_rows<QT, 2>(qs, d, m, x, xsum, K, begin, end, y);
+    case 3: return span_rows<QT, 3>(qs, d, m, x, xsum, K, begin, end, y);
+    case 4: return span_rows<QT, 4>(qs, d, m, x, xsum, K, begin, end, y);
+    case 5: return span_rows<QT, 5>(qs, d, m, x, xsum, K, begin, end, y);
+    case 6: return span_rows<QT, 6>(qs, d, m, x, xsum, K, begin, end, y);
+    case 7: return span_rows<QT, 7>(qs, d, m, x, xsum, K, begin, end, y);
+    default: return span_rows<QT, 8>(qs, d, m, x, xsum, K, begin, end, y);
   }
 }
 #else
 template <int64_t QT>
 void span(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t R, int64_t K,
           int64_t begin, int64_t end, float* y) {
-  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT);
+  const int64_t nb = K / kBlock, row_bytes = nb * qs_bytes(QT), ds = nb * scales_per_block(QT);
   for (int64_t n = begin; n < end; ++n) {
-    row_portable<QT>(qs + n * row_bytes, d + n * nb, x, R, K, y + (n - begin) * R);
-    if (QT == kQ4_1) add_m_terms(m + n * nb, xsum, R, nb, y + (n - begin) * R);
+    row_portable<QT>(qs + n * row_bytes, d + n * ds, x, R, K, y + (n - begin) * R);
+    if (has_m(QT)) add_m_terms(m + n * nb, xsum, R, nb, y + (n - begin) * R);
   }
 }
 #endif
 
-// The Q4_1 m terms' block sums of x [T, K]: xsum [T, K/32].
+// The m terms' group sums of x [T, K]: xsum [T, K/32].
 inline void block_sums(const float* x, int64_t T, int64_t K, float* xsum) {
   const int64_t nb = K / kBlock;
   for (int64_t t = 0; t < T; ++t)
@@ -176,7 +332,7 @@ inline void block_sums(const float* x, int64_t T, int64_t K, float* xsum) {
 }
 
 // Output rows [begin, end) of x [T, K] @ W^T into out [end - begin, T] (by output row);
-// xsum: block_sums(x) for Q4_1, unused for Q8_0.
+// xsum: block_sums(x) for the formats with a min, unused otherwise.
 template <int64_t QT>
 void compute_rows(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t T,
                   int64_t K, int64_t begin, int64_t end, float* out) {
@@ -186,7 +342,7 @@ void compute_rows(const uint8_t* qs, const float* d, const float* m, const float
   for (int64_t t0 = 0; t0 < T; t0 += kMaxRows) {
     const int64_t R = std::min(kMaxRows, T - t0);
     float* o = T == R ? out : part.data();  // [rows, R]
-    span<QT>(qs, d, m, x + t0 * K, QT == kQ4_1 ? xsum + t0 * nb : nullptr, R, K, begin, end, o);
+    span<QT>(qs, d, m, x + t0 * K, has_m(QT) ? xsum + t0 * nb : nullptr, R, K, begin, end, o);
     if (o != out)
       for (int64_t n = 0; n < rows; ++n)
         for (int64_t r = 0; r < R; ++r) out[n * T + t0 + r] = o[n * R + r];
@@ -195,8 +351,7 @@ void compute_rows(const uint8_t* qs, const float* d, const float* m, const float
 
 inline void compute_rows(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const float* x,
                          const float* xsum, int64_t T, int64_t K, int64_t begin, int64_t end, float* out) {
-  if (qtype == kQ8_0) compute_rows<kQ8_0>(qs, d, m, x, xsum, T, K, begin, end, out);
-  else compute_rows<kQ4_1>(qs, d, m, x, xsum, T, K, begin, end, out);
+  dispatch(qtype, [&](auto qt) { compute_rows<decltype(qt)::value>(qs, d, m, x, xsum, T, K, begin, end, out); });
 }
 
 // out [rows, T] of output rows [begin, end) -> y [T, N].
@@ -216,7 +371,7 @@ template <int64_t QT>
 void run(const uint8_t* qs, const float* d, const float* m, const float* x, int64_t T, int64_t K, int64_t N,
          float* y /* [T, N] */) {
   std::vector<float> xsum;
-  if (QT == kQ4_1) {
+  if (has_m(QT)) {
     xsum.resize(T * (K / kBlock));
     block_sums(x, T, K, xsum.data());
   }
@@ -247,11 +402,87 @@ struct MatmulTask {
   }
 };
 
-// y [T, N] float32 = x [T, K] float32 @ W^T for a split GGUF weight (see the file comment).
+// y [T, N] float32 = x [T, K] float32 @ W^T for a split weight (see the file comment), fused.
 inline void quant_matmul(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const float* x,
                          int64_t T, int64_t K, int64_t N, float* y) {
-  if (qtype == kQ8_0) run<kQ8_0>(qs, d, nullptr, x, T, K, N, y);
-  else run<kQ4_1>(qs, d, m, x, T, K, N, y);
+  dispatch(qtype, [&](auto qt) { run<decltype(qt)::value>(qs, d, has_m(qt) ? m : nullptr, x, T, K, N, y); });
+}
+
+// ---- many rows: dequantized tiles times a GEMM ----------------------------------------
+// A pass of fused dot products per 8 rows of x re-reads the weights T/8 times; past a few
+// passes a GEMM on dequantized weights wins. Each thread dequantizes a tile of output rows
+// into its own small buffer (bfloat16 when x is bfloat16 and the CPU has bf16 matmul, else
+// float32) and multiplies x by it: the weight is never resident dequantized.
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+constexpr bool kBf16Tiles = true;
+#else
+constexpr bool kBf16Tiles = false;
+#endif
+
+// One output row's weights w [K] = d * v (+ m) in float32 (the dequantize formula).
+template <int64_t QT>
+inline void dequant_row(const uint8_t* __restrict__ qs, const float* __restrict__ d, const float* __restrict__ m,
+                        int64_t K, float* __restrict__ w) {
+  constexpr int64_t S = scales_per_block(QT), G = kBlock / S;
+  int32_t v[kBlock];
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    decode<QT>(qs + b * qs_bytes(QT), v);
+    float* wb = w + b * kBlock;
+    if constexpr (has_m(QT)) {
+      const float db = d[b], mb = m[b];
+#pragma omp simd
+      for (int i = 0; i < kBlock; ++i) wb[i] = db * static_cast<float>(v[i]) + mb;
+    } else {
+#pragma omp simd
+      for (int i = 0; i < kBlock; ++i) wb[i] = d[b * S + i / G] * static_cast<float>(v[i]);
+    }
+  }
+}
+
+// Output rows per tile: about 128 KB of dequantized weights, whole 16-row groups.
+inline int64_t tile_rows(int64_t K, int64_t N) {
+  const int64_t want = std::clamp<int64_t>((int64_t{1} << 17) / (K * 2) / 16 * 16, 16, 256);
+  const int64_t per_thread = (N + at::get_num_threads() - 1) / std::max(1, at::get_num_threads());
+  return std::max<int64_t>(16, std::min(want, (per_thread + 15) / 16 * 16));
+}
+
+template <int64_t QT>
+void tiled(const uint8_t* qs, const float* d, const float* m, const at::Tensor& x /* [T, K], tile dtype */,
+           int64_t N, float* y /* [T, N] */) {
+  const int64_t T = x.size(0), K = x.size(1), nb = K / kBlock;
+  const int64_t row_bytes = nb * qs_bytes(QT), ds = nb * scales_per_block(QT);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  radixmesh::parallel_chunks(N, tile_rows(K, N), [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> wf;
+    thread_local std::vector<c10::BFloat16> wb;
+    const int64_t rows = end - begin;
+    wf.resize(rows * K);
+    for (int64_t n = begin; n < end; ++n)
+      dequant_row<QT>(qs + n * row_bytes, d + n * ds, has_m(QT) ? m + n * nb : nullptr, K, &wf[(n - begin) * K]);
+    at::Tensor tile;
+    if (bf16) {
+      wb.resize(rows * K);
+      for (int64_t i = 0; i < rows * K; ++i) wb[i] = radixmesh::from_float<c10::BFloat16>(wf[i]);
+      tile = at::from_blob(wb.data(), {rows, K}, at::TensorOptions().dtype(at::kBFloat16));
+    } else {
+      tile = at::from_blob(wf.data(), {rows, K}, at::TensorOptions().dtype(at::kFloat));
+    }
+    const at::Tensor out = at::mm(x, tile.t()).to(at::kFloat);  // [T, rows]: one thread (in a parallel region)
+    const float* o = out.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) std::memcpy(y + t * N + begin, o + t * rows, rows * sizeof(float));
+  });
+}
+
+// x in the tiles' dtype: bfloat16 stays when the CPU multiplies it fast, everything else float32.
+inline at::Tensor tile_input(const at::Tensor& x) {
+  if (kBf16Tiles && x.scalar_type() == at::kBFloat16) return x.contiguous();
+  return x.to(at::kFloat).contiguous();
+}
+
+// y [T, N] float32 = x [T, K] @ W^T through dequantized tiles (x: tile_input's result).
+inline void tiled_matmul(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const at::Tensor& x,
+                         int64_t N, float* y) {
+  dispatch(qtype, [&](auto qt) { tiled<decltype(qt)::value>(qs, d, m, x, N, y); });
 }
 
 }  // namespace radixmesh::qgemv
