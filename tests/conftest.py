@@ -61,11 +61,11 @@ def _fast_tests_load_no_model(request: pytest.FixtureRequest, monkeypatch: pytes
 
     load = gguf_loader.load_gguf
 
-    def guarded(path: str):
+    def guarded(path: str, *args, **kwargs):
         if os.path.realpath(path) == _default_model_file():
             pytest.fail(f"{request.node.nodeid} loads the default model but is not marked slow: take the "
                         "`checkpoint` fixture, or mark it (or its module) `pytest.mark.slow`", pytrace=False)
-        return load(path)
+        return load(path, *args, **kwargs)
 
     monkeypatch.setattr(gguf_loader, "load_gguf", guarded)
 

@@ -25,7 +25,7 @@ def run_perplexity(cfg: PerplexityConfig, checkpoint=None, tokenizer=None) -> Pe
     from services.worker.model_runner import ModelRunner
     path = resolve_model_path(cfg.worker.model)
     tokens = corpus_tokens(path, cfg.corpus, cfg.max_tokens, tokenizer)
-    runner = ModelRunner(cfg.worker, checkpoint or load_checkpoint(path))
+    runner = ModelRunner(cfg.worker, checkpoint or load_checkpoint(path, cfg.worker.quantization))
     return perplexity(runner, tokens, cfg.window, cfg.stride, cfg.chunk)
 
 
