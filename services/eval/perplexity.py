@@ -5,8 +5,9 @@ a ModelRunner, prefilled chunk by chunk as the scheduler would chunk it, so a ch
 K/V earlier chunks wrote to the paged pool (in the pool's dtype: an FP8 KV cache is read back
 quantized) and its linears run on the worker's weights in whatever format they are. Every window
 scores the tokens the previous one did not (the first scores all but its first token), so each
-token after the corpus's first is scored exactly once, with up to window - stride tokens of context
-before the scored span (transformers' documented strided perplexity).
+token after the corpus's first is scored once, with up to window - stride tokens of context before the
+scored span (transformers' documented strided perplexity; with stride = window each window's first
+token has no context and is not scored).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class PerplexityResult:
 
 def windows(n: int, window: int, stride: int) -> list[Window]:
     """Sliding windows over n tokens: `window` tokens each, starting every `stride`; together they
-    score tokens 1..n-1 once each."""
+    score tokens 1..n-1 once each (but a window's first when stride = window)."""
     if not 1 <= stride <= window:
         raise ValueError(f"--stride must be in [1, --window={window}], got {stride}")
     if n < 2:
