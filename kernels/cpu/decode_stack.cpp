@@ -10,7 +10,8 @@
 // (tests/unit/test_decode_stack.py).
 //
 // DecodeStack(num_heads, num_kv_heads, head_dim, eps, scale, cos [P, D], sin [P, D])
-//   add_linear(qs, d, m?, qtype, bias?) -> id      a split GGUF weight (kernels/quant_gemv.py)
+//   add_linear(qs, d, m?, qtype, bias?) -> id      a split quantized weight (QuantWeight.code:
+//                                                   any format of kernels/quant_gemv.py)
 //   add_layer(input_norm [Hd], qkv, o, post_norm [Hd], gate_up, down)   ids from add_linear
 //   set_head(embed [V, Hd], final_norm [Hd], lm_head)
 //   forward(input_ids [B], positions [B], page_table [N, P], rows [B], page_size,
@@ -70,14 +71,18 @@ class DecodeStack {
   int64_t add_linear(torch::Tensor qs, torch::Tensor d, std::optional<torch::Tensor> m, int64_t qtype,
                      std::optional<torch::Tensor> bias) {
     using namespace radixmesh::qgemv;
-    TORCH_CHECK(qtype == kQ8_0 || qtype == kQ4_1, "qtype must be 0 (Q8_0) or 1 (Q4_1)");
-    TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.is_contiguous(), "d must be float32 [N, K/32]");
-    const int64_t N = d.size(0), K = d.size(1) * kBlock;
-    TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(0) == N &&
-                    qs.size(1) == d.size(1) * qs_bytes(qtype),
+    TORCH_CHECK(valid_qtype(qtype), "qtype must be 0..5 (Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q6_K), got ", qtype);
+    TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) % qs_bytes(qtype) == 0,
                 "qs must be contiguous uint8 [N, K/32 * ", qs_bytes(qtype), "]");
-    TORCH_CHECK(m.has_value() == (qtype == kQ4_1), "Q4_1 needs m; Q8_0 has none");
-    if (m) TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == at::kFloat && m->is_contiguous(), "m like d");
+    const int64_t N = qs.size(0), nb = qs.size(1) / qs_bytes(qtype), K = nb * kBlock;
+    TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.is_contiguous() && d.size(0) == N &&
+                    d.size(1) == nb * scales_per_block(qtype),
+                "d must be float32 [N, ", nb * scales_per_block(qtype), "] for K = ", K);
+    TORCH_CHECK(m.has_value() == has_m(qtype), "Q4_1/Q5_1 (Q4_K/Q5_K) need m; the other formats have none");
+    if (m)
+      TORCH_CHECK(m->dim() == 2 && m->size(0) == N && m->size(1) == nb && m->scalar_type() == at::kFloat &&
+                      m->is_contiguous(),
+                  "m must be float32 [N, K/32]");
     torch::Tensor b;
     if (bias) {
       check_vector(*bias, N, "bias");
@@ -258,19 +263,22 @@ class DecodeStack {
     for (int64_t i = 0; i < B * w.N; ++i) y[i] = from_float<S>(yf[i]);
   }
 
+  // Fused dot products at every row count (passes of kMaxRows rows), never quant_linear's tile
+  // path: a row's result must not depend on the rows beside it (a verify item's logits equal
+  // one-token steps', test_decode_stack.py).
   template <typename S>
   float* linear_float(const QuantLinear& w, const S* x, int64_t B, float* out = nullptr) {
     using namespace radixmesh::qgemv;
-    float* xf = persistent(xf_, B * w.K);  // the matmul's helpers read it
-    for (int64_t i = 0; i < B * w.K; ++i) xf[i] = to_float(x[i]);
     if (out == nullptr) {
       yf_.resize(B * w.N);
       out = yf_.data();
     }
     const float* m = w.m.defined() ? w.m.data_ptr<float>() : nullptr;
+    float* xf = persistent(xf_, B * w.K);  // the matmul's helpers read it
+    for (int64_t i = 0; i < B * w.K; ++i) xf[i] = to_float(x[i]);
     if (team_) {
       float* xsum = nullptr;
-      if (w.qtype == kQ4_1) {
+      if (has_m(w.qtype)) {
         xsum = persistent(xsum_, B * (w.K / kBlock));
         block_sums(xf, B, w.K, xsum);
       }
@@ -279,12 +287,15 @@ class DecodeStack {
     } else {
       quant_matmul(w.qtype, w.qs.data_ptr<uint8_t>(), w.d.data_ptr<float>(), m, xf, B, w.K, w.N, out);
     }
-    if (w.bias.defined()) {
-      const float* bias = w.bias.data_ptr<float>();
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t n = 0; n < w.N; ++n) out[b * w.N + n] += bias[n];
-    }
+    add_bias(w, B, out);
     return out;
+  }
+
+  static void add_bias(const QuantLinear& w, int64_t B, float* out) {
+    if (!w.bias.defined()) return;
+    const float* bias = w.bias.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t n = 0; n < w.N; ++n) out[b * w.N + n] += bias[n];
   }
 
   template <typename S>

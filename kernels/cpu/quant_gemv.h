@@ -272,10 +272,18 @@ void rows_avx2(const uint8_t* __restrict__ qs, const float* __restrict__ d, cons
     quarter_avx2<QT, R, NR, 2>(q, row_bytes, db, ds, xb, K, acc);
     quarter_avx2<QT, R, NR, 3>(q, row_bytes, db, ds, xb, K, acc);
   }
-  for (int n = 0; n < NR; ++n) {
-    for (int r = 0; r < R; ++r) y[n * R + r] = hsum256(acc[n][r]);
-    if constexpr (has_m(QT)) add_m_terms(m + n * nb, xsum, R, nb, y + n * R);
+  if constexpr (has_m(QT)) {  // in the accumulators, as on AVX-512: one order for every R
+    for (int64_t b = 0; b < nb; b += 8) {
+      const int left = static_cast<int>(std::min<int64_t>(8, nb - b));
+      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int n = 0; n < NR; ++n) {
+        const __m256 mv = _mm256_maskload_ps(m + n * nb + b, keep);
+        for (int r = 0; r < R; ++r) acc[n][r] = _mm256_fmadd_ps(mv, _mm256_maskload_ps(xsum + r * nb + b, keep), acc[n][r]);
+      }
+    }
   }
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < R; ++r) y[n * R + r] = hsum256(acc[n][r]);
 }
 
 template <int64_t QT, int R>

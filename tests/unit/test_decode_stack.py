@@ -3,6 +3,7 @@ replaces, on the real SmolLM2 file: bit-identical logits and KV, used exactly fo
 pure-decode steps, and clear errors for bad indices."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -195,3 +196,95 @@ def test_a_verify_item_gives_the_logits_of_decoding_its_tokens_one_by_one(runner
     positions = range(len(PROMPTS["a"]), len(PROMPTS["a"]) + 6)  # a's pages 0-2: slots are positions
     assert torch.equal(runner.pool.k[:, list(positions)], k_one[:, list(positions)])
     assert torch.equal(runner.pool.v[:, list(positions)], v_one[:, list(positions)])
+
+
+def _kquant_blocks(w: torch.Tensor, qtype: str) -> np.ndarray:
+    """A minimal k-quant quantizer for the tests (gguf cannot quantize k-quants): w float32
+    [N, K], K a multiple of 256 → the GGUF rows of Q4_K, Q5_K or Q6_K, round to nearest."""
+    N = w.shape[0]
+    sb = w.float().numpy().reshape(-1, 256)
+    n = sb.shape[0]
+
+    def over(a, b):  # a / b, 0 where b is 0
+        return np.where(b > 0, a / np.where(b > 0, b, 1), 0)
+
+    if qtype == "Q6_K":
+        g = sb.reshape(n, 16, 16)
+        d = (np.abs(g).max(-1).max(-1, keepdims=True) / 31 / 127).astype(np.float16)
+        sc = np.round(over(np.abs(g).max(-1) / 31, d.astype(np.float32))).clip(-128, 127).astype(np.int8)
+        eff = (d.astype(np.float32) * sc.astype(np.float32))[..., None]
+        v = (np.round(over(g, eff)).clip(-32, 31) + 32).astype(np.uint8).reshape(n, 8, 32)
+        ql, qh = np.zeros((n, 2, 64), np.uint8), np.zeros((n, 2, 32), np.uint8)
+        for gi in range(8):  # 32-value group gi: half gi // 4, slot s = gi % 4
+            h, s = divmod(gi, 4)
+            ql[:, h, (s % 2) * 32:(s % 2) * 32 + 32] |= (v[:, gi] & 15) << (4 * (s // 2))
+            qh[:, h] |= (v[:, gi] >> 4) << (2 * s)
+        return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8)],
+                              axis=1).reshape(N, -1)
+    top = 15 if qtype == "Q4_K" else 31
+    g = sb.reshape(n, 8, 32)
+    lo = np.minimum(g.min(-1), 0)
+    scale, mn = (g.max(-1) - lo) / top, -lo
+    d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (mn.max(-1, keepdims=True) / 63).astype(np.float16)
+    sc = np.round(over(scale, d.astype(np.float32))).clip(0, 63).astype(np.uint8)
+    m = np.round(over(mn, dmin.astype(np.float32))).clip(0, 63).astype(np.uint8)
+    eff = (d.astype(np.float32) * sc)[..., None]
+    q = np.round(over(g + (dmin.astype(np.float32) * m)[..., None], eff)).clip(0, top).astype(np.uint8)
+    scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(n, 128)  # chunk c: groups 2c (low), 2c + 1 (high)
+    parts = [d.view(np.uint8), dmin.view(np.uint8), scales]
+    if qtype == "Q5_K":
+        parts.append(np.bitwise_or.reduce(((q >> 4) & 1) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1))
+    return np.concatenate([*parts, qs], axis=1).reshape(N, -1)
+
+
+def _requantize(runner: ModelRunner, dense: ModelRunner) -> None:
+    """Every layer's linears on formats other than the file's, from `dense`'s float32 weights:
+    qkv Q5_0, o Q5_1, gate_up Q4_0, down (K = 1536) Q4_K, Q5_K or Q6_K by layer; the LM head stays Q8_0."""
+    import gguf
+
+    from kernels.quant_gemv import QuantWeight
+
+    def simple(w: torch.Tensor, qtype: str) -> QuantWeight:
+        blocks = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType[qtype])
+        return QuantWeight.from_blocks(torch.from_numpy(blocks), qtype)
+
+    kquants = ("Q4_K", "Q5_K", "Q6_K")
+    for i, (layer, src) in enumerate(zip(runner.model.layers, dense.model.layers)):
+        for lin, w in ((layer.self_attn.qkv_proj, simple(src.self_attn.qkv_proj.weight.detach(), "Q5_0")),
+                       (layer.self_attn.o_proj, simple(src.self_attn.o_proj.weight.detach(), "Q5_1")),
+                       (layer.mlp.gate_up_proj, simple(src.mlp.gate_up_proj.weight.detach(), "Q4_0")),
+                       (layer.mlp.down_proj, QuantWeight.from_blocks(torch.from_numpy(_kquant_blocks(
+                           src.mlp.down_proj.weight.detach(), kquants[i % 3])), kquants[i % 3]))):
+            lin.set_quant(w, lin.quant_max_rows, lin._quant_kernel)
+
+
+def test_kquant_test_quantizer_is_close_to_its_source():
+    import gguf
+    w = torch.randn(6, 512) * 0.05
+    for qtype, tol in (("Q4_K", 0.25), ("Q5_K", 0.12), ("Q6_K", 0.06)):
+        blocks = _kquant_blocks(w, qtype)
+        back = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]))
+        assert float((back - w).norm() / w.norm()) < tol, qtype
+
+
+def test_stack_on_every_format_is_bit_identical_to_op_by_op(checkpoint):
+    """Q5_0 / Q5_1 / Q4_0 / Q4_K / Q5_K / Q6_K linears (quantized from the file's weights), batch 1
+    and 2: the stack's logits and KV equal the op-by-op path's on the same blocks, bit for bit.
+    (float32: the matmuls' math is float32 in every dtype; bf16 rounding is the Q4_1 tests' part.)"""
+    from kernels import decode_stack
+    config = dict(dtype="float32", kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2)
+    stacked = ModelRunner(WorkerConfig(**config, decode_stack=True), checkpoint)
+    plain = ModelRunner(WorkerConfig(**config, decode_stack=False), checkpoint)
+    for r in (stacked, plain):
+        _requantize(r, plain)
+    assert stacked.model.use_decode_stack(decode_stack.load())
+    for rids in (["a"], ["a", "b"]):
+        for r in (stacked, plain):
+            r.reset()
+        got, want = _decode(stacked, rids, 5), _decode(plain, rids, 5)
+        assert all(torch.isfinite(w).all() and torch.equal(g, w) for g, w in zip(got, want))
+        assert torch.equal(stacked.pool.k, plain.pool.k) and torch.equal(stacked.pool.v, plain.pool.v)
+        assert stacked.requests[rids[-1]].output_ids == plain.requests[rids[-1]].output_ids
