@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_build import load_cpu_extension
+from kernels.kv_fp8 import dequantize_kv
 
 
 def load():
@@ -21,8 +22,9 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
                            kv_lens: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
                            v_new: torch.Tensor | None = None,
                            new_slots: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D]; k, v [S, Hkv, D]; slots [B, L] int64; kv_lens [B] → [B, H, D] in q's dtype.
-    With k_new, v_new [B, Hkv, D] and new_slots [B], those rows are written to the pool first."""
+    """q [B, H, D]; k, v [S, Hkv, D] (the model's dtype, or FP8: kernels/kv_fp8.py's scale applies);
+    slots [B, L] int64; kv_lens [B] → [B, H, D] in q's dtype. With k_new, v_new [B, Hkv, D] in the
+    pool's dtype (FP8: already quantized) and new_slots [B], those rows are written to the pool first."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU paged decode kernel is not built")
@@ -31,10 +33,10 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The same contract in plain torch (float32 math): gather, mask, SDPA."""
+    """The same contract in plain torch (float32 math): gather, widen (FP8: times its scale), mask, SDPA."""
     B, L = slots.shape
-    kg = k[slots].float().transpose(1, 2)  # [B, Hkv, L, D]
-    vg = v[slots].float().transpose(1, 2)
+    kg = dequantize_kv(k[slots], torch.float32).transpose(1, 2)  # [B, Hkv, L, D]
+    vg = dequantize_kv(v[slots], torch.float32).transpose(1, 2)
     mask = (torch.arange(L)[None, :] < kv_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(q.float().unsqueeze(2), kg, vg, attn_mask=mask, scale=scale,
                                          enable_gqa=True)

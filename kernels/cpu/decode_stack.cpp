@@ -18,8 +18,9 @@
 //           k_pool, v_pool [L, S, Hkv, D], logits_rows [R]) -> logits [R, V] float32
 // One query token per request at positions[b]: request b's pages are page_table[rows[b]];
 // each layer writes the token's K/V at its slot, then attends over positions
-// 0..positions[b]. Norm weights, the embedding and the pool share the model's dtype
-// (float32, bfloat16 or float16).
+// 0..positions[b]. Norm weights and the embedding share the model's dtype (float32, bfloat16
+// or float16); the pool has it too, or is FP8 (--kv-cache-dtype: float8_e4m3fn / float8_e5m2),
+// the token's K/V then rounded as torch rounds them (fp8.h) and widened by the attention.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -136,8 +137,10 @@ class DecodeStack {
                     k_pool.size(2) == Hkv_ && k_pool.size(3) == D_ && k_pool.is_contiguous() &&
                     v_pool.is_contiguous(),
                 "k/v pools must be contiguous [layers, S, Hkv, head_dim]");
-    TORCH_CHECK(k_pool.scalar_type() == embed_.scalar_type() && v_pool.scalar_type() == embed_.scalar_type(),
-                "the pool must have the model's dtype");
+    const auto kv_type = k_pool.scalar_type();
+    TORCH_CHECK((kv_type == embed_.scalar_type() || kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2) &&
+                    v_pool.scalar_type() == kv_type,
+                "the pool must have the model's dtype or an FP8 one");
     TORCH_CHECK(page_size >= 1 && k_pool.size(1) % page_size == 0, "the pool must hold whole pages");
     check_indices(input_ids, embed_.size(0), "token id");
     check_indices(positions, std::min(cos_.size(0), page_table.size(1) * page_size), "position");
@@ -170,7 +173,9 @@ class DecodeStack {
     Step step{input_ids.data_ptr<int64_t>(), pos, slots, lens, new_slots.data(), Lk, B,
               logits_rows.data_ptr<int64_t>(), logits_rows.size(0)};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, embed_.scalar_type(), "decode_stack", [&] {
-      run<scalar_t>(step, k_pool, v_pool, logits);
+      if (kv_type == at::kFloat8_e4m3fn) run<scalar_t, radixmesh::fp8_e4m3>(step, k_pool, v_pool, logits);
+      else if (kv_type == at::kFloat8_e5m2) run<scalar_t, radixmesh::fp8_e5m2>(step, k_pool, v_pool, logits);
+      else run<scalar_t, scalar_t>(step, k_pool, v_pool, logits);
     });
     return logits;
   }
@@ -298,17 +303,39 @@ class DecodeStack {
       for (int64_t n = 0; n < w.N; ++n) out[b * w.N + n] += bias[n];
   }
 
-  template <typename S>
-  void attend(const S* q, int64_t q_stride, const S* k, const S* v, const int64_t* slots, const int64_t* lens,
+  // KV: the pool's element type (S, or an FP8 type the portable loops widen).
+  template <typename S, typename KV>
+  void attend(const S* q, int64_t q_stride, const KV* k, const KV* v, const int64_t* slots, const int64_t* lens,
               int64_t B, int64_t Lk, S* out) {
     using namespace radixmesh::attn;
-    if (team_) return team_->run(AttentionTask<S>{q, q_stride, k, v, slots, lens, B, H_, Hkv_, D_, Lk, scale_, out});
+    if (team_)
+      return team_->run(AttentionTask<S, KV>{q, q_stride, k, v, slots, lens, B, H_, Hkv_, D_, Lk, scale_, out});
 #ifdef RADIXMESH_AVX512_BF16
-    if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    if constexpr (std::is_same_v<S, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
       if (bf16_fast_path(D_)) return run_bf16(q, q_stride, k, v, slots, lens, B, H_, Hkv_, D_, Lk, scale_, out);
     }
 #endif
-    run_portable<S, S>(q, q_stride, k, v, slots, lens, B, H_, Hkv_, D_, Lk, scale_, out);
+    run_portable<S, KV>(q, q_stride, k, v, slots, lens, B, H_, Hkv_, D_, Lk, scale_, out);
+  }
+
+  // The step's K/V rows (in qkv [B, W] at columns H*D and (H+Hkv)*D) into the pool at their
+  // new slots: copied, or for an FP8 pool rounded to it (fp8.h's to_kv, torch's rounding).
+  template <typename S, typename KV>
+  void write_kv(const S* qkv, int64_t W, const int64_t* ns, int64_t B, KV* k, KV* v) const {
+    const int64_t kv_row = Hkv_ * D_;
+    for (int64_t b = 0; b < B; ++b) {
+      const S* kr = qkv + b * W + H_ * D_;
+      const S* vr = kr + kv_row;
+      if constexpr (std::is_same_v<S, KV>) {
+        std::memcpy(k + ns[b] * kv_row, kr, kv_row * sizeof(S));
+        std::memcpy(v + ns[b] * kv_row, vr, kv_row * sizeof(S));
+      } else {
+        for (int64_t e = 0; e < kv_row; ++e) {
+          k[ns[b] * kv_row + e] = radixmesh::to_kv<KV>(to_float(kr[e]));
+          v[ns[b] * kv_row + e] = radixmesh::to_kv<KV>(to_float(vr[e]));
+        }
+      }
+    }
   }
 
   struct Step {  // one call's request-level inputs, checked
@@ -318,7 +345,7 @@ class DecodeStack {
     int64_t R;
   };
 
-  template <typename S>
+  template <typename S, typename KV>
   void run(const Step& st, torch::Tensor& k_pool, torch::Tensor& v_pool, torch::Tensor& logits) {
     using namespace radixmesh::ops;
     const int64_t B = st.B, Hd = embed_.size(1), W = (H_ + 2 * Hkv_) * D_;
@@ -342,13 +369,10 @@ class DecodeStack {
       for (int64_t b = 0; b < B; ++b)
         for (int64_t head = 0; head < H_ + Hkv_; ++head)
           rope_head(&qkv[b * W + head * D_], cos + pos[b] * D_, sin + pos[b] * D_, half);
-      S* k = k_pool.data_ptr<S>() + l * S_slots * kv_row;
-      S* v = v_pool.data_ptr<S>() + l * S_slots * kv_row;
-      for (int64_t b = 0; b < B; ++b) {
-        std::memcpy(k + ns[b] * kv_row, &qkv[b * W + H_ * D_], kv_row * sizeof(S));
-        std::memcpy(v + ns[b] * kv_row, &qkv[b * W + (H_ + Hkv_) * D_], kv_row * sizeof(S));
-      }
-      attend<S>(qkv, W, k, v, st.slots, st.lens, B, st.Lk, attn.data());
+      KV* k = static_cast<KV*>(k_pool.data_ptr()) + l * S_slots * kv_row;
+      KV* v = static_cast<KV*>(v_pool.data_ptr()) + l * S_slots * kv_row;
+      write_kv(qkv, W, ns, B, k, v);
+      attend<S, KV>(qkv, W, k, v, st.slots, st.lens, B, st.Lk, attn.data());
       linear(layer.o, attn.data(), B, x.data());
       for (int64_t b = 0; b < B; ++b) {
         add_row(&residual[b * Hd], &x[b * Hd], Hd, false);

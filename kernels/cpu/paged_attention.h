@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "fp8.h"
 #include "parallel.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -85,6 +86,7 @@ void attend_portable(const float* __restrict__ q, const kv_t* __restrict__ k, co
 }
 
 // Item i = (request b, KV head h) of a step: out [group, D] for the query heads sharing h.
+// An FP8 kv_t's scale folds into the score scale (K) and the output (V): exact, powers of two.
 template <typename q_t, typename kv_t>
 void item_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
                    const int64_t* lens, int64_t i, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
@@ -95,12 +97,15 @@ void item_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv
   of.resize(group * D);
   const q_t* qr = qp + b * q_row_stride + h * group * D;
   for (int64_t e = 0; e < group * D; ++e) qf[e] = to_float(qr[e]);
+  constexpr float ks = radixmesh::kv_scale<kv_t>(), vs = radixmesh::kv_scale<kv_t>();
   auto call = [&](auto fn) {
-    fn(qf.data(), kp + h * D, vp + h * D, sp + b * L, lens[b], group, D, Hkv * D, scale, of.data(), scores);
+    fn(qf.data(), kp + h * D, vp + h * D, sp + b * L, lens[b], group, D, Hkv * D, scale * ks, of.data(), scores);
   };
   if (D == 64) call(attend_portable<kv_t, 64>);
   else if (D == 128) call(attend_portable<kv_t, 128>);
   else call(attend_portable<kv_t, 0>);
+  if constexpr (vs != 1.f)
+    for (int64_t e = 0; e < group * D; ++e) of[e] *= vs;
   for (int64_t e = 0; e < group * D; ++e) orow[e] = from_float<q_t>(of[e]);
 }
 
@@ -298,13 +303,13 @@ inline void run_bf16(const bf16* qp, int64_t q_row_stride, const bf16* kp, const
 }
 #endif  // RADIXMESH_AVX512_BF16
 
-// One step's attention as a StepTeam kernel (step_team.h), items as above; q_t = kv_t = S.
-// Everything it points at must outlive the team's late helpers.
-template <typename S>
+// One step's attention as a StepTeam kernel (step_team.h), items as above; q_t = S, kv_t = KV
+// (S, or an FP8 type). Everything it points at must outlive the team's late helpers.
+template <typename S, typename KV = S>
 struct AttentionTask {
   const S* q;
   int64_t q_stride;
-  const S *k, *v;
+  const KV *k, *v;
   const int64_t *slots, *lens;
   int64_t B, H, Hkv, D, L;
   float scale;
@@ -314,11 +319,11 @@ struct AttentionTask {
   int64_t out_bytes() const { return H / Hkv * D * static_cast<int64_t>(sizeof(S)); }
   void compute(int64_t i, void* o) const {
 #ifdef RADIXMESH_AVX512_BF16
-    if constexpr (std::is_same_v<S, bf16>) {
+    if constexpr (std::is_same_v<S, bf16> && std::is_same_v<KV, bf16>) {
       if (bf16_fast_path(D)) return item_bf16(q, q_stride, k, v, slots, lens, i, H, Hkv, D, L, scale, static_cast<S*>(o));
     }
 #endif
-    item_portable<S, S>(q, q_stride, k, v, slots, lens, i, H, Hkv, D, L, scale, static_cast<S*>(o));
+    item_portable<S, KV>(q, q_stride, k, v, slots, lens, i, H, Hkv, D, L, scale, static_cast<S*>(o));
   }
   void publish(int64_t i, const void* o) const {
     std::memcpy(out + (i / Hkv * H + i % Hkv * (H / Hkv)) * D, o, out_bytes());

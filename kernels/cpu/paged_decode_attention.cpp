@@ -5,7 +5,8 @@
 // paged_decode_attention(q, k, v, slots, kv_lens, scale, k_new?, v_new?, new_slots?)
 //   q          [B, H, D]      float32 / bfloat16 / float16; rows may be strided
 //                             (a view of the fused qkv projection), heads contiguous
-//   k, v       [S, Hkv, D]    float32 / bfloat16 / float16 (one layer of the pool)
+//   k, v       [S, Hkv, D]    float32 / bfloat16 / float16 (one layer of the pool), or
+//                             float8_e4m3fn / float8_e5m2 (an FP8 pool: fp8.h's scale applies)
 //   slots      [B, L] int64   KV slot of each position (rows padded past kv_lens)
 //   kv_lens    [B] int64
 //   k_new, v_new [B, Hkv, D]  optional: this step's K/V, written to new_slots [B]
@@ -19,7 +20,8 @@
 //    with one transpose-add tree instead of 16 horizontal sums; P·V keeps the
 //    output heads in registers. A KV row is read once for every query head of
 //    its group.
-//  * everything else: portable loops the compiler vectorizes (float32 math).
+//  * everything else: portable loops the compiler vectorizes (float32 math); FP8 K/V
+//    rows are widened there (fp8.h), once per row for all the heads of its group.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -87,14 +89,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Te
     return out;
   }
 #endif
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "paged_decode_attention", [&] {
-    using kv_t = scalar_t;
+  auto run = [&](auto kv_tag) {
+    using kv_t = decltype(kv_tag);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_q", [&] {
-      run_portable<scalar_t, kv_t>(q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<kv_t>(), v.data_ptr<kv_t>(),
-                                   slots.data_ptr<int64_t>(), lens, B, H, Hkv, D, L, fscale,
-                                   out.data_ptr<scalar_t>());
+      run_portable<scalar_t, kv_t>(q.data_ptr<scalar_t>(), q.stride(0), static_cast<const kv_t*>(k.data_ptr()),
+                                   static_cast<const kv_t*>(v.data_ptr()), slots.data_ptr<int64_t>(), lens, B, H,
+                                   Hkv, D, L, fscale, out.data_ptr<scalar_t>());
     });
-  });
+  };
+  if (k.scalar_type() == at::kFloat8_e4m3fn) {
+    run(radixmesh::fp8_e4m3());
+  } else if (k.scalar_type() == at::kFloat8_e5m2) {
+    run(radixmesh::fp8_e5m2());
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "paged_decode_attention",
+                                    [&] { run(scalar_t()); });
+  }
   return out;
 }
 

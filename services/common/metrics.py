@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,26 @@ class LiveCollector(Collector):
 
     def describe(self):
         return []  # names are only known at scrape time: skip the registry's duplicate check
+
+
+class InfoCollector(Collector):
+    """One info metric (PREFIX + name + "_info" = 1, labelled with the model and `read()`'s
+    {label: value}), read at scrape time; nothing while model_name() is None."""
+
+    def __init__(self, model_name: Callable[[], str | None], name: str, doc: str,
+                 read: Callable[[], dict[str, str]]) -> None:
+        self._model_name, self._name, self._doc, self._read = model_name, name, doc, read
+
+    def collect(self):
+        model = self._model_name()
+        if model is None:
+            return
+        family = InfoMetricFamily(PREFIX + self._name, self._doc)
+        family.add_metric([], {LABELS[0]: model, **self._read()})
+        yield family
+
+    def describe(self):
+        return []
 
 
 async def handle(registry: CollectorRegistry) -> web.Response:

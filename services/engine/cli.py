@@ -34,6 +34,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(EngineConfig, args)
     engine = build_engine(cfg)
+    spec = engine.runner.kv_spec
+    logging.info("KV cache: %d KV pages x %d tokens = %d tokens of %s KV (%d bytes per token)", spec.num_pages,
+                 spec.page_size, spec.capacity_tokens, spec.dtype_name, spec.bytes_per_token)
     if engine.limits.host_pages or engine.kvstore is not None:
         logging.info("hicache: %d host KV pages (%d on the device), kvstore %s", engine.limits.host_pages,
                      engine.limits.num_pages, cfg.hicache.kvstore_addr or "none")

@@ -9,7 +9,9 @@ reads), HOST (a pool of the same layout in host memory, pinned on CUDA), STORE
 CPU-only machine DEVICE and HOST are both host memory; the mechanics are the same.
 
 A store page is [L, 2, P, Hkv, D] (services/kvstore/page_codec); the pools are
-k, v [L, S, Hkv, D] with page p at slots [p*P, (p+1)*P).
+k, v [L, S, Hkv, D] with page p at slots [p*P, (p+1)*P). Every tier holds the device pool's
+storage dtype, so FP8 pages (--kv-cache-dtype) move as their bytes, half a bfloat16 page's
+(the scale is the format's own, kernels/kv_fp8.py: nothing to carry beside a page).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import torch
 
 from services.common.hicache_config import HiCacheConfig
 from services.step.contract import DEVICE, HOST, STORE, KVCopy, KVTransferStat
-from services.worker.kv_pool import KVPool, KVPoolSpec
+from kernels.kv_fp8 import is_fp8
+from services.worker.kv_pool import KVPool, KVPoolSpec, index_copy_rows
 
 
 class HostKVPool:
@@ -77,7 +80,7 @@ class KVTransfer:
         s = page_slots(op.src_pages, self.page_size, src.k.device)
         d = page_slots(op.dst_pages, self.page_size, dst.k.device)
         for a, b in ((src.k, dst.k), (src.v, dst.v)):
-            b.index_copy_(1, d, a.index_select(1, s).to(b.device, non_blocking=True))
+            index_copy_rows(b, 1, d, a.index_select(1, s).to(b.device, non_blocking=True))
         return len(op.src_pages)
 
     def gather(self, tier: str, pages: list[int]) -> torch.Tensor:
@@ -97,7 +100,9 @@ class KVTransfer:
         L = d.shape[0]
         for i, dst in enumerate((pool.k, pool.v)):
             part = d[:, :, i].reshape(L, m * ps, *dst.shape[2:])
-            dst.index_copy_(1, slots, part.to(dst.device, dst.dtype))
+            if part.dtype != dst.dtype and (is_fp8(part.dtype) or is_fp8(dst.dtype)):
+                raise ValueError(f"pages of {part.dtype} cannot enter a {dst.dtype} pool (FP8 bytes are not values)")
+            index_copy_rows(dst, 1, slots, part.to(dst.device, dst.dtype))
 
     def _to_store(self, op: KVCopy) -> int:
         if len(op.keys) != len(op.src_pages):

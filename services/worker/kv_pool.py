@@ -3,6 +3,11 @@
 Slot s belongs to page s // page_size. The scheduler hands out pages; the
 worker turns (page table, position) into slots and reads/writes through index
 tensors, so no Python runs per token.
+
+The pool's storage dtype is the model's, or an FP8 format (--kv-cache-dtype): one byte
+per element, a stored byte meaning fp8_value * kv_scale (one scale per format, the same
+for every layer, K and V: kernels/kv_fp8.py). Writes round through torch's float -> float8
+conversion; the attention kernels widen.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_fp8 import FP8_KV_SCALES, dequantize_kv, quantize_kv  # noqa: F401 (re-exported)
 from services.worker.model.config import ModelConfig
 
 
@@ -20,14 +26,29 @@ class KVPoolSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the storage dtype: the model's, or float8_e4m3fn / float8_e5m2
 
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
     @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_KV_SCALES
+
+    @property
+    def kv_scale(self) -> float:
+        """A stored element's value is its dtype's value times this (1.0 unless FP8)."""
+        return FP8_KV_SCALES.get(self.dtype, 1.0)
+
+    @property
+    def dtype_name(self) -> str:
+        """"bfloat16", "float8_e4m3fn", ...: the name logs, metrics and page identity use."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def bytes_per_token(self) -> int:
+        """Every byte a token's KV takes (FP8: no per-token scales, so one byte an element)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
@@ -35,10 +56,15 @@ class KVPoolSpec:
     def total_bytes(self) -> int:
         return self.num_slots * self.bytes_per_token
 
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_slots
+
     @classmethod
     def from_budget(cls, config: ModelConfig, page_size: int, dtype: torch.dtype,
                     budget_bytes: int | None, mem_fraction: float | None) -> "KVPoolSpec":
-        """Size the pool from a byte budget or, when none, a fraction of available memory."""
+        """Size the pool from a byte budget or, when none, a fraction of available memory;
+        dtype is the storage dtype, so an FP8 pool holds twice a bfloat16 one's tokens."""
         probe = cls(1, page_size, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         if budget_bytes is None:
             if mem_fraction is None or not 0 < mem_fraction < 1:
@@ -62,6 +88,14 @@ def available_memory_bytes() -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+def index_copy_rows(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.index_copy_(dim, index, src) for any pool dtype: torch has no float8 index_copy
+    on CPU, so one-byte tensors copy as their bytes (src must already be dst's dtype)."""
+    if dst.element_size() == 1 and dst.dtype != torch.uint8:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(dim, index, src)
+
+
 class KVPool:
     def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu"):
         self.spec = spec
@@ -70,6 +104,6 @@ class KVPool:
         self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots [T] int64; k, v [T, Hkv, D]."""
-        self.k[layer].index_copy_(0, slots, k.to(self.spec.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.spec.dtype))
+        """slots [T] int64; k, v [T, Hkv, D] in any float dtype (rounded to the pool's)."""
+        index_copy_rows(self.k[layer], 0, slots, quantize_kv(k, self.spec.dtype))
+        index_copy_rows(self.v[layer], 0, slots, quantize_kv(v, self.spec.dtype))

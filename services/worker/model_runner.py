@@ -79,7 +79,7 @@ class ModelRunner:
                                       sliding_window=mc.sliding_window)
         self.attach_backend(checkpoint)
         self.kv_spec = KVPoolSpec.from_budget(
-            mc, config.page_size, config.torch_dtype,
+            mc, config.page_size, config.kv_torch_dtype,  # FP8 (--kv-cache-dtype): the budget holds 2x the tokens
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
         self.pool = KVPool(self.kv_spec, self.device)
         max_pages = -(-mc.max_position_embeddings // config.page_size)
@@ -100,12 +100,14 @@ class ModelRunner:
         self.drafter: Drafter | None = (create_drafter(config.speculative_algorithm, config, self)
                                         if config.speculative_algorithm else None)
         self.max_draft_tokens = config.speculative_num_draft_tokens if self.drafter else 0
-        log.info("worker ready: %s %s, %s, %s, %s%s, %d KV pages x %d tokens (%.2f GiB)", mc.name,
+        log.info("worker ready: %s %s, %s, %s, %s%s, %d KV pages x %d tokens "
+                 "(%d tokens of %s KV, %.2f GiB)", mc.name,
                  config.resolved_dtype, "prepacked linears" if self.prepacked else "plain linears",
                  f"file's quantized weights for steps of <= {config.quant_max_rows} tokens "
                  f"({self.quantized_weights} weights)" if self.quantized_weights else "no quantized weights",
                  type(self.model.ops).__name__, ", one-call decode steps" if self.decode_stack else "", self.kv_spec.num_pages,
-                 self.kv_spec.page_size, self.kv_spec.total_bytes / 2**30)
+                 self.kv_spec.page_size, self.kv_spec.capacity_tokens, self.kv_spec.dtype_name,
+                 self.kv_spec.total_bytes / 2**30)
 
     def attach_backend(self, checkpoint: Checkpoint) -> None:
         """Let the backend tune itself to the model and `checkpoint` (quantized blocks, one-call

@@ -76,7 +76,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         r.register(m.LiveCollector(lambda: self._model if self.info is not None else None, lambda: {
             "kv_pages_total": ("gauge", "KV pages in the pool", self.info.num_kv_pages),
             "kv_page_size": ("gauge", "tokens per KV page", self.info.page_size),
+            "kv_capacity_tokens": ("gauge", "tokens the KV pool holds (pages x page size; its dtype: "
+                                   "worker_kv_cache_info)", self.info.num_kv_pages * self.info.page_size),
             **self._grammar_metrics()}))
+        r.register(m.InfoCollector(lambda: self._model if self.info is not None else None, "worker_kv_cache",
+                                   "the KV pool's storage dtype (--kv-cache-dtype resolved)",
+                                   lambda: {"kv_dtype": self.info.kv_dtype}))
 
     async def start(self) -> None:
         """Load the model on the step thread (health stays NOT_SERVING meanwhile)."""
@@ -301,7 +306,7 @@ def worker_info(runner, eos_token_ids: tuple[int, ...]) -> pb.WorkerInfo:
             max_position_embeddings=mc.max_position_embeddings, tie_word_embeddings=mc.tie_word_embeddings,
             attention_bias=mc.attention_bias, bos_token_id=mc.bos_token_id,
             eos_token_ids=list(eos_token_ids), name=mc.name),
-        num_kv_pages=spec.num_pages, page_size=spec.page_size, dtype=cfg.resolved_dtype, kv_dtype=cfg.resolved_dtype,
+        num_kv_pages=spec.num_pages, page_size=spec.page_size, dtype=cfg.resolved_dtype, kv_dtype=spec.dtype_name,
         tp_size=1, weights_version=str(runner.weights_version), max_requests=cfg.max_requests,
         max_draft_tokens=runner.max_draft_tokens, verify_max_rows=runner.verify_rows,
         max_loras=runner.max_loras, adapters=adapter_infos(runner))

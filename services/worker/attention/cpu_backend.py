@@ -58,7 +58,8 @@ class CpuBackend:
 
     def one_call_step(self, step: DecodeStep, before_compute: Callable[[], None]) -> torch.Tensor | None:
         """Any step the runner offers (it keeps to one_call_rows, or its verify_max_rows when the
-        step verifies a draft); the pool is in the model's dtype: the stack checks it."""
+        step verifies a draft); the pool is in the model's dtype or FP8 (the stack widens it, and
+        rounds the step's K/V to it as KVPool.write does)."""
         if not self.decode_stack:
             return None
 

@@ -4,6 +4,8 @@ Items are split into two groups, each run as one padded SDPA call: decode
 items (one query token) and extend items (prefill chunks). Padding a decode
 item to a prefill chunk's length would waste most of the work of a mixed step.
 There is no loop over requests: gathers through slot matrices do the paging.
+An FP8 pool (--kv-cache-dtype) is gathered as bytes and widened to the query's dtype
+(times its scale, kernels/kv_fp8.py) before SDPA; the native decode kernel widens in place.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from services.worker.attention.backend import Attached, DecodeStep, LayerAttention
 from services.worker.attention.batch_layout import BatchLayout, slots_of
-from services.worker.kv_pool import KVPool
+from services.worker.kv_pool import KVPool, dequantize_kv, quantize_kv
 
 
 @dataclass
@@ -93,9 +95,10 @@ class TorchAttentionBackend:
                 out[group.q_index[group.q_valid]] = o[group.q_valid]
         return out
 
-    def _gather(self, layer: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, layer: int, g: _Group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This group's K and V, [b, Hkv, Lk, D], copied into reused buffers: a fresh
-        multi-MB tensor per layer costs page faults on every step."""
+        multi-MB tensor per layer costs page faults on every step. An FP8 pool's rows come
+        back widened to `dtype` (the query's); any other pool's in its own dtype."""
         b, lk = g.kv_slots.shape
         n = b * lk
         if self._kbuf is None or self._kbuf.shape[0] < n or self._kbuf.dtype != self.pool.k.dtype:
@@ -105,6 +108,8 @@ class TorchAttentionBackend:
         # index_select copies whole [Hkv, D] rows; advanced indexing is ~10x slower here.
         kg = torch.index_select(self.pool.k[layer], 0, flat, out=self._kbuf[:n])
         vg = torch.index_select(self.pool.v[layer], 0, flat, out=self._vbuf[:n])
+        if self.pool.spec.is_fp8:
+            kg, vg = dequantize_kv(kg, dtype), dequantize_kv(vg, dtype)
         return kg.view(b, lk, *kg.shape[1:]).transpose(1, 2), vg.view(b, lk, *vg.shape[1:]).transpose(1, 2)
 
     def _decode(self, layer: int, q: torch.Tensor, g: _Group, spec: LayerAttention, native,
@@ -114,10 +119,11 @@ class TorchAttentionBackend:
         native: the paged kernel, or None. new_kv (k [B, Hkv, D], v, slots [B]): rows it writes first."""
         if native is not None:
             kv_dtype = self.pool.k.dtype
-            extra = () if new_kv is None else (new_kv[0].to(kv_dtype), new_kv[1].to(kv_dtype), new_kv[2])
+            extra = () if new_kv is None else (quantize_kv(new_kv[0], kv_dtype), quantize_kv(new_kv[1], kv_dtype),
+                                               new_kv[2])
             return native.paged_decode_attention(
                 q, self.pool.k[layer], self.pool.v[layer], g.kv_slots, g.kv_lens, spec.scale, *extra)
-        kg, vg = self._gather(layer, g)  # [B, Hkv, Lk, D]
+        kg, vg = self._gather(layer, g, q.dtype)  # [B, Hkv, Lk, D]
         B, hkv = kg.shape[:2]
         qg = q.view(B, hkv, -1, q.shape[-1]).to(kg.dtype)  # [B, Hkv, G, D]
         o = _scores_softmax_v(qg, kg, vg, g.mask(spec.window), spec)  # mask [B, 1, 1, Lk]
@@ -126,7 +132,7 @@ class TorchAttentionBackend:
     def _attend(self, layer: int, q: torch.Tensor, g: _Group, spec: LayerAttention) -> torch.Tensor:
         b, lq = g.q_index.shape
         qg = q.index_select(0, g.q_index.flatten()).view(b, lq, *q.shape[1:]).transpose(1, 2)  # [b, H, Lq, D]
-        kg, vg = self._gather(layer, g)  # [b, Hkv, Lk, D]
+        kg, vg = self._gather(layer, g, q.dtype)  # [b, Hkv, Lk, D]
         mask = g.mask(spec.window)  # [b, 1, Lq, Lk]
         qg = qg.to(kg.dtype)
         if spec.softcap is None:

@@ -1,0 +1,68 @@
+// FP8 KV cache elements (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): widening to float in plain
+// integer arithmetic the compiler vectorizes (AVX2 and AVX-512 alike; no gathers, no denormal
+// intermediates, so flush-to-zero modes cannot change a value), narrowing through c10's own
+// conversion, which is what torch's .to(float8) runs: the C++ and torch write paths store the
+// same bytes. A stored element means fp8 * kv_scale<T>(); the scales equal
+// services/worker/kv_pool.py's FP8_KV_SCALES (powers of two: scaling is exact).
+#pragma once
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace radixmesh {
+
+using fp8_e4m3 = c10::Float8_e4m3fn;
+using fp8_e5m2 = c10::Float8_e5m2;
+
+template <typename T>
+inline constexpr bool is_fp8_v = std::is_same_v<T, fp8_e4m3> || std::is_same_v<T, fp8_e5m2>;
+
+// Stored value * kv_scale<T>() = the value; 1 for every non-FP8 type.
+template <typename T>
+constexpr float kv_scale() {
+  if constexpr (std::is_same_v<T, fp8_e4m3>) return 0.25f;
+  return 1.f;
+}
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// e4m3fn: s eeee mmm, bias 7; exponent 0 = subnormal m * 2^-9; 0x7F/0xFF = NaN (stored only for
+// a NaN: c10's conversion saturates finite values to +-448).
+inline float to_float(fp8_e4m3 x) {
+  const uint32_t b = x.x, mag = b & 0x7Fu, sign = (b & 0x80u) << 24;
+  const float normal = bits_to_float(mag == 0x7Fu ? 0x7FC00000u : (mag << 20) + (120u << 23));
+  const float sub = static_cast<float>(static_cast<int32_t>(mag & 7u)) * 0x1p-9f;
+  const float v = (mag >> 3) == 0 ? sub : normal;
+  uint32_t vb;
+  std::memcpy(&vb, &v, sizeof vb);
+  return bits_to_float(vb | sign);
+}
+
+// e5m2: s eeeee mm, bias 15; exponent 0 = subnormal m * 2^-16; exponent 31 = inf / NaN.
+inline float to_float(fp8_e5m2 x) {
+  const uint32_t b = x.x, mag = b & 0x7Fu, sign = (b & 0x80u) << 24;
+  const uint32_t e = mag >> 2;
+  const float normal = bits_to_float(e == 31 ? (0x7F800000u | ((mag & 3u) << 21)) : (mag << 21) + (112u << 23));
+  const float sub = static_cast<float>(static_cast<int32_t>(mag & 3u)) * 0x1p-16f;
+  const float v = e == 0 ? sub : normal;
+  uint32_t vb;
+  std::memcpy(&vb, &v, sizeof vb);
+  return bits_to_float(vb | sign);
+}
+
+// A value to store: value / scale, rounded as torch rounds float -> float8.
+template <typename T>
+inline T to_kv(float value) {
+  if constexpr (is_fp8_v<T>) return T(value * (1.f / kv_scale<T>()));
+  return static_cast<T>(value);
+}
+
+}  // namespace radixmesh
