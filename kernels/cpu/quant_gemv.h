@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -427,54 +428,88 @@ constexpr bool kBf16Tiles = true;
 constexpr bool kBf16Tiles = false;
 #endif
 
-// One output row's weights w [K] = d * v (+ m) in float32 (the dequantize formula).
-template <int64_t QT>
+// Eight or sixteen dequantized weights into the tile: float32, or bfloat16 rounded to nearest
+// even exactly as torch rounds (convert.h's bit arithmetic, not VCVTNEPS2BF16, which flushes
+// subnormals).
+template <typename W>
+inline void store_weights(W* __restrict__ out, const float* __restrict__ w, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) out[i] = radixmesh::from_float<W>(w[i]);
+}
+
+#ifdef RADIXMESH_AVX512
+template <typename W>
+inline void store16(W* out, __m512 v) {
+  if constexpr (std::is_same_v<W, float>) {
+    _mm512_storeu_ps(out, v);
+  } else {
+    __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+}
+#endif
+
+// One output row's weights w [K] = d * v (+ m) (the dequantize formula) in the tile's dtype W.
+template <int64_t QT, typename W>
 inline void dequant_row(const uint8_t* __restrict__ qs, const float* __restrict__ d, const float* __restrict__ m,
-                        int64_t K, float* __restrict__ w) {
+                        int64_t K, W* __restrict__ w) {
   constexpr int64_t S = scales_per_block(QT), G = kBlock / S;
-  int32_t v[kBlock];
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    decode<QT>(qs + b * qs_bytes(QT), v);
-    float* wb = w + b * kBlock;
+    const uint8_t* q = qs + b * qs_bytes(QT);
+    W* wb = w + b * kBlock;
+#if defined(RADIXMESH_AVX512)
+    __m512 w0, w1;
+    widen<QT>(q, w0, w1);
+    w0 = _mm512_mul_ps(w0, _mm512_set1_ps(d[b * S]));
+    w1 = _mm512_mul_ps(w1, _mm512_set1_ps(d[b * S + S - 1]));
     if constexpr (has_m(QT)) {
-      const float db = d[b], mb = m[b];
-#pragma omp simd
-      for (int i = 0; i < kBlock; ++i) wb[i] = db * static_cast<float>(v[i]) + mb;
-    } else {
-#pragma omp simd
-      for (int i = 0; i < kBlock; ++i) wb[i] = d[b * S + i / G] * static_cast<float>(v[i]);
+      w0 = _mm512_add_ps(w0, _mm512_set1_ps(m[b]));
+      w1 = _mm512_add_ps(w1, _mm512_set1_ps(m[b]));
     }
+    store16(wb, w0);
+    store16(wb + 16, w1);
+#else
+    float f[kBlock];
+#if defined(RADIXMESH_AVX2)
+    const __m256 mb = _mm256_set1_ps(has_m(QT) ? m[b] : 0.f);
+    _mm256_storeu_ps(f, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 0>(q), _mm256_set1_ps(d[b * S])), mb));
+    _mm256_storeu_ps(f + 8, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 1>(q), _mm256_set1_ps(d[b * S])), mb));
+    _mm256_storeu_ps(f + 16, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 2>(q), _mm256_set1_ps(d[b * S + S - 1])), mb));
+    _mm256_storeu_ps(f + 24, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 3>(q), _mm256_set1_ps(d[b * S + S - 1])), mb));
+#else
+    int32_t v[kBlock];
+    decode<QT>(q, v);
+    for (int i = 0; i < kBlock; ++i)
+      f[i] = has_m(QT) ? d[b] * static_cast<float>(v[i]) + m[b] : d[b * S + i / G] * static_cast<float>(v[i]);
+#endif
+    store_weights(wb, f, kBlock);
+#endif
   }
 }
 
-// Output rows per tile: about 128 KB of dequantized weights, whole 16-row groups.
+// Output rows per tile: about 512 KB of dequantized weights (a oneDNN call costs ~40 us, so
+// fewer, larger tiles), whole 16-row groups, at least one tile per thread.
 inline int64_t tile_rows(int64_t K, int64_t N) {
-  const int64_t want = std::clamp<int64_t>((int64_t{1} << 17) / (K * 2) / 16 * 16, 16, 256);
+  const int64_t want = std::clamp<int64_t>((int64_t{1} << 19) / (K * 2) / 16 * 16, 16, 512);
   const int64_t per_thread = (N + at::get_num_threads() - 1) / std::max(1, at::get_num_threads());
   return std::max<int64_t>(16, std::min(want, (per_thread + 15) / 16 * 16));
 }
 
-template <int64_t QT>
-void tiled(const uint8_t* qs, const float* d, const float* m, const at::Tensor& x /* [T, K], tile dtype */,
+template <int64_t QT, typename W>
+void tiled(const uint8_t* qs, const float* d, const float* m, const at::Tensor& x /* [T, K], dtype W */,
            int64_t N, float* y /* [T, N] */) {
   const int64_t T = x.size(0), K = x.size(1), nb = K / kBlock;
   const int64_t row_bytes = nb * qs_bytes(QT), ds = nb * scales_per_block(QT);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto dtype = std::is_same_v<W, float> ? at::kFloat : at::kBFloat16;
   radixmesh::parallel_chunks(N, tile_rows(K, N), [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> wf;
-    thread_local std::vector<c10::BFloat16> wb;
+    thread_local std::vector<W> buf;
     const int64_t rows = end - begin;
-    wf.resize(rows * K);
+    buf.resize(rows * K);
     for (int64_t n = begin; n < end; ++n)
-      dequant_row<QT>(qs + n * row_bytes, d + n * ds, has_m(QT) ? m + n * nb : nullptr, K, &wf[(n - begin) * K]);
-    at::Tensor tile;
-    if (bf16) {
-      wb.resize(rows * K);
-      for (int64_t i = 0; i < rows * K; ++i) wb[i] = radixmesh::from_float<c10::BFloat16>(wf[i]);
-      tile = at::from_blob(wb.data(), {rows, K}, at::TensorOptions().dtype(at::kBFloat16));
-    } else {
-      tile = at::from_blob(wf.data(), {rows, K}, at::TensorOptions().dtype(at::kFloat));
-    }
+      dequant_row<QT, W>(qs + n * row_bytes, d + n * ds, has_m(QT) ? m + n * nb : nullptr, K, &buf[(n - begin) * K]);
+    const at::Tensor tile = at::from_blob(buf.data(), {rows, K}, at::TensorOptions().dtype(dtype));
     const at::Tensor out = at::mm(x, tile.t()).to(at::kFloat);  // [T, rows]: one thread (in a parallel region)
     const float* o = out.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) std::memcpy(y + t * N + begin, o + t * rows, rows * sizeof(float));
@@ -490,7 +525,10 @@ inline at::Tensor tile_input(const at::Tensor& x) {
 // y [T, N] float32 = x [T, K] @ W^T through dequantized tiles (x: tile_input's result).
 inline void tiled_matmul(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const at::Tensor& x,
                          int64_t N, float* y) {
-  dispatch(qtype, [&](auto qt) { tiled<decltype(qt)::value>(qs, d, m, x, N, y); });
+  dispatch(qtype, [&](auto qt) {
+    if (x.scalar_type() == at::kBFloat16) tiled<decltype(qt)::value, c10::BFloat16>(qs, d, m, x, N, y);
+    else tiled<decltype(qt)::value, float>(qs, d, m, x, N, y);
+  });
 }
 
 }  // namespace radixmesh::qgemv
