@@ -16,8 +16,9 @@ Packed bytes per 32 weights, in the kernel's layout (kernels/cpu/quant_gemv.h):
     8 bits: 32 int8 (v - offset, two's complement; offset 0)
     4 bits: 16 bytes, byte i = v_i | v_{i+16} << 4
     5 bits: those 16 bytes of low nibbles, then a little-endian uint32 whose bit i is bit 4 of v_i
-    6 bits: those 16 bytes of low nibbles, then a little-endian uint64 whose bits 2i, 2i+1 are
-            bits 4, 5 of v_i
+    6 bits: those 16 bytes of low nibbles, then two little-endian uint32 bit planes: bit i of
+            the first is bit 4 of v_i, of the second bit 5 (the kernel turns each plane into a
+            lane mask: one masked OR per 16 values)
 """
 from __future__ import annotations
 
@@ -147,11 +148,8 @@ def pack_values(v: np.ndarray, bits: int) -> np.ndarray:
     low = (g[..., :16] & 15) | ((g[..., 16:] & 15) << 4)  # [N, K/32, 16]
     if bits == 4:
         return np.ascontiguousarray(low.reshape(N, -1))
-    if bits == 5:
-        high = np.packbits((g >> 4) & 1, axis=-1, bitorder="little")  # [N, K/32, 4]
-    else:
-        two = (g >> 4) & 3  # value i's bits at 2i, 2i + 1
-        high = np.packbits(np.stack([two & 1, two >> 1], axis=-1).reshape(N, -1, 64), axis=-1, bitorder="little")
+    planes = [np.packbits((g >> bit) & 1, axis=-1, bitorder="little") for bit in range(4, bits)]  # [N, K/32, 4] each
+    high = np.concatenate(planes, axis=-1)
     return np.ascontiguousarray(np.concatenate([low, high], axis=-1).reshape(N, -1))
 
 
@@ -162,14 +160,10 @@ def unpack_values(qs: torch.Tensor, bits: int) -> torch.Tensor:
         return qs.to(torch.int32)
     g = qs.reshape(N, -1, {4: 16, 5: 20, 6: 24}[bits]).to(torch.int32)
     v = torch.cat([g[..., :16] & 15, g[..., :16] >> 4], dim=-1)  # [N, K/32, 32]
-    if bits == 5:
-        word = g[..., 16] | g[..., 17] << 8 | g[..., 18] << 16 | g[..., 19] << 24  # low 32 bits used
-        v = v | (((word[..., None] >> torch.arange(32)) & 1) << 4)
-    elif bits == 6:
-        lo = g[..., 16] | g[..., 17] << 8 | g[..., 18] << 16 | g[..., 19] << 24
-        hi = g[..., 20] | g[..., 21] << 8 | g[..., 22] << 16 | g[..., 23] << 24
-        word = torch.cat([lo[..., None].expand(*lo.shape, 16), hi[..., None].expand(*hi.shape, 16)], dim=-1)
-        v = v | (((word >> (2 * (torch.arange(32) % 16))) & 3) << 4)
+    for plane, bit in enumerate(range(4, bits)):  # bit planes of 32 bits after the nibbles
+        at = 16 + 4 * plane
+        word = g[..., at] | g[..., at + 1] << 8 | g[..., at + 2] << 16 | g[..., at + 3] << 24  # int32 wraps: & 1 below
+        v = v | (((word[..., None] >> torch.arange(32)) & 1) << bit)
     return v.reshape(N, -1)
 
 

@@ -29,8 +29,8 @@ constexpr int64_t kMaxRows = 8;  // rows of x per fused pass; more rows take the
 enum QType : int64_t { kQ8_0 = 0, kQ4_1 = 1, kQ4_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ6_K = 5 };
 
 constexpr bool valid_qtype(int64_t qt) { return qt >= kQ8_0 && qt <= kQ6_K; }
-// Packed bytes per group of 32: int8 values, or 16 bytes of nibbles plus 4 (5-bit) or 8
-// (6-bit) bytes of high bits.
+// Packed bytes per group of 32: int8 values, or 16 bytes of nibbles plus one (5-bit) or two
+// (6-bit) uint32 bit planes (bit i of a plane: bit 4, then 5, of value i).
 constexpr int64_t qs_bytes(int64_t qt) {
   return qt == kQ8_0 ? 32 : (qt == kQ4_1 || qt == kQ4_0) ? 16 : qt == kQ6_K ? 24 : 20;
 }
@@ -64,16 +64,11 @@ inline void decode(const uint8_t* __restrict__ q, int32_t* __restrict__ v) {
   if constexpr (QT == kQ8_0) {
     for (int i = 0; i < 32; ++i) v[i] = static_cast<int8_t>(q[i]);
   } else {
-    const uint32_t h0 = bits(QT) > 4 ? load_u32(q + 16) : 0, h1 = bits(QT) == 6 ? load_u32(q + 20) : 0;
+    const uint32_t p4 = bits(QT) > 4 ? load_u32(q + 16) : 0, p5 = bits(QT) == 6 ? load_u32(q + 20) : 0;
     for (int i = 0; i < 16; ++i) {
       int32_t lo = q[i] & 15, hi = q[i] >> 4;
-      if constexpr (bits(QT) == 5) {
-        lo |= ((h0 >> i) & 1) << 4;
-        hi |= ((h0 >> (i + 16)) & 1) << 4;
-      } else if constexpr (bits(QT) == 6) {
-        lo |= ((h0 >> (2 * i)) & 3) << 4;
-        hi |= ((h1 >> (2 * i)) & 3) << 4;
-      }
+      lo |= static_cast<int32_t>(((p4 >> i) & 1) << 4 | ((p5 >> i) & 1) << 5);
+      hi |= static_cast<int32_t>(((p4 >> (i + 16)) & 1) << 4 | ((p5 >> (i + 16)) & 1) << 5);
       v[i] = lo - offset(QT);
       v[i + 16] = hi - offset(QT);
     }
@@ -129,18 +124,15 @@ inline void widen(const uint8_t* q, __m512& w0, __m512& w1) {
   } else {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
     __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(bytes, 4);
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    if constexpr (bits(QT) == 5) {  // bit i of the uint32 is bit 4 of value i
-      const __m512i h = _mm512_set1_epi32(static_cast<int>(load_u32(q + 16))), one = _mm512_set1_epi32(1);
-      lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota), one), 4));
-      const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
-      hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, iota16), one), 4));
-    } else if constexpr (bits(QT) == 6) {  // bits 2i, 2i + 1 of the uint64 are bits 4, 5 of value i
-      const __m512i shift = _mm512_add_epi32(iota, iota), three = _mm512_set1_epi32(3);
-      const __m512i h0 = _mm512_set1_epi32(static_cast<int>(load_u32(q + 16)));
-      const __m512i h1 = _mm512_set1_epi32(static_cast<int>(load_u32(q + 20)));
-      lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h0, shift), three), 4));
-      hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h1, shift), three), 4));
+    if constexpr (bits(QT) >= 5) {  // each bit plane is two lane masks: one masked OR per 16 values
+      const uint32_t p4 = load_u32(q + 16);
+      lo = _mm512_mask_or_epi32(lo, _cvtu32_mask16(p4 & 0xFFFF), lo, _mm512_set1_epi32(16));
+      hi = _mm512_mask_or_epi32(hi, _cvtu32_mask16(p4 >> 16), hi, _mm512_set1_epi32(16));
+    }
+    if constexpr (bits(QT) == 6) {
+      const uint32_t p5 = load_u32(q + 20);
+      lo = _mm512_mask_or_epi32(lo, _cvtu32_mask16(p5 & 0xFFFF), lo, _mm512_set1_epi32(32));
+      hi = _mm512_mask_or_epi32(hi, _cvtu32_mask16(p5 >> 16), hi, _mm512_set1_epi32(32));
     }
     if constexpr (offset(QT) != 0) {
       lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(offset(QT)));
@@ -222,16 +214,16 @@ inline __m256 widen_quarter(const uint8_t* q) {  // values 8k .. 8k + 7, less th
   } else {
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * (k & 1))));
     v = k < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    if constexpr (bits(QT) == 5) {
-      const __m256i h = _mm256_set1_epi32(static_cast<int>(load_u32(q + 16)));
-      const __m256i bit = _mm256_srlv_epi32(h, _mm256_add_epi32(iota, _mm256_set1_epi32(8 * k)));
-      v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(bit, _mm256_set1_epi32(1)), 4));
-    } else if constexpr (bits(QT) == 6) {
-      const __m256i h = _mm256_set1_epi32(static_cast<int>(load_u32(q + (k < 2 ? 16 : 20))));
-      const __m256i idx = _mm256_add_epi32(iota, _mm256_set1_epi32(8 * (k & 1)));
-      const __m256i two = _mm256_srlv_epi32(h, _mm256_add_epi32(idx, idx));
-      v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(two, _mm256_set1_epi32(3)), 4));
+    if constexpr (bits(QT) >= 5) {  // bit 8k + i of each plane, into lane i
+      const __m256i shift = _mm256_setr_epi32(8 * k, 8 * k + 1, 8 * k + 2, 8 * k + 3, 8 * k + 4, 8 * k + 5, 8 * k + 6,
+                                              8 * k + 7);
+      const __m256i one = _mm256_set1_epi32(1);
+      const __m256i b4 = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(load_u32(q + 16))), shift);
+      v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(b4, one), 4));
+      if constexpr (bits(QT) == 6) {
+        const __m256i b5 = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(load_u32(q + 20))), shift);
+        v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(b5, one), 5));
+      }
     }
     if constexpr (offset(QT) != 0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(offset(QT)));
   }
