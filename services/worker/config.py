@@ -41,6 +41,13 @@ class WorkerConfig:
         "help": "CPU: steps of at most this many tokens run their linear layers on the GGUF file's own "
                 "Q8_0/Q4_1 blocks (float32 math on the file's exact weights; at batch 1 about 1.6x faster than "
                 "prepacked bfloat16 weights here; at 4 rows slower: bench/ceilings.py); 0: always the dense weights"})
+    quantization: str = field(default="auto", metadata={
+        "help": "the format linear weights are held in (services/worker/model/weight_format.py). auto: dense "
+                "in --dtype, plus a GGUF file's quantized blocks for steps of <= --quant-max-rows tokens; none: "
+                "dense only; gguf: a GGUF file's quantized weights (and the embedding / tied LM head) held only as "
+                "the file's blocks, computed on at every batch size, no dense copy; int8: every linear weight "
+                "(and a tied embedding) per-channel int8 at load, from any checkpoint, no dense copy. gguf and "
+                "int8 run on CPU only"})
     decode_stack: bool = field(default=True, metadata={
         "help": "CPU: run pure-decode steps of at most --quant-max-rows tokens as one C++ call (embedding, all "
                 "layers, LM head; same logits as op by op, without ~600 Python-dispatched ops a step)"})
@@ -136,6 +143,8 @@ class WorkerConfig:
             raise ValueError(f"--speculative-draft-kv-cache-bytes must be >= 1, got {self.speculative_draft_kv_cache_bytes}")
         if self.verify_max_rows < 0:
             raise ValueError(f"--verify-max-rows must be >= 0, got {self.verify_max_rows}")
+        from services.worker.model.weight_format import check_quantization
+        check_quantization(self.quantization, self.device)
         if self.quant_max_rows < 0:
             raise ValueError(f"--quant-max-rows must be >= 0, got {self.quant_max_rows}")
         if self.max_loras < 0:

@@ -31,6 +31,7 @@ from services.worker.model.config import ModelConfig
 from services.worker.model.layer_ops import create_layer_ops
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.registry import model_class
+from services.worker.model.weight_bytes import format_bytes, resident_weight_bytes, weight_formats
 from services.worker.sampler_inputs import run_sampler
 from services.worker.speculative.drafter import Drafter, DraftRequest, create_drafter
 
@@ -71,7 +72,8 @@ class ModelRunner:
         if config.context_length:
             mc = _with_context(mc, config.context_length)
         self.model_config: ModelConfig = mc
-        self.model = build_model(mc, checkpoint.tensors, config.torch_dtype, self.device)
+        self.model = build_model(mc, checkpoint.tensors, config.torch_dtype, self.device,
+                                 checkpoint.quantized, config.quantization)
         self.prepacked = config.prepack_weights and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
         # The backend's own tuning (the cpu backend's allocator, quantized weights, one-call decode steps).
@@ -100,6 +102,9 @@ class ModelRunner:
         self.drafter: Drafter | None = (create_drafter(config.speculative_algorithm, config, self)
                                         if config.speculative_algorithm else None)
         self.max_draft_tokens = config.speculative_num_draft_tokens if self.drafter else 0
+        self.weight_bytes = resident_weight_bytes(self.model)  # services/worker/model/weight_bytes.py
+        log.info("weights: --quantization %s, %s resident (%s)", config.quantization,
+                 format_bytes(self.weight_bytes), weight_formats(self.model))
         log.info("worker ready: %s %s, %s, %s, %s%s, %d KV pages x %d tokens "
                  "(%d tokens of %s KV, %.2f GiB)", mc.name,
                  config.resolved_dtype, "prepacked linears" if self.prepacked else "plain linears",
@@ -414,18 +419,35 @@ def _last_sampled(rid: str, req: _Request, start_pos: int) -> int:
 
 
 def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device) -> LlamaForCausalLM:
+                device: torch.device, quantized: dict | None = None, quantization: str = "auto") -> LlamaForCausalLM:
     """Construct the registry's class for mc.architecture without random init (meta device),
-    then load the checkpoint."""
+    then load the checkpoint. quantization gguf / int8: the linear weights (and a tied
+    embedding) are held only quantized (services/worker/model/weight_format.py): gguf from
+    `quantized`, the file's blocks (HF name → QuantWeight); int8 from the loaded tensors."""
+    from services.worker.model import weight_format
     with torch.device("meta"):
         model = model_class(mc)(mc)
     model = model.to_empty(device=device)
+    kernel = _quant_kernel(quantization)
+    if quantization == "gguf":  # before loading: the blocks' dense tensors need not be in `tensors`
+        weight_format.apply_plan(model, weight_format.file_blocks_plan(model, quantized or {}), kernel)
     model.load_hf_tensors(tensors)
+    if quantization == "int8":  # from the float32 values, before the cast
+        weight_format.apply_plan(model, weight_format.int8_plan(model), kernel)
     model = model.to(dtype).eval()
     model.tie_lm_head()
+    weight_format.tie_quantized_head(model, kernel)
     # The rope tables were never materialized on meta; they stay float32 in any dtype.
     model.rope = model.rope.__class__(mc).to(device)
     return model
+
+
+def _quant_kernel(quantization: str):
+    """The quantized-linear kernel for --quantization gguf/int8 (None otherwise)."""
+    if quantization not in ("gguf", "int8"):
+        return None
+    from kernels import quant_gemv
+    return quant_gemv.load()
 
 
 def _with_context(mc: ModelConfig, n: int) -> ModelConfig:

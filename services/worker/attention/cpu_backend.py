@@ -2,7 +2,8 @@
 tuning, which attach applies once to the process and the model:
 
 - glibc keeping freed memory (cpu_tuning.py);
-- the checkpoint's Q8_0/Q4_1 blocks for steps of few rows (--quant-max-rows; kernels/quant_gemv.py);
+- the checkpoint's quantized blocks for steps of few rows (--quant-max-rows; kernels/quant_gemv.py),
+  under --quantization auto (gguf/int8 models hold only their blocks: services/worker/model/weight_format.py);
 - small pure-decode steps as one C++ call (--decode-stack; kernels/decode_stack.py), declined,
   op by op, for a model whose math the stack lacks (LlamaForCausalLM.decode_stack_refusal);
 - that call's lead thread on its own CPU and at a higher priority (lead_cpu.py);
@@ -83,8 +84,19 @@ class CpuBackend:
 
 
 def _use_quantized(model: LlamaForCausalLM, config: WorkerConfig, checkpoint: Checkpoint) -> int:
-    """Small steps on the file's Q8_0/Q4_1 blocks (Linear.set_quant) where they exist, the
-    device is a CPU and the kernel builds → the number of weights that got them."""
+    """--quantization auto: small steps on the file's quantized blocks (Linear.set_quant) where
+    they exist, the device is a CPU and the kernel builds → the number of weights that got them.
+    none: 0. gguf / int8: the model was built holding only its blocks (weight_format.py) → the
+    number of linears doing so."""
+    from services.worker.model.linear import Linear
+    from services.worker.model.weight_format import QUANT_ONLY, quant_only_refusal
+    if config.quantization == "none":
+        return 0
+    if config.quantization in QUANT_ONLY:
+        refusal = quant_only_refusal(model)
+        if refusal and config.decode_stack:
+            log.info("one-call decode steps declined: %s; op by op", refusal)
+        return sum(1 for m in model.modules() if isinstance(m, Linear) and m.quant_only)
     if not (config.quant_max_rows and checkpoint.quantized and torch.device(config.device).type == "cpu"):
         return 0
     from kernels import quant_gemv

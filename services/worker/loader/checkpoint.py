@@ -18,9 +18,10 @@ class Checkpoint:
     not tied) to contiguous float32 tensors in HF layout ([out, in] for linear weights).
     `source` is the path the checkpoint was read from.
 
-    `quantized` holds, for the 2-D weights a GGUF stores as Q8_0 or Q4_1, the file's own
-    blocks under the same names and row order (a `kernels.quant_gemv.QuantWeight`); the
-    worker runs small batches on them (services/worker/model/linear.py).
+    `quantized` holds, for the 2-D weights a GGUF stores in a format the quantized kernels
+    compute on (kernels.quant_gemv.QTYPES), the file's own blocks under the same names and row
+    order (a `kernels.quant_gemv.QuantWeight`); the worker runs small batches on them
+    (--quantization auto), or only them (gguf: their float32 values are then not in `tensors`).
     """
 
     config: ModelConfig
@@ -29,8 +30,11 @@ class Checkpoint:
     quantized: dict = field(default_factory=dict)  # HF name -> QuantWeight
 
 
-def load_checkpoint(path: str) -> Checkpoint:
+def load_checkpoint(path: str, quantization: str = "auto") -> Checkpoint:
     """Load a `.gguf` file or a Hugging Face directory (config.json + *.safetensors).
+
+    quantization: the worker's --quantization; under gguf a GGUF's quantized matrices come as
+    their blocks only (Checkpoint.quantized), with no float32 copy in `tensors`.
 
     Raises FileNotFoundError when `path` does not exist (or a directory lacks config.json)
     and ValueError for a file that is not GGUF or holds an unsupported architecture/quant type.
@@ -44,7 +48,7 @@ def load_checkpoint(path: str) -> Checkpoint:
     if path.endswith(".gguf") or _has_gguf_magic(path):
         from services.worker.loader.gguf_loader import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(path, dense_quantized=quantization != "gguf")
     raise ValueError(
         f"unsupported model file {path!r}: expected a .gguf file or a directory with config.json + *.safetensors")
 

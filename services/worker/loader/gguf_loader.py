@@ -19,16 +19,20 @@ from services.worker.model.config import ModelConfig
 from services.common.gguf_reader import FastGGUFReader
 from services.common.model_path import model_id
 
-# Types whose dequantization is round-trip tested; K-quants would work through gguf.quants too,
-# but gguf cannot quantize them, so they are left out until a test can cover them.
+# Float types, the types whose dequantization is round-trip tested, and every type the quantized
+# kernels compute on (kernels.quant_gemv.QTYPES: one list, so a format the kernels gain loads too).
 SUPPORTED_TYPES = frozenset({QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
-                             QType.Q5_0, QType.Q5_1})
+                             QType.Q5_0, QType.Q5_1} | {QType[name] for name in QTYPES})
 
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's encoding of Llama-3.1 rope scaling
 
 
-def load_gguf(path: str) -> Checkpoint:
+def load_gguf(path: str, dense_quantized: bool = True) -> Checkpoint:
     """Read `path` (a GGUF of an architecture in gguf_archs.ARCHS) into float32 HF-named tensors.
+
+    Matrices in a kernel format (QTYPES) also come as their blocks (Checkpoint.quantized);
+    dense_quantized False leaves their float32 values out (--quantization gguf holds only the
+    blocks, so they are never dequantized whole).
 
     Raises FileNotFoundError for a missing file and ValueError for a file that is not GGUF, an
     unsupported architecture, an unknown tensor name or an unsupported tensor type.
@@ -60,12 +64,13 @@ def load_gguf(path: str) -> Checkpoint:
 
     # gguf's numpy kernels release the GIL on large arrays, so tensors dequantize in parallel.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        results = list(pool.map(lambda job: _dequantize(job[1], job[2]), jobs))
+        results = list(pool.map(lambda job: _dequantize(job[1], job[2], dense_quantized), jobs))
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantWeight] = {}
     for (name, t, _), (values, raw) in zip(jobs, results):
         for hf, v, blocks in gguf_archs.hf_tensors(arch, name, values, raw, config, path):
-            tensors[hf] = torch.from_numpy(v)
+            if blocks is None or dense_quantized:
+                tensors[hf] = torch.from_numpy(v)
             if blocks is not None:
                 quantized[hf] = QuantWeight.from_blocks(torch.from_numpy(blocks), t.tensor_type.name)
     if arch.moe:
@@ -73,9 +78,11 @@ def load_gguf(path: str) -> Checkpoint:
     return Checkpoint(config=config, tensors=tensors, source=path, quantized=quantized)
 
 
-def _dequantize(t: gguf.ReaderTensor, n_heads: int | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """(float32 array of HF shape [out, in] (or [n]), and for a Q8_0/Q4_1 matrix its blocks in
-    HF row order, else None); never views into the read-only file mapping."""
+def _dequantize(t: gguf.ReaderTensor, n_heads: int | None,
+                dense: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+    """(float32 array of HF shape [out, in] (or [n]), and for a matrix in a kernel format (QTYPES)
+    its blocks in HF row order, else None); never views into the read-only file mapping. Without
+    `dense`, a matrix with blocks gets an empty [out, 0] array instead of its values."""
     raw = t.data
     if n_heads is not None:
         # Undo llama.cpp's row permutation on the still-quantized rows: blocks never cross a row,
@@ -84,11 +91,14 @@ def _dequantize(t: gguf.ReaderTensor, n_heads: int | None) -> tuple[np.ndarray, 
         if rows % (2 * n_heads):
             raise ValueError(f"{t.name}: {rows} rows do not split into {n_heads} heads of even size")
         raw = raw.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(raw.shape)
+    keep = t.tensor_type.name in QTYPES and raw.ndim == 2
+    blocks = np.array(raw, dtype=np.uint8) if keep else None
+    if keep and not dense:
+        return np.empty((raw.shape[0], 0), dtype=np.float32), blocks  # rows only: hf_tensors splits fused ones
     out = gguf.quants.dequantize(raw, t.tensor_type)
     if not out.flags.writeable:  # F32 comes back as a view of the mapping
         out = out.copy()
-    keep = t.tensor_type.name in QTYPES and raw.ndim == 2
-    return out.astype(np.float32, copy=False), (np.array(raw, dtype=np.uint8) if keep else None)
+    return out.astype(np.float32, copy=False), blocks
 
 
 def _scalar(meta: dict[str, gguf.ReaderField], key: str, default: Any = None) -> Any:

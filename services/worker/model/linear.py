@@ -20,6 +20,13 @@ them: at batch 1 a step is a read of the weights, and the blocks are 3.2x
 (Q4_1) fewer bytes than bfloat16. The math stays float32 with the file's exact
 weights, so this path is closer to the float32 reference than bfloat16 is.
 
+With `--quantization gguf` or `int8` a Linear is quantized-only (`set_quant_only`): it holds
+just its QuantWeight (or QuantParts, quant_parts.py) and runs every call on it at any batch
+size (kernels/quant_gemv.py: fused dot products for few rows, dequantized tiles for many);
+`weight` is then a meta Parameter of the same shape and dtype, so no dense copy is resident.
+Nothing may compute with it (beware: F.linear(cpu x, meta w) returns garbage, not an error):
+every compute path checks `quant_only` first.
+
 A Linear may carry a LoRA hook (`lora`, services/worker/lora/stacked.py) while adapters are
 loaded: whichever path computed the base output, the hook adds the step's adapter deltas to it.
 Without one the cost is a single attribute check.
@@ -27,13 +34,14 @@ Without one the cost is a single attribute check.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_isa
-from kernels.quant_gemv import quant_linear
+from services.worker.model import quant_parts
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -85,23 +93,50 @@ class Linear(nn.Linear):
     The plain `weight` stays the source of truth (loaders and weight updates
     write it); call `prepack()` again after changing it, and drop `quant`
     (`set_quant(None, 0)`) when the new weight no longer matches the file's.
+    A quantized-only layer (set_quant_only) has no dense weight: its blocks are the truth.
     """
 
     packed: torch.Tensor | None = None
-    quant = None  # a kernels.quant_gemv.QuantWeight
+    quant = None  # a kernels.quant_gemv.QuantWeight, or a quant_parts.QuantParts
     quant_max_rows: int = 0
     _quant_kernel = None
     lora = None  # a LoRA hook, hook(x, y) → y plus each row's adapter delta (services/worker/lora)
 
+    @property
+    def quant_only(self) -> bool:
+        """True when the quantized blocks are the only weights held (set_quant_only)."""
+        return self.quant is not None and self.weight.is_meta
+
     def set_quant(self, quant, max_rows: int, kernel=None) -> None:
-        """Run calls of at most max_rows rows on `quant` (a QuantWeight of this weight's
-        shape) through `kernel` (kernels.quant_gemv.load()); None or 0 turns it off."""
+        """Run calls of at most max_rows rows on `quant` (a QuantWeight or QuantParts of this
+        weight's shape) through `kernel` (kernels.quant_gemv.load()); None or 0 turns it off.
+        A quantized-only layer keeps its blocks: set_quant_only replaces them."""
+        if self.quant_only:
+            raise ValueError("this linear holds only quantized weights (--quantization gguf/int8); "
+                             "use set_quant_only to replace them")
         if quant is not None and quant.shape != tuple(self.weight.shape):
             raise ValueError(f"quantized weight {quant.shape} does not match {tuple(self.weight.shape)}")
         on = quant is not None and max_rows > 0 and kernel is not None
         self.quant, self.quant_max_rows, self._quant_kernel = (quant, max_rows, kernel) if on else (None, 0, None)
 
+    def set_quant_only(self, quant, kernel) -> None:
+        """Hold only `quant` (a QuantWeight or QuantParts of this weight's shape) and run every
+        call on it through `kernel`; the dense weight is dropped (a meta Parameter remains)."""
+        if quant.shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized weight {quant.shape} does not match {tuple(self.weight.shape)}")
+        if kernel is None:
+            raise ValueError("the CPU quantized-linear kernel is not built here: run with --quantization auto "
+                             "or none (dense weights)")
+        if not self.weight.is_meta:  # a meta weight (a tied head's embedding) stays shared
+            self.weight = nn.Parameter(torch.empty(quant.shape, dtype=self.weight.dtype, device="meta"),
+                                       requires_grad=False)
+        self.packed = None
+        self.quant, self.quant_max_rows, self._quant_kernel = quant, sys.maxsize, kernel
+
     def prepack(self) -> bool:
+        """Prepack the dense weight (True when packed, or when quantized-only: nothing to pack)."""
+        if self.quant_only:
+            return True
         self.packed = prepack(self.weight) if can_prepack(self.weight) else None
         return self.packed is not None
 
@@ -118,18 +153,24 @@ class Linear(nn.Linear):
         return layer
 
     def _runs_quantized(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= self.quant_max_rows and self.quant is not None and x.dim() == 2
+        return x.dim() == 2 and self.quant is not None and x.shape[0] <= self.quant_max_rows
+
+    def _quantized(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """x [..., in] → [..., out] on the quantized blocks."""
+        flat = x.reshape(-1, x.shape[-1])  # [T, in]
+        y = quant_parts.linear(flat, self.quant, self.bias, self._quant_kernel, float_out=float_out)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] → float32 [T, out]; on the quantized blocks straight from their float32
         math, not rounded to x's dtype first."""
-        if self._runs_quantized(x):
-            return quant_linear(x, self.quant, self.bias, self._quant_kernel, float_out=True)
+        if self._runs_quantized(x) or self.quant_only:
+            return self._quantized(x, float_out=True)
         return self(x).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._runs_quantized(x):
-            y = quant_linear(x, self.quant, self.bias, self._quant_kernel)
+        if self._runs_quantized(x) or self.quant_only:
+            y = self._quantized(x)
         elif self.packed is not None:
             y = packed_linear(x, self.packed, self.bias)
         else:

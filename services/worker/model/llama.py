@@ -94,7 +94,9 @@ class MLP(nn.Module):
         Phi-3 stores gate_up_proj fused already: nothing to do then."""
         if f"{prefix}gate_up_proj.weight" in t:
             return {}
-        gate, up = t.pop(f"{prefix}gate_proj.weight"), t.pop(f"{prefix}up_proj.weight")
+        gate, up = t.pop(f"{prefix}gate_proj.weight", None), t.pop(f"{prefix}up_proj.weight", None)
+        if gate is None or up is None:  # held as the file's blocks (--quantization gguf), or missing: reported
+            return {}
         return {f"{prefix}gate_up_proj.weight": torch.cat([gate, up], 0)}
 
 
@@ -153,30 +155,28 @@ class LlamaForCausalLM(nn.Module):
 
     def use_quantized(self, quantized: dict, max_rows: int, kernel) -> int:
         """Hand each linear (and a tied LM head) the checkpoint's quantized blocks of its
-        weight, fusing q/k/v and gate/up as the dense weights are, for calls of at most
-        max_rows rows (Linear.set_quant). quantized: HF name → QuantWeight. Returns how
-        many weights got blocks; the others stay dense."""
-        from kernels.quant_gemv import QuantWeight
+        weight, fusing q/k/v and gate/up as the dense weights are (parts in different formats
+        as quant_parts.QuantParts), for calls of at most max_rows rows (Linear.set_quant).
+        quantized: HF name → QuantWeight. Linears that hold only their blocks (--quantization
+        gguf/int8) keep them. Returns how many weights got blocks or hold them; the others
+        stay dense."""
+        from services.worker.model.quant_parts import fuse
+        from services.worker.model.weight_format import linear_sources
         q = {k.removeprefix("model."): v for k, v in quantized.items()}
         given = 0
-
-        def give(linear: Linear, names: list[str]) -> None:
-            nonlocal given
+        sources = list(linear_sources(self))
+        if self.config.tie_word_embeddings:
+            sources.append((self.lm_head, ["embed_tokens.weight"]))
+        for linear, names in sources:
+            if linear.quant_only:
+                given += len(names)
+                continue
             parts = [q.get(n) for n in names]
-            if all(p is not None for p in parts) and len({p.qtype for p in parts}) == 1:
-                linear.set_quant(parts[0] if len(parts) == 1 else QuantWeight.cat_rows(parts), max_rows, kernel)
+            if all(p is not None for p in parts):
+                linear.set_quant(fuse(parts), max_rows, kernel)
                 given += len(parts)
             else:
                 linear.set_quant(None, 0)
-
-        for i, layer in enumerate(self.layers):
-            p = f"layers.{i}."
-            give(layer.self_attn.qkv_proj, [f"{p}self_attn.{n}_proj.weight" for n in "qkv"])
-            give(layer.self_attn.o_proj, [f"{p}self_attn.o_proj.weight"])
-            if isinstance(layer.mlp, MLP):  # experts (stacked, not Linear) stay dequantized
-                give(layer.mlp.gate_up_proj, [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")])
-                give(layer.mlp.down_proj, [f"{p}mlp.down_proj.weight"])
-        give(self.lm_head, ["embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
         return given
 
     def step_linears(self) -> list[Linear]:
@@ -194,12 +194,13 @@ class LlamaForCausalLM(nn.Module):
         team_spin_us: the step's loops run on a StepTeam whose idle helpers poll that long
         before sleeping (kernels/cpu/step_team.h); -1: on OpenMP. Declined (False) for a model
         whose math the stack lacks (decode_stack_refusal): the op-by-op path runs it."""
-        from kernels.quant_gemv import QTYPES
+        from kernels.quant_gemv import QTYPES, QuantWeight
+        from services.worker.model.weight_format import quant_only_refusal
         self.decode_stack, self.decode_stack_rows = None, 0
-        if self.decode_stack_refusal() is not None:
+        if self.decode_stack_refusal() is not None or quant_only_refusal(self) is not None:
             return False
         blocks = self.step_linears() + [self.lm_head]
-        if kernel is None or any(lin is None or lin.quant is None for lin in blocks):
+        if kernel is None or any(lin is None or not isinstance(lin.quant, QuantWeight) for lin in blocks):
             return False
         c = self.config
         stack = kernel.DecodeStack(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
@@ -275,7 +276,9 @@ def load_decoder_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
     """Copy HF-named tensors into a decoder (model.layers[i].self_attn / .mlp, config), fusing
     q/k/v (unless the checkpoint stores them fused, as Phi-3's qkv_proj, in the same row order)
     and letting each MLP block fuse its own (MLP.fuse_hf, moe.SparseMoeBlock.fuse_hf). Raises on
-    missing or unexpected names so a wrong checkpoint never half-loads silently."""
+    missing or unexpected names so a wrong checkpoint never half-loads silently. Parameters on
+    the meta device are held as quantized blocks instead (services/worker/model/weight_format.py):
+    they need no tensor, and one given is not copied."""
     own = dict(model.named_parameters())
     loaded: set[str] = set()
 
@@ -303,6 +306,6 @@ def load_decoder_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
     t.pop("lm_head.weight", None)  # tied: identical to the embedding
     for name, value in t.items():
         put(name, value)
-    missing = set(own) - loaded
+    missing = {n for n in set(own) - loaded if not own[n].is_meta}  # meta: held quantized only (weight_format.py)
     if missing:
         raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} missing)")

@@ -29,6 +29,8 @@ from services.worker.weights.errors import WeightUpdateError
 class StagedWeights:
     params: dict[str, torch.Tensor]  # the model's parameter names (fused layout) → serving dtype and device
     quantized: dict = field(default_factory=dict)  # HF name → QuantWeight: a GGUF's own blocks, for the backend
+    # --quantization gguf / int8: module name → the quantized weight it will hold only (weight_format.py)
+    quant_only: dict = field(default_factory=dict)
 
 
 def stage(runner, tensors: Mapping[str, torch.Tensor], quantized: Mapping | None = None) -> StagedWeights:
@@ -36,15 +38,36 @@ def stage(runner, tensors: Mapping[str, torch.Tensor], quantized: Mapping | None
     quantized: a GGUF checkpoint's blocks of the same weights (shapes checked here).
     Raises WeightUpdateError saying what does not fit."""
     _check_inputs(tensors)
-    try:
-        shadow = _load_shadow(runner.model_config, tensors, runner.config.torch_dtype, runner.device)
+    dtype, mode = runner.config.torch_dtype, runner.config.quantization
+    try:  # int8 requantizes from the float32 values, as a fresh runner does
+        shadow = _load_shadow(runner.model_config, tensors, torch.float32 if mode == "int8" else dtype,
+                              runner.device)
     except (ValueError, RuntimeError) as e:  # load_decoder_tensors: missing / unknown / misshapen
         raise WeightUpdateError(f"the new weights do not fit the serving model: {e}") from e
-    params = {n: p.detach() for n, p in shadow.named_parameters()}
-    _check_against_live(params, dict(runner.model.named_parameters()))
-    _check_finite(params)
     _check_quantized(quantized or {}, tensors)
-    return StagedWeights(params, dict(quantized or {}))
+    quant_only = _quant_only(runner, shadow, quantized or {})
+    live = dict(runner.model.named_parameters())
+    params = {n: p.detach().to(dtype) for n, p in shadow.named_parameters() if not live.get(n, p).is_meta}
+    _check_against_live(params, live)
+    _check_finite(params)
+    return StagedWeights(params, dict(quantized or {}), quant_only)
+
+
+def _quant_only(runner, shadow: torch.nn.Module, quantized: Mapping) -> dict:
+    """The quantized weights the live model's quantized-only modules take (--quantization gguf:
+    the update's GGUF blocks, required; int8: the shadow's float32 weights requantized)."""
+    from services.worker.model import weight_format
+    only = weight_format.quant_only_modules(runner.model)
+    if not only:
+        return {}
+    try:
+        if runner.config.quantization == "gguf":
+            return weight_format.file_blocks_plan(runner.model, dict(quantized), only)
+        return weight_format.int8_plan(shadow, only)
+    except ValueError as e:
+        raise WeightUpdateError(
+            f"{e}. A --quantization gguf worker holds only GGUF blocks: update it from a quantized GGUF file "
+            f"(update_weights_from_disk), or serve with --quantization auto or int8 to take dense weights") from e
 
 
 def _load_shadow(mc: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,

@@ -1,0 +1,143 @@
+"""`--quantization`: the format the worker holds its linear weights in.
+
+- auto: dense weights in --dtype, plus a GGUF file's own blocks for steps of at most
+  --quant-max-rows rows (the cpu backend's attach: LlamaForCausalLM.use_quantized).
+- none: dense weights only.
+- gguf: every linear weight the file stores quantized (and the embedding / tied LM head)
+  is held only as the file's blocks and computes on them at every batch size; weights the
+  file stores as floats stay dense in --dtype.
+- int8: every linear weight, from any checkpoint, quantized per output channel at load
+  (symmetric, one float32 scale per row); a tied embedding / LM head too. No dense copies.
+
+The quantized-only layers (Linear.set_quant_only, QuantEmbedding) keep meta Parameters in
+place of their weights, so `named_parameters()` keeps its names and shapes for every caller
+(weight updates, LoRA targets) while nothing dense is resident.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from services.worker.model.linear import Linear
+from services.worker.model.quant_embedding import QuantEmbedding
+from services.worker.model.quant_parts import QuantLike, fuse
+
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+QUANT_ONLY = ("gguf", "int8")  # no dense copy of the quantized weights
+EMBED = "embed_tokens.weight"
+
+
+def check_quantization(mode: str, device: str) -> None:
+    """ValueError unless mode is a known --quantization usable on device."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+    if mode in QUANT_ONLY and torch.device(device).type != "cpu":
+        raise ValueError(f"--quantization {mode} computes with the CPU kernels (kernels/quant_gemv.py); "
+                         f"on {device} use --quantization auto or none")
+
+
+def linear_sources(model: nn.Module) -> Iterator[tuple[Linear, list[str]]]:
+    """Each dense linear of a Llama-family decoder with the HF names (without `model.`) it
+    fuses, in row order: qkv ← q, k, v; gate_up ← gate, up; o, down; an untied LM head."""
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        yield attn.qkv_proj, [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
+        yield attn.o_proj, [f"{p}self_attn.o_proj.weight"]
+        if isinstance(getattr(mlp, "gate_up_proj", None), Linear):  # sparse MoE experts are not Linears
+            yield mlp.gate_up_proj, [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]
+            yield mlp.down_proj, [f"{p}mlp.down_proj.weight"]
+    if not model.config.tie_word_embeddings:
+        yield model.lm_head, ["lm_head.weight"]
+
+
+def _strip(quantized: dict) -> dict:
+    return {k.removeprefix("model."): v for k, v in quantized.items()}
+
+
+def file_blocks_plan(model: nn.Module, quantized: dict, only: set[str] | None = None) -> dict[str, QuantLike]:
+    """--quantization gguf: module name → the blocks it will hold only, for every linear whose
+    weights the file stores quantized and for the embedding (a tied LM head follows it:
+    tie_quantized_head). quantized: HF name → QuantWeight. Parts in different formats fuse
+    into QuantParts. only: restrict to these module names, each of which must get blocks
+    (a weight update of a running model). ValueError saying what to do otherwise."""
+    if not quantized:
+        raise ValueError("--quantization gguf computes on a GGUF file's quantized blocks, and these weights have "
+                         "none: give a quantized .gguf (radixmesh quantize makes one), or use --quantization int8 "
+                         "or auto")
+    q = _strip(quantized)
+    names = module_names(model)
+    plan: dict[str, QuantLike] = {}
+    for linear, sources in linear_sources(model):
+        parts = [q.get(n) for n in sources]
+        if all(p is not None for p in parts):
+            plan[names[id(linear)]] = fuse(parts)
+        elif any(p is not None for p in parts):
+            raise ValueError(f"--quantization gguf: {', '.join(sources)} are fused into one linear, but the file "
+                             f"stores only some of them quantized; use --quantization auto for this file")
+    if EMBED in q:
+        plan["embed_tokens"] = q[EMBED]
+    if only is not None:
+        missing = sorted(only - set(plan))
+        if missing:
+            raise ValueError(f"--quantization gguf: the new weights have no quantized blocks for {missing[:4]} "
+                             f"({len(missing)} modules held only as blocks)")
+        plan = {k: v for k, v in plan.items() if k in only}
+    return plan
+
+
+def int8_plan(model: nn.Module, only: set[str] | None = None) -> dict[str, QuantLike]:
+    """--quantization int8, from a model with its dense float32 weights loaded: module name →
+    its per-channel int8 weight, for every linear and a tied embedding (only: these names)."""
+    from kernels.quant_gemv import QuantWeight
+    names = module_names(model)
+    dense = [(names[id(linear)], linear.weight) for linear, _ in linear_sources(model)]
+    if model.config.tie_word_embeddings:
+        dense.append(("embed_tokens", model.embed_tokens.weight))
+    with torch.no_grad():
+        return {name: QuantWeight.int8_per_channel(w.detach().float()) for name, w in dense
+                if only is None or name in only}
+
+
+def apply_plan(model: nn.Module, plan: dict[str, QuantLike], kernel: ModuleType | None) -> None:
+    """Make each planned module hold only its quantized weight (the embedding becomes a
+    QuantEmbedding), then tie a tied LM head to the embedding's blocks."""
+    for name, quant in plan.items():
+        if name == "embed_tokens":
+            model.embed_tokens = QuantEmbedding(quant, model.embed_tokens.weight.dtype)
+        else:
+            model.get_submodule(name).set_quant_only(quant, kernel)
+    if model.lm_head is not None:
+        tie_quantized_head(model, kernel)
+
+
+def quant_only_modules(model: nn.Module) -> set[str]:
+    """Names of the modules holding only quantized weights (the tied LM head excluded: it follows
+    the embedding)."""
+    found = {name for name, m in model.named_modules() if isinstance(m, QuantEmbedding)
+             or (isinstance(m, Linear) and m.quant_only)}
+    return found - {"lm_head"} if model.config.tie_word_embeddings else found
+
+
+def module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
+
+
+def tie_quantized_head(model: nn.Module, kernel: ModuleType | None) -> None:
+    """After tie_lm_head: a tied head over a quantized-only embedding runs on its blocks."""
+    if model.config.tie_word_embeddings and isinstance(model.embed_tokens, QuantEmbedding):
+        model.lm_head.set_quant_only(model.embed_tokens.quant, kernel)
+
+
+def quant_only_refusal(model: nn.Module) -> str | None:
+    """Why the one-call decode stack cannot run this model's weights, or None: it reads a dense
+    embedding and one QuantWeight of a kernel-known format per linear."""
+    if isinstance(model.embed_tokens, QuantEmbedding):
+        return "the embedding is held only quantized (--quantization gguf/int8)"
+    mixed = [lin for lin in model.modules() if isinstance(lin, Linear) and lin.quant_only]
+    if mixed:
+        return f"{len(mixed)} linears hold only quantized weights (--quantization gguf/int8)"
+    return None
