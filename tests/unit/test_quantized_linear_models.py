@@ -112,3 +112,21 @@ def test_mixed_quantized_and_float_fused_parts_are_refused(tmp_path):
     with pytest.raises(ValueError, match="only some of them quantized"):
         ModelRunner(WorkerConfig(dtype="float32", page_size=PAGE, kv_cache_bytes=4 << 20, max_requests=4,
                                  quantization="gguf"), ckpt)
+
+
+def test_lora_adapters_run_on_quantized_only_linears(tmp_path):
+    """The adapter's deltas add to the blocks' output as they do to auto's on the same blocks."""
+    from services.worker.lora.random_adapter import make_random_adapter
+    from tests.unit.lora_fixtures import lora_runner, run_together
+    hf = tiny_hf(0)
+    path = write_gguf(hf, str(tmp_path / "m.gguf"), gguf.GGMLQuantizationType.Q8_0)
+    adapter = str(tmp_path / "adapter")
+    make_random_adapter(hf, adapter, rank=8, alpha=16.0)
+    requests = {"a": (list(range(3, 30)), "x"), "b": (list(range(40, 52)), "")}
+    chunks = {"a": [20], "b": [12]}
+    runs = [run_together(lora_runner(path, {"x": adapter}, **kw), requests, chunks)
+            for kw in (dict(quantization="gguf"), dict(quant_max_rows=64, decode_stack=False))]
+    for rid in requests:
+        assert same([row for _, row in runs[0][rid]], [row for _, row in runs[1][rid]]), rid
+    base = run_together(lora_runner(path, quantization="gguf"), {**requests, "a": (requests["a"][0], "")}, chunks)
+    assert not same([row for _, row in base["a"]], [row for _, row in runs[0]["a"]])  # the adapter counts

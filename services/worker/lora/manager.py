@@ -43,7 +43,7 @@ class LoraManager:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank, self._in_use = max_loras, max_rank, in_use
-        weight = model.embed_tokens.weight
+        weight = model.norm.weight  # always dense (the embedding may be held only quantized: --quantization)
         self.device = weight.device
         # The adapters' math runs in the model's dtype; in half precision on a CPU the slots'
         # matrices are prepacked for oneDNN (stacked.py), as the model's linears are.
