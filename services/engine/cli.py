@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
     spec = engine.runner.kv_spec
     logging.info("KV cache: %d KV pages x %d tokens = %d tokens of %s KV (%d bytes per token)", spec.num_pages,
                  spec.page_size, spec.capacity_tokens, spec.dtype_name, spec.bytes_per_token)
+    logging.info("weights: --quantization %s, %d bytes resident", cfg.worker.quantization, engine.runner.weight_bytes)
     if engine.limits.host_pages or engine.kvstore is not None:
         logging.info("hicache: %d host KV pages (%d on the device), kvstore %s", engine.limits.host_pages,
                      engine.limits.num_pages, cfg.hicache.kvstore_addr or "none")

@@ -75,7 +75,7 @@ class Engine:
         worker = worker or WorkerConfig(model=model)
         path = None if checkpoint and tokenizer else resolve_model_path(model or worker.model)
         self.tokenizer: TextTokenizer = tokenizer or load_tokenizer(path)
-        checkpoint = checkpoint or load_checkpoint(path)
+        checkpoint = checkpoint or load_checkpoint(path, worker.quantization)  # gguf: no float32 copy of the blocks
         self.runner = ModelRunner(worker, checkpoint)
         mc, spec = self.runner.model_config, self.runner.kv_spec
         eos = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))

@@ -109,7 +109,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         before = thread_ids() - {threading.get_native_id()}  # the event loop's and gRPC's threads
         path = resolve_model_path(self.config.model)
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, self.config.quantization)  # gguf: no float32 copy of the blocks
         runner = ModelRunner(self.config, checkpoint)
         lead_cpu = runner.backend.lead_cpu if isinstance(runner.backend, CpuBackend) else None
         if lead_cpu is not None:  # threads they start later inherit their CPUs

@@ -87,8 +87,8 @@ def _use_quantized(model: LlamaForCausalLM, config: WorkerConfig, checkpoint: Ch
     """--quantization auto: small steps on the file's quantized blocks (Linear.set_quant) where
     they exist, the device is a CPU and the kernel builds → the number of weights that got them.
     none: 0. gguf / int8: the model was built holding only its blocks (weight_format.py) → the
-    number of linears doing so."""
-    from services.worker.model.linear import Linear
+    number of weights held so (and any others the file has blocks for, for small steps)."""
+    from kernels import quant_gemv
     from services.worker.model.weight_format import QUANT_ONLY, quant_only_refusal
     if config.quantization == "none":
         return 0
@@ -96,10 +96,10 @@ def _use_quantized(model: LlamaForCausalLM, config: WorkerConfig, checkpoint: Ch
         refusal = quant_only_refusal(model)
         if refusal and config.decode_stack:
             log.info("one-call decode steps declined: %s; op by op", refusal)
-        return sum(1 for m in model.modules() if isinstance(m, Linear) and m.quant_only)
+        # counted as auto counts them (q, k, v: three); linears the file holds as floats stay dense
+        return model.use_quantized(checkpoint.quantized, config.quant_max_rows, quant_gemv.load())
     if not (config.quant_max_rows and checkpoint.quantized and torch.device(config.device).type == "cpu"):
         return 0
-    from kernels import quant_gemv
     kernel = quant_gemv.load()
     if kernel is None:
         return 0
