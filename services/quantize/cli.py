@@ -15,7 +15,8 @@ from services.quantize.formats import TYPES, check_type
 @dataclass(frozen=True)
 class QuantizeConfig:
     model: str | None = field(default=None, metadata={
-        "help": "the source: a .gguf file (any type gguf can dequantize); default: SmolLM2-135M-Instruct"})
+        "help": "the source: a .gguf file (any type gguf can dequantize) or an HF Llama directory (safetensors); "
+                "default: SmolLM2-135M-Instruct"})
     out: str = field(default="", metadata={"help": "the GGUF file to write"})
     type: str = field(default="Q4_K", metadata={"help": "the 2-D weights' format", "choices": list(TYPES)})
     embedding_type: str = field(default="Q8_0", metadata={
@@ -32,13 +33,10 @@ class QuantizeConfig:
 def convert(cfg: QuantizeConfig):
     """→ ConvertReport. ValueError for a source that is not a GGUF file."""
     src = resolve_model_path(cfg.model)
-    if os.path.isdir(src):
-        raise ValueError(f"{src} is a directory: this converter reads GGUF sources only (convert an HF "
-                         "checkpoint to GGUF with llama.cpp's convert_hf_to_gguf.py first, then requantize here)")
     if os.path.abspath(src) == os.path.abspath(cfg.out):
         raise ValueError("--out must differ from --model (the source is read while the output is written)")
-    from services.quantize.convert import convert_gguf
-    return convert_gguf(src, cfg.out, cfg.type, cfg.embedding_type)
+    from services.quantize.convert import convert_gguf, convert_hf
+    return (convert_hf if os.path.isdir(src) else convert_gguf)(src, cfg.out, cfg.type, cfg.embedding_type)
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,7 @@
-"""GGUF → GGUF in another weight format: every metadata key copied (tokenizer, chat template,
-architecture), every tensor dequantized to float32 and re-encoded (services/quantize/formats.py
-picks each one's type), written with `gguf.GGUFWriter`."""
+"""A checkpoint → GGUF in another weight format, written with `gguf.GGUFWriter`: from a GGUF every
+metadata key copied (tokenizer, chat template, architecture) and every tensor dequantized to float32
+and re-encoded; from an HF Llama directory what llama.cpp's converter would write, encoded the same
+way (services/quantize/formats.py picks each tensor's type)."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import gguf
+
 from services.common.gguf_reader import FastGGUFReader
 from services.quantize.formats import QType, encode, tensor_type
 
@@ -44,18 +46,30 @@ def convert_gguf(src: str, out: str, target: str, embedding: str) -> ConvertRepo
     """Re-encode GGUF file `src` into `out`: 2-D weights in `target`, the embedding/output head in
     `embedding`, 1-D tensors F32 (formats.tensor_type)."""
     reader = FastGGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(out, arch)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
     _copy_metadata(reader, writer)
+    tensors = ((t.name, gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)]))
+               for t in reader.tensors)  # float32, numpy shape (rows last), one at a time
+    return _write(writer, tensors, out, target, embedding)
+
+
+def convert_hf(src: str, out: str, target: str, embedding: str) -> ConvertReport:
+    """An HF Llama directory → GGUF `out`, as llama.cpp's converter lays it out (hf_source.py), encoded
+    as convert_gguf encodes."""
+    from services.quantize.hf_source import add_metadata, hf_tensors, read_config
+    raw = read_config(src)
+    writer = gguf.GGUFWriter(out, "llama")
+    add_metadata(writer, src, raw)
+    return _write(writer, iter(hf_tensors(src, raw).items()), out, target, embedding)
+
+
+def _write(writer: gguf.GGUFWriter, tensors, out: str, target: str, embedding: str) -> ConvertReport:
     writer.add_file_type(FILE_TYPES.get(target, 0))
     report = ConvertReport(out)
-    for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type)  # float32, numpy shape (rows last)
-        data = data.reshape([int(d) for d in reversed(t.shape)])
-        qtype = tensor_type(t.name, data.shape, target, embedding)
-        encoded = encode(data, qtype)
+    for name, data in tensors:
+        qtype = tensor_type(name, data.shape, target, embedding)
         # F32/F16 arrays carry their type; anything else is bytes the writer must be told the type of.
-        writer.add_tensor(t.name, encoded, raw_dtype=None if qtype in ("F32", "F16") else QType[qtype])
+        writer.add_tensor(name, encode(data, qtype), raw_dtype=None if qtype in ("F32", "F16") else QType[qtype])
         report.types[qtype] += 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

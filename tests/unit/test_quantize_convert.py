@@ -92,5 +92,3 @@ def test_refusals(source, tmp_path):
         QuantizeConfig(model=source, out="x.gguf", type="Q3_K")
     with pytest.raises(ValueError, match="must differ"):
         convert(QuantizeConfig(model=source, out=source))
-    with pytest.raises(ValueError, match="GGUF sources only"):
-        convert(QuantizeConfig(model=str(tmp_path), out=str(tmp_path / "o.gguf")))
