@@ -109,6 +109,11 @@ void item_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv
   for (int64_t e = 0; e < group * D; ++e) orow[e] = from_float<q_t>(of[e]);
 }
 
+// item_portable, or for FP8 KV with head_dim 64/128 on AVX512-BF16 CPUs item_fp8 (below).
+template <typename q_t, typename kv_t>
+void item_any(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
+              const int64_t* lens, int64_t i, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale, q_t* orow);
+
 template <typename q_t, typename kv_t>
 void run_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
                   const int64_t* lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
@@ -116,8 +121,7 @@ void run_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_
   const int64_t group = H / Hkv;
   radixmesh::parallel_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {  // (request, KV head) items
     for (int64_t i = begin; i < end; ++i)
-      item_portable(qp, q_row_stride, kp, vp, sp, lens, i, H, Hkv, D, L, scale,
-                    op + (i / Hkv * H + i % Hkv * group) * D);
+      item_any(qp, q_row_stride, kp, vp, sp, lens, i, H, Hkv, D, L, scale, op + (i / Hkv * H + i % Hkv * group) * D);
   });
 }
 
@@ -301,7 +305,150 @@ inline void run_bf16(const bf16* qp, int64_t q_row_stride, const bf16* kp, const
       item_bf16(qp, q_row_stride, kp, vp, sp, lens, i, H, Hkv, D, L, scale, op + (i / Hkv * H + i % Hkv * group) * D);
   });
 }
+
+// ---- FP8 KV on the same CPUs: float32 math, K/V widened in registers -----------------
+// 16 stored bytes -> 16 floats (unscaled), exactly as fp8.h's to_float.
+template <typename KV>
+inline __m512 widen_fp8x16(const KV* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  __m512 v;
+  if constexpr (std::is_same_v<KV, radixmesh::fp8_e4m3>) {
+    v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(mag, _mm512_set1_epi32(7))),
+                                     _mm512_set1_ps(0x1p-9f));
+    v = _mm512_mask_mov_ps(v, _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(8)), sub);
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
+                           _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+  } else {
+    const __m512i e = _mm512_srli_epi32(mag, 2), m = _mm512_and_si512(mag, _mm512_set1_epi32(3));
+    v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 21), _mm512_set1_epi32(112 << 23)));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(31)),
+                           _mm512_castsi512_ps(_mm512_or_si512(_mm512_set1_epi32(0x7F800000), _mm512_slli_epi32(m, 21))));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                           _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0x1p-16f)));
+  }
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+
+// One KV head and GB of its query heads, as attend_bf16 but with float32 q and the FP8 rows
+// widened in registers: q [GB, D] float, out [GB, D] float (unscaled by V's scale), scores
+// GB * ld floats. scale already includes K's scale.
+template <typename KV, int D, int GB>
+void attend_fp8(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
+                const int64_t* __restrict__ slots, int64_t len, int64_t slot_stride, float scale,
+                float* __restrict__ out, float* __restrict__ scores, int64_t ld) {
+  constexpr int C = D / 16;  // 16-float vectors per row
+  constexpr int64_t kAhead = 16;
+  __m512 qv[GB][C], vmax[GB];
+  for (int g = 0; g < GB; ++g) {
+    vmax[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + c * 16);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) __m512 part[GB][16];
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
+    for (int jj = 0; jj < n; ++jj) {
+      const int64_t j = j0 + jj;
+      if (j + kAhead < len) __builtin_prefetch(k + slots[j + kAhead] * slot_stride);
+      const KV* kr = k + slots[j] * slot_stride;
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = widen_fp8x16(kr + c * 16);
+      for (int g = 0; g < GB; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+        part[g][jj] = a;
+      }
+    }
+    for (int jj = n; jj < 16; ++jj)
+      for (int g = 0; g < GB; ++g) part[g][jj] = _mm512_setzero_ps();
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 sc = _mm512_mul_ps(reduce16(part[g]), vscale);
+      vmax[g] = _mm512_mask_max_ps(vmax[g], keep, vmax[g], sc);
+      _mm512_mask_storeu_ps(scores + g * ld + j0, keep, sc);
+    }
+  }
+  float inv_sum[GB];
+  for (int g = 0; g < GB; ++g) {
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[g]));
+    __m512 sum = _mm512_setzero_ps();
+    float* s = scores + g * ld;
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const __mmask16 keep = len - j0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j0)) - 1u);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j0), m));
+      sum = _mm512_mask_add_ps(sum, keep, sum, e);
+      _mm512_mask_storeu_ps(s + j0, keep, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) __builtin_prefetch(v + slots[j + kAhead] * slot_stride);
+    const KV* vr = v + slots[j] * slot_stride;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = widen_fp8x16(vr + c * 16);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * ld + j]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(acc[g][c], inv));
+  }
+}
+
+template <typename KV>
+using Fp8BlockFn = void (*)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t, float, float*,
+                            float*, int64_t);
+
+template <typename KV>
+inline Fp8BlockFn<KV> fp8_block_fn(int64_t D, int64_t gb) {
+  if (D == 64) {
+    static constexpr Fp8BlockFn<KV> fns[] = {attend_fp8<KV, 64, 1>, attend_fp8<KV, 64, 2>, attend_fp8<KV, 64, 3>,
+                                             attend_fp8<KV, 64, 4>};
+    return fns[gb - 1];
+  }
+  static constexpr Fp8BlockFn<KV> fns[] = {attend_fp8<KV, 128, 1>, attend_fp8<KV, 128, 2>};
+  return fns[gb - 1];
+}
+
+template <typename q_t, typename kv_t>
+void item_fp8(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
+              const int64_t* lens, int64_t i, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale, q_t* orow) {
+  const int64_t group = H / Hkv, max_block = D == 64 ? 4 : 2;
+  const int64_t b = i / Hkv, h = i % Hkv, len = lens[b], ld = (len + 15) / 16 * 16;
+  thread_local std::vector<float> scores, qf, of;
+  scores.resize(max_block * ld);
+  qf.resize(group * D);
+  of.resize(group * D);
+  const q_t* qr = qp + b * q_row_stride + h * group * D;
+  for (int64_t e = 0; e < group * D; ++e) qf[e] = to_float(qr[e]);
+  constexpr float ks = radixmesh::kv_scale<kv_t>(), vs = radixmesh::kv_scale<kv_t>();
+  for (int64_t g0 = 0; g0 < group; g0 += max_block) {
+    const int64_t gb = std::min(max_block, group - g0);
+    fp8_block_fn<kv_t>(D, gb)(qf.data() + g0 * D, kp + h * D, vp + h * D, sp + b * L, len, Hkv * D, scale * ks,
+                              of.data() + g0 * D, scores.data(), ld);
+  }
+  for (int64_t e = 0; e < group * D; ++e) orow[e] = from_float<q_t>(of[e] * vs);
+}
 #endif  // RADIXMESH_AVX512_BF16
+
+template <typename q_t, typename kv_t>
+void item_any(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
+              const int64_t* lens, int64_t i, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale, q_t* orow) {
+#ifdef RADIXMESH_AVX512_BF16
+  if constexpr (radixmesh::is_fp8_v<kv_t>) {
+    if (D == 64 || D == 128) return item_fp8(qp, q_row_stride, kp, vp, sp, lens, i, H, Hkv, D, L, scale, orow);
+  }
+#endif
+  item_portable(qp, q_row_stride, kp, vp, sp, lens, i, H, Hkv, D, L, scale, orow);
+}
 
 // One step's attention as a StepTeam kernel (step_team.h), items as above; q_t = S, kv_t = KV
 // (S, or an FP8 type). Everything it points at must outlive the team's late helpers.
@@ -323,7 +470,7 @@ struct AttentionTask {
       if (bf16_fast_path(D)) return item_bf16(q, q_stride, k, v, slots, lens, i, H, Hkv, D, L, scale, static_cast<S*>(o));
     }
 #endif
-    item_portable<S, KV>(q, q_stride, k, v, slots, lens, i, H, Hkv, D, L, scale, static_cast<S*>(o));
+    item_any<S, KV>(q, q_stride, k, v, slots, lens, i, H, Hkv, D, L, scale, static_cast<S*>(o));
   }
   void publish(int64_t i, const void* o) const {
     std::memcpy(out + (i / Hkv * H + i % Hkv * (H / Hkv)) * D, o, out_bytes());
