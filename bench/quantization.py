@@ -48,7 +48,7 @@ from services.worker.loader.checkpoint import load_checkpoint  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 
 PARTS = ("table", "capacity", "kv-speed", "weights")
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
 GATE = 1.01  # FP8 KV vs bf16 KV, int8 vs float32: at most +1% perplexity
 
 

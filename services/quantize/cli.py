@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from services.common.config import config_from_args, flags_from_dataclass
 from services.common.model_path import resolve_model_path
-from services.quantize.formats import TYPES, check_type
+from services.quantize.formats import TENSOR_TYPES, TYPES, check_type
 
 
 @dataclass(frozen=True)
@@ -18,16 +18,18 @@ class QuantizeConfig:
         "help": "the source: a .gguf file (any type gguf can dequantize) or an HF Llama directory (safetensors); "
                 "default: SmolLM2-135M-Instruct"})
     out: str = field(default="", metadata={"help": "the GGUF file to write"})
-    type: str = field(default="Q4_K", metadata={"help": "the 2-D weights' format", "choices": list(TYPES)})
+    type: str = field(default="Q4_K", metadata={
+        "help": "the 2-D weights' format, or a llama.cpp mix: Q4_K_M / Q5_K_M (the k-quant, with the embedding "
+                "and, in llama.cpp's choice of layers, attn_v and ffn_down at Q6_K)", "choices": list(TYPES)})
     embedding_type: str = field(default="Q8_0", metadata={
         "help": "the token embedding's (and a separate output head's) format: it is the LM head too when tied, "
-                "and the most sensitive weight (llama.cpp keeps it at Q6_K or above)", "choices": list(TYPES)})
+                "and the most sensitive weight (llama.cpp keeps it at Q6_K or above; a mix sets it to Q6_K)", "choices": list(TENSOR_TYPES)})
 
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("--out is required: the GGUF file to write")
         check_type(self.type)
-        check_type(self.embedding_type, "--embedding-type")
+        check_type(self.embedding_type, "--embedding-type", TENSOR_TYPES)
 
 
 def convert(cfg: QuantizeConfig):

@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 # Written by GGUFWriter itself (header counts, the architecture it was given) or changed here.
 _SKIPPED_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type"}
 # general.file_type (llama.cpp's LlamaFileType) of a file mostly in that type
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K": 15, "Q5_K": 17,
-              "Q6_K": 18, "BF16": 32}
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K": 14, "Q4_K_M": 15,
+              "Q5_K": 16, "Q5_K_M": 17, "Q6_K": 18, "BF16": 32}
 
 
 @dataclass
@@ -50,7 +50,8 @@ def convert_gguf(src: str, out: str, target: str, embedding: str) -> ConvertRepo
     _copy_metadata(reader, writer)
     tensors = ((t.name, gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)]))
                for t in reader.tensors)  # float32, numpy shape (rows last), one at a time
-    return _write(writer, tensors, out, target, embedding)
+    n_layers = 1 + max((int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.")), default=-1)
+    return _write(writer, tensors, out, target, embedding, n_layers)
 
 
 def convert_hf(src: str, out: str, target: str, embedding: str) -> ConvertReport:
@@ -60,14 +61,14 @@ def convert_hf(src: str, out: str, target: str, embedding: str) -> ConvertReport
     raw = read_config(src)
     writer = gguf.GGUFWriter(out, "llama")
     add_metadata(writer, src, raw)
-    return _write(writer, iter(hf_tensors(src, raw).items()), out, target, embedding)
+    return _write(writer, iter(hf_tensors(src, raw).items()), out, target, embedding, raw["num_hidden_layers"])
 
 
-def _write(writer: gguf.GGUFWriter, tensors, out: str, target: str, embedding: str) -> ConvertReport:
+def _write(writer: gguf.GGUFWriter, tensors, out: str, target: str, embedding: str, n_layers: int) -> ConvertReport:
     writer.add_file_type(FILE_TYPES.get(target, 0))
     report = ConvertReport(out)
     for name, data in tensors:
-        qtype = tensor_type(name, data.shape, target, embedding)
+        qtype = tensor_type(name, data.shape, target, embedding, n_layers)
         # F32/F16 arrays carry their type; anything else is bytes the writer must be told the type of.
         writer.add_tensor(name, encode(data, qtype), raw_dtype=None if qtype in ("F32", "F16") else QType[qtype])
         report.types[qtype] += 1

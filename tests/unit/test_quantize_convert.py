@@ -82,6 +82,24 @@ def test_types_follow_llama_cpp_fallbacks():
     assert tensor_type("blk.0.attn_q.weight", (576, 576), "Q5_K", "Q8_0") == "Q5_1"
     assert tensor_type("blk.0.attn_q.weight", (576, 576), "Q6_K", "Q8_0") == "Q8_0"
     assert tensor_type("blk.0.attn_q.weight", (8, 20), "Q4_0", "Q8_0") == "F16"  # no whole block of 32
+    # Q4_K_M: attn_v / ffn_down at Q6_K in the first and last eighth and every third layer between.
+    more = [i for i in range(30) if tensor_type(f"blk.{i}.ffn_down.weight", (576, 1536), "Q4_K_M", "Q8_0", 30) == "Q6_K"]
+    assert more == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+    assert tensor_type("blk.4.ffn_down.weight", (576, 1536), "Q4_K_M", "Q8_0", 30) == "Q4_K"
+    assert tensor_type("blk.0.attn_v.weight", (192, 576), "Q4_K_M", "Q8_0", 30) == "Q8_0"  # Q6_K's fallback
+    assert tensor_type("blk.4.attn_v.weight", (192, 576), "Q5_K_M", "Q8_0", 30) == "Q5_1"
+    assert tensor_type("output.weight", (256, 1024), "Q4_K_M", "Q8_0", 30) == "Q6_K"
+
+
+def test_q4_k_m_mix(source, tmp_path):
+    out = str(tmp_path / "tiny-Q4_K_M.gguf")
+    assert cli_main(["quantize", "--model", source, "--out", out, "--type", "Q4_K_M"]) == 0
+    kinds = {name: kind for name, (kind, _) in _tensors(out).items()}
+    assert kinds["token_embd.weight"] == "Q6_K"
+    assert kinds["blk.0.attn_v.weight"] == kinds["blk.0.ffn_down.weight"] == kinds["blk.0.attn_q.weight"] == "Q4_K"
+    assert kinds["blk.1.attn_v.weight"] == kinds["blk.1.ffn_down.weight"] == "Q6_K"  # the last eighth of 2
+    assert FastGGUFReader(out).fields["general.file_type"].contents() == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert _logits(out).isfinite().all()
 
 
 def test_refusals(source, tmp_path):
@@ -90,5 +108,7 @@ def test_refusals(source, tmp_path):
         QuantizeConfig(model=source)
     with pytest.raises(ValueError, match="--type must be one of"):
         QuantizeConfig(model=source, out="x.gguf", type="Q3_K")
+    with pytest.raises(ValueError, match="--embedding-type must be one of"):
+        QuantizeConfig(model=source, out="x.gguf", embedding_type="Q4_K_M")
     with pytest.raises(ValueError, match="must differ"):
         convert(QuantizeConfig(model=source, out=source))
