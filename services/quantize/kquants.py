@@ -9,10 +9,11 @@ Layouts (a super-block of QK_K = 256 values):
 - Q6_K, 210 bytes: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales, d (f16).
   Sub-block i (16 values): x = d * sc[i] * (q - 32), q in 0..63.
 
-The scale search: per sub-block, the min/max (asymmetric; Q6_K: the signed absmax) range, then one
-least-squares refit of scale and min on the chosen integers and a requantization with it; the
-sub-block scales (and mins) are then quantized to 6 (Q6_K: 8) bits against the super-block's f16
-d (and dmin). Simpler than llama.cpp's iterative search, within a few percent of its RMS error.
+The scale search: Q4_K/Q5_K try 21 scales across each sub-block's min/max range, assign integers at
+each, refit scale and min by least squares and keep the fit of least squared error (llama.cpp's
+make_qkx2_quants searches similarly, with weights); Q6_K takes the signed absmax (mapped to -32)
+and one least-squares refit. The sub-block scales (and mins) are then quantized to 6 (Q6_K: 8) bits
+against the super-block's f16 d (and dmin).
 """
 from __future__ import annotations
 
@@ -32,23 +33,37 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-def _affine_fit(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """x [n, S, 32] → per sub-block (scale a >= 0, min b >= 0) [n, S] with x ≈ a * q - b, q in 0..nmax:
-    the min/max range (min clamped to <= 0, as ggml does), then one least-squares refit."""
-    lo = np.minimum(x.min(-1), 0.0)
-    a = (x.max(-1) - lo) / nmax
-    b = -lo
-    q = np.clip(np.rint(_div(x + b[..., None], a[..., None])), 0, nmax)
+def _refit(x: np.ndarray, q: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares (a >= 0, b >= 0) of x ≈ a q - b per sub-block for fixed integers q [n, S, 32];
+    (a, b) kept where the fit degenerates."""
     n = x.shape[-1]
     sq, sx, sqq, sqx = q.sum(-1), x.sum(-1), (q * q).sum(-1), (q * x).sum(-1)
     det = n * sqq - sq * sq
     a_ls = _div(n * sqx - sq * sx, det)
-    b_ls = _div(sq * sqx - sqq * sx, det)  # the fit x ≈ a q - b
+    b_ls = _div(sq * sqx - sqq * sx, det)
     a_zero = _div(sqx, sqq)  # the fit with b = 0, for sub-blocks whose fitted min would be < 0
     ok = (det > 0) & (a_ls > 0)
-    a = np.where(ok, np.where(b_ls >= 0, a_ls, a_zero), a)
-    b = np.where(ok, np.maximum(b_ls, 0.0), b)
-    return a.astype(np.float32), b.astype(np.float32)
+    return np.where(ok, np.where(b_ls >= 0, a_ls, a_zero), a), np.where(ok, np.maximum(b_ls, 0.0), b)
+
+
+def _affine_fit(x: np.ndarray, nmax: int, steps: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    """x [n, S, 32] → per sub-block (scale a >= 0, min b >= 0) [n, S] with x ≈ a * q - b, q in 0..nmax:
+    over the min/max range (min clamped to <= 0, as ggml does), integers assigned at 2 * steps + 1
+    trial scales (range / (nmax + k / steps), k in -steps..steps), each refit by least squares; the
+    fit with the smallest squared error wins."""
+    lo = np.minimum(x.min(-1), 0.0)
+    span = x.max(-1) - lo
+    best_a, best_b = span / nmax, -lo
+    best_err = np.full(span.shape, np.inf, dtype=np.float32)
+    for k in range(-steps, steps + 1):
+        a0 = span / (nmax + k / steps)
+        q = np.clip(np.rint(_div(x - lo[..., None], a0[..., None])), 0, nmax)
+        a, b = _refit(x, q, a0, -lo)
+        q = np.clip(np.rint(_div(x + b[..., None], a[..., None])), 0, nmax)  # requantize on the refit
+        err = ((a[..., None] * q - b[..., None] - x) ** 2).sum(-1)
+        better = err < best_err
+        best_a, best_b, best_err = np.where(better, a, best_a), np.where(better, b, best_b), np.where(better, err, best_err)
+    return best_a.astype(np.float32), best_b.astype(np.float32)
 
 
 def _pack_scales_mins(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
