@@ -1,8 +1,6 @@
 """One harness run from its config: build the worker's runner (or engine), measure, tear down."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 from services.common.model_path import resolve_model_path
 from services.eval.agreement import AgreementResult, agreement, greedy_outputs, prompt_ids
 from services.eval.config import AgreementConfig, PerplexityConfig
@@ -50,5 +48,5 @@ def run_agreement(cfg: AgreementConfig, reference: list[list[int]] | None = None
     """`reference`: the reference's outputs when already computed (the bench shares them)."""
     if reference is None:
         reference = engine_outputs(reference_worker(cfg), cfg.new_tokens)
-    candidate = engine_outputs(replace(cfg.worker), cfg.new_tokens)
+    candidate = engine_outputs(cfg.worker, cfg.new_tokens)
     return agreement(reference, candidate, cfg.new_tokens)
