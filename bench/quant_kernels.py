@@ -4,6 +4,8 @@ linear shapes (kernels/quant_gemv.py):
 - batch 1 (the fused dot products), per format, vs bf16 F.linear on a oneDNN-prepacked weight
   (services/worker/model/linear.py's packed_linear: what the worker runs dense);
 - T = 64 and T = 1024 (the dequantized-tile path) vs the same dense bf16 matmul.
+--dense-dtype float32 compares with float32 instead (x float32 too): the dense path of a CPU
+without fast bf16, e.g. under RADIXMESH_CPU_ISA=avx2.
 
 Shapes [N, K]: 576x576 (o_proj), 1536x576 (gate or up), 576x1536 (down), 49152x576 (LM head).
 k-quants need K a multiple of 256, so only 576x1536 has them. Weights are random (the kernels'
@@ -50,28 +52,29 @@ def best_ms(fn, budget_s: float = 0.4, min_calls: int = 5) -> float:
     return min(times)
 
 
-def dense_bf16(N: int, K: int):
-    """The dense baseline: bf16 F.linear, prepacked for oneDNN where the CPU allows it."""
+def dense(N: int, K: int, dtype: torch.dtype):
+    """The dense baseline: F.linear in `dtype`, prepacked for oneDNN where the CPU allows it."""
     from services.worker.model.linear import packed_linear, prepack, prepack_refusal
-    w = (torch.randn(N, K) * 0.02).bfloat16()
-    if prepack_refusal(torch.bfloat16) is None:
+    w = (torch.randn(N, K) * 0.02).to(dtype)
+    if prepack_refusal(dtype) is None:
         packed = prepack(w)
         return lambda x: packed_linear(x, packed, None), "prepacked"
     return lambda x: F.linear(x, w), "F.linear"
 
 
-def run(shapes: list[tuple[int, int]], formats: list[str], rows: list[int]) -> None:
+def run(shapes: list[tuple[int, int]], formats: list[str], rows: list[int], dtype: torch.dtype) -> None:
     kernel = quant_gemv.load()
     print(f"# {cpu_isa.describe()}; fused path {kernel.fused_path()}, bf16 tiles {kernel.bf16_tiles()}, "
           f"{torch.get_num_threads()} threads")
-    print("| shape NxK | T | format | ms | dense bf16 ms | speed vs bf16 | resident bytes vs bf16 |")
+    name = str(dtype).removeprefix("torch.")
+    print(f"| shape NxK | T | format | ms | dense {name} ms | speed vs dense | resident bytes vs bf16 |")
     print("|---|---|---|---|---|---|---|")
     with torch.inference_mode():
         for N, K in shapes:
-            dense, how = dense_bf16(N, K)
+            base_fn, how = dense(N, K, dtype)
             for T in rows:
-                x = torch.randn(T, K).bfloat16()
-                base = best_ms(lambda: dense(x))
+                x = torch.randn(T, K).to(dtype)
+                base = best_ms(lambda: base_fn(x))
                 for name in formats:
                     f = FORMATS[name]
                     if K % (f.block or 32):
@@ -88,10 +91,12 @@ def main() -> None:
     ap.add_argument("--formats", default=ALL_FORMATS)
     ap.add_argument("--rows", default="1,64,1024")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dense-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the dense baseline's dtype, and x's (float32: what --dtype auto runs without fast bf16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    run(shapes, args.formats.split(","), [int(r) for r in args.rows.split(",")])
+    run(shapes, args.formats.split(","), [int(r) for r in args.rows.split(",")], getattr(torch, args.dense_dtype))
 
 
 if __name__ == "__main__":
