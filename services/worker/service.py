@@ -77,9 +77,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             "kv_pages_total": ("gauge", "KV pages in the pool", self.info.num_kv_pages),
             "kv_page_size": ("gauge", "tokens per KV page", self.info.page_size),
             "kv_capacity_tokens": ("gauge", "tokens the KV pool holds (pages x page size; its dtype: "
-                                   "worker_kv_cache_info)", self.info.num_kv_pages * self.info.page_size),
+                                   "kv_cache_info)", self.info.num_kv_pages * self.info.page_size),
             **self._grammar_metrics()}))
-        r.register(m.InfoCollector(lambda: self._model if self.info is not None else None, "worker_kv_cache",
+        r.register(m.InfoCollector(lambda: self._model if self.info is not None else None, "kv_cache",
                                    "the KV pool's storage dtype (--kv-cache-dtype resolved)",
                                    lambda: {"kv_dtype": self.info.kv_dtype}))
 

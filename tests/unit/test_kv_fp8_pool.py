@@ -146,3 +146,22 @@ def test_quantize_kv_keeps_model_dtypes_as_plain_casts():
     x = torch.randn(4, 2, 8)
     assert torch.equal(quantize_kv(x, torch.bfloat16), x.to(torch.bfloat16))
     assert quantize_kv(x, torch.float32) is not None and torch.equal(quantize_kv(x, torch.float32), x)
+
+
+def test_worker_info_and_metrics_name_the_kv_dtype_and_capacity():
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from services.worker.service import WorkerService, worker_info
+    config = WorkerConfig(dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    spec = KVPoolSpec(364, 16, 30, 3, 64, config.kv_torch_dtype)
+    runner = SimpleNamespace(model_config=_smollm2_shape(), kv_spec=spec, config=config, weights_version=0,
+                             max_draft_tokens=0, verify_rows=0, max_loras=0, loras=None)
+    info = worker_info(runner, (2,))
+    assert info.kv_dtype == "float8_e4m3fn" and info.dtype == "bfloat16"
+    service = WorkerService(config)
+    service.info, service._model = info, "SmolLM2"
+    text = generate_latest(service.registry).decode()
+    assert 'radixmesh:kv_capacity_tokens{model_name="SmolLM2"} 5824.0' in text
+    assert 'radixmesh:kv_cache_info{kv_dtype="float8_e4m3fn",model_name="SmolLM2"} 1.0' in text
