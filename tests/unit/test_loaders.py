@@ -267,9 +267,10 @@ def test_unsupported_architecture_and_quant_type(tmp_path) -> None:
     _write_gguf(tmp_path / "gpt2.gguf", "gpt2", source, Q.F32, heads=2, kv_heads=1)
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         load_checkpoint(str(tmp_path / "gpt2.gguf"))
-    # Q6_K: gguf can dequantize it but we have no round-trip test for it, so it is refused by name.
-    q6k = np.zeros((32, 210), dtype=np.uint8)  # 32 rows of one 256-element block
-    _write_gguf(tmp_path / "q6k.gguf", "llama", source, Q.F32, heads=2, kv_heads=1,
-                extra_tensors={"blk.0.extra.weight": (q6k, Q.Q6_K)})
-    with pytest.raises(ValueError, match="Q6_K"):
-        load_checkpoint(str(tmp_path / "q6k.gguf"))
+    # Q2_K: gguf can dequantize it but the quantized kernels have no such format (Q4_K, Q5_K and
+    # Q6_K they have: kernels.quant_gemv.QTYPES), so it is refused by name.
+    q2k = np.zeros((32, 84), dtype=np.uint8)  # 32 rows of one 256-element block
+    _write_gguf(tmp_path / "q2k.gguf", "llama", source, Q.F32, heads=2, kv_heads=1,
+                extra_tensors={"blk.0.extra.weight": (q2k, Q.Q2_K)})
+    with pytest.raises(ValueError, match="Q2_K"):
+        load_checkpoint(str(tmp_path / "q2k.gguf"))
