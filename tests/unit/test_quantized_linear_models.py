@@ -130,3 +130,20 @@ def test_lora_adapters_run_on_quantized_only_linears(tmp_path):
         assert same([row for _, row in runs[0][rid]], [row for _, row in runs[1][rid]]), rid
     base = run_together(lora_runner(path, quantization="gguf"), {**requests, "a": (requests["a"][0], "")}, chunks)
     assert not same([row for _, row in base["a"]], [row for _, row in runs[0]["a"]])  # the adapter counts
+
+
+def test_q4_k_m_file_runs_on_its_mixed_blocks(tmp_path):
+    """A Q4_K_M mix (radixmesh quantize): the last layer's attn_v is Q6_K beside Q4_K q and k, so
+    that qkv is held as parts; gguf equals auto on the same blocks and stays near dense float32."""
+    from services.quantize.convert import convert_hf
+    from services.worker.model.quant_parts import QuantParts
+    src, _ = save_hf(tmp_path, "src", 0, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                     num_key_value_heads=2)
+    path = str(tmp_path / "m.gguf")
+    convert_hf(src, path, "Q4_K_M", "Q8_0")
+    r = runner(path, "gguf")
+    qkv = [layer.self_attn.qkv_proj.quant for layer in r.model.layers]
+    assert qkv[0].qtype == "Q4_K" and isinstance(qkv[1], QuantParts) and qkv[1].qtype == "Q4_K+Q6_K"
+    auto = runner(path, "auto", quant_max_rows=64, decode_stack=False)
+    assert same(trace(r), trace(auto))
+    assert max_rel_diff(trace(r), trace(runner(path, "none"))) < 1e-4
