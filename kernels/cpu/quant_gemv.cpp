@@ -42,12 +42,24 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, s
                     m->size(1) == nb,
                 "m must be contiguous float32 [N, K/32]");
   if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [N]");
-  auto y = torch::empty({T, N}, x.options().dtype(at::kFloat));
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const float* mp = m ? m->data_ptr<float>() : nullptr;
   if (T > kMaxRows) {
-    tiled_matmul(qtype, q, d.data_ptr<float>(), mp, tile_input(x), N, y.data_ptr<float>());
-  } else if (T > 0) {
+    const torch::Tensor xt = tile_input(x);
+    // bfloat16 tiles, bf16 out, no bias: the GEMM's bf16 result is the answer (what rounding
+    // its float32 copy would give), written in place.
+    if (xt.scalar_type() == x.scalar_type() && x.scalar_type() != at::kFloat && !float_out && !bias) {
+      auto y = torch::empty({T, N}, x.options());
+      tiled_matmul(qtype, q, d.data_ptr<float>(), mp, xt, y);
+      return y;
+    }
+    auto y = torch::empty({T, N}, x.options().dtype(at::kFloat));
+    tiled_matmul(qtype, q, d.data_ptr<float>(), mp, xt, y);
+    if (bias) y.add_(bias->to(at::kFloat));
+    return float_out || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  }
+  auto y = torch::empty({T, N}, x.options().dtype(at::kFloat));
+  if (T > 0) {
     const torch::Tensor xf = x.to(at::kFloat).contiguous();
     quant_matmul(qtype, q, d.data_ptr<float>(), mp, xf.data_ptr<float>(), T, K, N, y.data_ptr<float>());
   }

@@ -481,18 +481,19 @@ inline void dequant_row(const uint8_t* __restrict__ qs, const float* __restrict_
   }
 }
 
-// Output rows per tile: about 512 KB of dequantized weights (a oneDNN call costs ~40 us, so
-// fewer, larger tiles), whole 16-row groups, at least one tile per thread.
+// Output rows per tile: about 1 MB of dequantized weights (a oneDNN call costs ~40 us, so
+// few, large tiles; still within L2), whole 16-row groups, at least one tile per thread.
 inline int64_t tile_rows(int64_t K, int64_t N) {
-  const int64_t want = std::clamp<int64_t>((int64_t{1} << 19) / (K * 2) / 16 * 16, 16, 512);
+  const int64_t want = std::clamp<int64_t>((int64_t{1} << 20) / (K * 2) / 16 * 16, 16, 1024);
   const int64_t per_thread = (N + at::get_num_threads() - 1) / std::max(1, at::get_num_threads());
   return std::max<int64_t>(16, std::min(want, (per_thread + 15) / 16 * 16));
 }
 
+// y [T, N] (float32, or x's dtype: then the GEMM writes it directly, no conversions) =
+// x [T, K] (dtype W) @ W^T, one tile of output rows per chunk.
 template <int64_t QT, typename W>
-void tiled(const uint8_t* qs, const float* d, const float* m, const at::Tensor& x /* [T, K], dtype W */,
-           int64_t N, float* y /* [T, N] */) {
-  const int64_t T = x.size(0), K = x.size(1), nb = K / kBlock;
+void tiled(const uint8_t* qs, const float* d, const float* m, const at::Tensor& x, at::Tensor& y) {
+  const int64_t T = x.size(0), K = x.size(1), N = y.size(1), nb = K / kBlock;
   const int64_t row_bytes = nb * qs_bytes(QT), ds = nb * scales_per_block(QT);
   const auto dtype = std::is_same_v<W, float> ? at::kFloat : at::kBFloat16;
   radixmesh::parallel_chunks(N, tile_rows(K, N), [&](int64_t begin, int64_t end) {
@@ -502,9 +503,9 @@ void tiled(const uint8_t* qs, const float* d, const float* m, const at::Tensor& 
     for (int64_t n = begin; n < end; ++n)
       dequant_row<QT, W>(qs + n * row_bytes, d + n * ds, has_m(QT) ? m + n * nb : nullptr, K, &buf[(n - begin) * K]);
     const at::Tensor tile = at::from_blob(buf.data(), {rows, K}, at::TensorOptions().dtype(dtype));
-    const at::Tensor out = at::mm(x, tile.t()).to(at::kFloat);  // [T, rows]: one thread (in a parallel region)
-    const float* o = out.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) std::memcpy(y + t * N + begin, o + t * rows, rows * sizeof(float));
+    at::Tensor part = y.narrow(1, begin, rows);  // [T, rows], row stride N; one thread (in a parallel region)
+    if (y.scalar_type() == dtype) at::mm_out(part, x, tile.t());
+    else part.copy_(at::mm(x, tile.t()));
   });
 }
 
@@ -514,12 +515,15 @@ inline at::Tensor tile_input(const at::Tensor& x) {
   return x.to(at::kFloat).contiguous();
 }
 
-// y [T, N] float32 = x [T, K] @ W^T through dequantized tiles (x: tile_input's result).
+// y [T, N] (float32, or x's dtype) = x [T, K] @ W^T through dequantized tiles (x: tile_input's result).
 inline void tiled_matmul(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const at::Tensor& x,
-                         int64_t N, float* y) {
+                         at::Tensor& y) {
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(0) && y.stride(1) == 1 &&
+                  (y.scalar_type() == at::kFloat || y.scalar_type() == x.scalar_type()),
+              "tiled_matmul: y must be [T, N], float32 or x's dtype, rows contiguous");
   dispatch(qtype, [&](auto qt) {
-    if (x.scalar_type() == at::kBFloat16) tiled<decltype(qt)::value, c10::BFloat16>(qs, d, m, x, N, y);
-    else tiled<decltype(qt)::value, float>(qs, d, m, x, N, y);
+    if (x.scalar_type() == at::kBFloat16) tiled<decltype(qt)::value, c10::BFloat16>(qs, d, m, x, y);
+    else tiled<decltype(qt)::value, float>(qs, d, m, x, y);
   });
 }
 
