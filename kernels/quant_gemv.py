@@ -8,6 +8,11 @@ values and needs no half-float or 6-bit scale decoding. `QuantWeight.dequantize`
 torch reference, bit-exact with `gguf.quants.dequantize`. `quant_linear` computes steps of
 at most FUSED_MAX_ROWS rows as fused dot products on the packed values and larger ones as
 dequantized tiles times a GEMM, inside one call: no dequantized copy of the weight is kept.
+
+A fused row's result never depends on the rows beside it (each output's order of operations
+is fixed), so a verify step's rows equal one-row decode steps'. The GEMM's sums are its own:
+the one-call decode stack (decode_stack.cpp) stays on the fused kernel at every batch size.
+Measurements: bench/quant_kernels.py, bench/results/quant_kernels-2026-12-03.md.
 """
 from __future__ import annotations
 

@@ -271,7 +271,8 @@ void rows_avx2(const uint8_t* __restrict__ qs, const float* __restrict__ d, cons
       const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       for (int n = 0; n < NR; ++n) {
         const __m256 mv = _mm256_maskload_ps(m + n * nb + b, keep);
-        for (int r = 0; r < R; ++r) acc[n][r] = _mm256_fmadd_ps(mv, _mm256_maskload_ps(xsum + r * nb + b, keep), acc[n][r]);
+        for (int r = 0; r < R; ++r)
+          acc[n][r] = _mm256_fmadd_ps(mv, _mm256_maskload_ps(xsum + r * nb + b, keep), acc[n][r]);
       }
     }
   }
@@ -466,10 +467,11 @@ inline void dequant_row(const uint8_t* __restrict__ qs, const float* __restrict_
     float f[kBlock];
 #if defined(RADIXMESH_AVX2)
     const __m256 mb = _mm256_set1_ps(has_m(QT) ? m[b] : 0.f);
-    _mm256_storeu_ps(f, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 0>(q), _mm256_set1_ps(d[b * S])), mb));
-    _mm256_storeu_ps(f + 8, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 1>(q), _mm256_set1_ps(d[b * S])), mb));
-    _mm256_storeu_ps(f + 16, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 2>(q), _mm256_set1_ps(d[b * S + S - 1])), mb));
-    _mm256_storeu_ps(f + 24, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 3>(q), _mm256_set1_ps(d[b * S + S - 1])), mb));
+    const __m256 d0 = _mm256_set1_ps(d[b * S]), d1 = _mm256_set1_ps(d[b * S + S - 1]);  // halves' scales
+    _mm256_storeu_ps(f, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 0>(q), d0), mb));
+    _mm256_storeu_ps(f + 8, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 1>(q), d0), mb));
+    _mm256_storeu_ps(f + 16, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 2>(q), d1), mb));
+    _mm256_storeu_ps(f + 24, _mm256_add_ps(_mm256_mul_ps(widen_quarter<QT, 3>(q), d1), mb));
 #else
     int32_t v[kBlock];
     decode<QT>(q, v);
