@@ -99,6 +99,8 @@ def part_table(models: Models, args) -> dict:
                                models.checkpoint(models.default, "auto"), models.tokenizer)
     out: dict = {"rows": {}}
     for name, (fmt, worker) in table_rows(args.formats).items():
+        if args.skip and name in args.skip:
+            continue
         path = models.path(fmt)
         worker = replace(worker, model=path, kv_cache_bytes=budget)
         ckpt = models.checkpoint(path, worker.quantization)
@@ -228,6 +230,8 @@ def part_weights(models: Models, args) -> dict:
     rows.update({fmt: (fmt, WorkerConfig(quantization="gguf")) for fmt in args.formats})
     prompts, out = prompts_of(args, args.requests), {}
     for name, (fmt, worker) in rows.items():
+        if name != "default" and (name in args.skip or f"gguf {name}" in args.skip or f"{name} weights" in args.skip):
+            continue
         path = models.path(fmt)
         worker = replace(worker, model=path, kv_cache_bytes=1 << 30, max_requests=args.requests)
         engine = Engine(worker=worker, scheduler=SchedulerConfig(max_running_requests=args.requests),
@@ -266,11 +270,13 @@ def main() -> int:
     ap.add_argument("--kv-budget-tokens", type=int, default=6144,
                     help="kv-speed: the KV budget in bf16 tokens (64 x (128 + 64) = 12288 needed: bf16 retracts)")
     ap.add_argument("--itl-tokens", type=int, default=64)
+    ap.add_argument("--skip", default="", help="table rows to leave out, comma-separated (e.g. 'int8 weights')")
     ap.add_argument("--workdir", help="where the re-quantized GGUFs go (default: a temporary directory)")
     ap.add_argument("--json", help="default: bench/results/quantization-<date>.json")
     args = ap.parse_args()
     args.formats = [f for f in args.formats.split(",") if f]
     args.corpora = [c for c in args.corpora.split(",") if c]
+    args.skip = {r.strip() for r in args.skip.split(",") if r.strip()}
     parts = [p for p in args.parts.split(",") if p]
     unknown = set(parts) - set(PARTS)
     if unknown:
