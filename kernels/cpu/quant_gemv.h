@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <cstring>
@@ -498,7 +499,9 @@ void tiled(const uint8_t* qs, const float* d, const float* m, const at::Tensor& 
   const int64_t T = x.size(0), K = x.size(1), N = y.size(1), nb = K / kBlock;
   const int64_t row_bytes = nb * qs_bytes(QT), ds = nb * scales_per_block(QT);
   const auto dtype = std::is_same_v<W, float> ? at::kFloat : at::kBFloat16;
+  const at::ThreadLocalState caller;  // inference mode and the rest, for the torch calls on pool threads
   radixmesh::parallel_chunks(N, tile_rows(K, N), [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard as_caller(caller);  // else writing an inference-mode y is refused (and throws)
     thread_local std::vector<W> buf;
     const int64_t rows = end - begin;
     buf.resize(rows * K);

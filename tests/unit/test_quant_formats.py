@@ -162,6 +162,25 @@ def test_many_rows_bfloat16(kernel, qtype):
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_many_rows_under_inference_mode_on_several_threads(kernel, dtype):
+    """The worker runs in inference mode: the tile path's torch calls on OpenMP's pool threads
+    must see it too (else writing the inference-mode output throws inside the parallel region)."""
+    qw = weight("Q4_K", 512, 256, seed=9)
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(9)).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        with torch.inference_mode():
+            got = [quant_gemv.quant_linear(x, qw, None, kernel), quant_gemv.quant_linear(x, qw, None, kernel, True),
+                   quant_gemv.quant_linear(x, qw, torch.zeros(512), kernel)]
+    finally:
+        torch.set_num_threads(threads)
+    want = [quant_gemv.quant_linear(x, qw, None, kernel), quant_gemv.quant_linear(x, qw, None, kernel, True),
+            quant_gemv.quant_linear(x, qw, torch.zeros(512), kernel)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_bf16_tiles_exactly_where_the_cpu_has_bf16_matmul(kernel):
     assert kernel.bf16_tiles() == cpu_isa.has_fast_bf16()
 
