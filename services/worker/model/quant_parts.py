@@ -82,6 +82,3 @@ def select_rows(w: QuantLike, rows: torch.Tensor) -> QuantLike:
         picked[f.name] = v[rows] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n else v
     return dataclasses.replace(w, **picked)
 
-
-def nbytes(w: QuantLike) -> int:
-    return w.nbytes
