@@ -283,7 +283,8 @@ def main() -> int:
         ap.error(f"unknown parts {sorted(unknown)}: choose from {PARTS}")
     models = Models(args.workdir or tempfile.mkdtemp(prefix="radixmesh-quant-bench-"))
     result = {"date": datetime.date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
-              "threads": torch.get_num_threads(), "args": {k: v for k, v in vars(args).items()}}
+              "threads": torch.get_num_threads(),
+              "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()}}
     runs = {"table": part_table, "capacity": part_capacity, "kv-speed": part_kv_speed, "weights": part_weights}
     for part in parts:
         print(f"== {part}", flush=True)
