@@ -226,8 +226,13 @@ def part_kv_speed(models: Models, args) -> dict:
 
 
 def part_weights(models: Models, args) -> dict:
+    # Each format twice: `gguf` (the blocks only, at every batch size: the least memory) and
+    # `auto` (dense bf16 for big steps, the file's blocks and the one-call decode stack for steps
+    # of <= --quant-max-rows rows: the format computed in its own format where that is faster).
     rows = {"default": (None, WorkerConfig()), "int8": (None, WorkerConfig(quantization="int8"))}
-    rows.update({fmt: (fmt, WorkerConfig(quantization="gguf")) for fmt in args.formats})
+    for fmt in args.formats:
+        rows[fmt] = (fmt, WorkerConfig(quantization="gguf"))
+        rows[f"{fmt} auto"] = (fmt, WorkerConfig(quantization="auto"))
     prompts, out = prompts_of(args, args.requests), {}
     for name, (fmt, worker) in rows.items():
         if name != "default" and (name in args.skip or f"gguf {name}" in args.skip or f"{name} weights" in args.skip):
@@ -245,7 +250,7 @@ def part_weights(models: Models, args) -> dict:
             engine.shutdown()
         base = out["default"]
         wb = out[name]["weight_bytes"]
-        print(f"  {name:8s} ITL {out[name]['itl_ms']:6.2f} ms ({base['itl_ms'] / out[name]['itl_ms']:.3f}x default's speed)"
+        print(f"  {name:12s} ITL {out[name]['itl_ms']:6.2f} ms ({base['itl_ms'] / out[name]['itl_ms']:.3f}x default's speed)"
               f"  {args.requests} concurrent {tps:7.1f} tok/s ({tps / base['tok_s']:.3f}x)"
               f"  weights {wb / 2**20 if wb else float('nan'):.1f} MiB", flush=True)
     return out

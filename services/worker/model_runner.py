@@ -428,7 +428,7 @@ def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.
     with torch.device("meta"):
         model = model_class(mc)(mc)
     model = model.to_empty(device=device)
-    kernel = _quant_kernel(quantization)
+    kernel = weight_format.quant_kernel(quantization)
     if quantization == "gguf":  # before loading: the blocks' dense tensors need not be in `tensors`
         weight_format.apply_plan(model, weight_format.file_blocks_plan(model, quantized or {}), kernel)
     model.load_hf_tensors(tensors)
@@ -440,14 +440,6 @@ def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.
     # The rope tables were never materialized on meta; they stay float32 in any dtype.
     model.rope = model.rope.__class__(mc).to(device)
     return model
-
-
-def _quant_kernel(quantization: str):
-    """The quantized-linear kernel for --quantization gguf/int8 (None otherwise)."""
-    if quantization not in ("gguf", "int8"):
-        return None
-    from kernels import quant_gemv
-    return quant_gemv.load()
 
 
 def _with_context(mc: ModelConfig, n: int) -> ModelConfig:

@@ -141,3 +141,12 @@ def quant_only_refusal(model: nn.Module) -> str | None:
     if mixed:
         return f"{len(mixed)} linears hold only quantized weights (--quantization gguf/int8)"
     return None
+
+
+def quant_kernel(quantization: str):
+    """The quantized-linear kernel for --quantization gguf/int8 (None otherwise). Imported here,
+    not in the runner, which stays free of CPU modules."""
+    if quantization not in ("gguf", "int8"):
+        return None
+    from kernels import quant_gemv
+    return quant_gemv.load()
