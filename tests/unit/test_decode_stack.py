@@ -290,3 +290,20 @@ def test_stack_on_every_format_is_bit_identical_to_op_by_op(checkpoint):
             assert torch.equal(g, w), (rids, step, float((g - w).abs().max()))
         assert torch.equal(stacked.pool.k, plain.pool.k) and torch.equal(stacked.pool.v, plain.pool.v)
         assert stacked.requests[rids[-1]].output_ids == plain.requests[rids[-1]].output_ids
+
+
+def test_int8_weights_run_on_the_stack_bit_identical_to_op_by_op(checkpoint):
+    """--quantization int8: the layers' per-channel int8 linears (and the file's Q8_0 head) run
+    on the one-call stack, and its logits and KV equal the op-by-op path's on the same weights."""
+    config = dict(dtype="float32", kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2, quantization="int8")
+    stacked = ModelRunner(WorkerConfig(**config, decode_stack=True), checkpoint)
+    plain = ModelRunner(WorkerConfig(**config, decode_stack=False), checkpoint)
+    assert stacked.model.decode_stack is not None and plain.model.decode_stack is None
+    assert stacked.model.layers[0].self_attn.qkv_proj.quant.qtype == "int8"
+    for rids in (["a"], ["a", "b"]):
+        for r in (stacked, plain):
+            r.reset()
+        got, want = _decode(stacked, rids, 4), _decode(plain, rids, 4)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), (rids, step, float((g - w).abs().max()))
+        assert torch.equal(stacked.pool.k, plain.pool.k) and torch.equal(stacked.pool.v, plain.pool.v)

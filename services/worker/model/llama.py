@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         team_spin_us: the step's loops run on a StepTeam whose idle helpers poll that long
         before sleeping (kernels/cpu/step_team.h); -1: on OpenMP. Declined (False) for a model
         whose math the stack lacks (decode_stack_refusal): the op-by-op path runs it."""
-        from kernels.quant_gemv import QTYPES, QuantWeight
+        from kernels.quant_gemv import QuantWeight
         from services.worker.model.weight_format import quant_only_refusal
         self.decode_stack, self.decode_stack_rows = None, 0
         if self.decode_stack_refusal() is not None or quant_only_refusal(self) is not None:
@@ -208,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
 
         def add(lin: Linear) -> int:
             q = lin.quant
-            return stack.add_linear(q.qs, q.d, q.m, QTYPES[q.qtype][0], lin.bias)
+            return stack.add_linear(q.qs, q.d, q.m, q.code, lin.bias)
 
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
