@@ -13,9 +13,11 @@
 //   add_linear(qs, d, m?, qtype, bias?) -> id      a split quantized weight (QuantWeight.code:
 //                                                   any format of kernels/quant_gemv.py)
 //   add_layer(input_norm [Hd], qkv, o, post_norm [Hd], gate_up, down)   ids from add_linear
-//   set_head(embed [V, Hd], final_norm [Hd], lm_head)
+//   set_head(embed [V, Hd], final_norm [Hd], lm_head)   embed [0, Hd]: no table (an embedding
+//                                                   held only quantized, QuantEmbedding)
 //   forward(input_ids [B], positions [B], page_table [N, P], rows [B], page_size,
-//           k_pool, v_pool [L, S, Hkv, D], logits_rows [R]) -> logits [R, V] float32
+//           k_pool, v_pool [L, S, Hkv, D], logits_rows [R], embedded [B, Hd]?) -> logits [R, V]
+//           float32; embedded: the rows the caller looked up (required without a table)
 // One query token per request at positions[b]: request b's pages are page_table[rows[b]];
 // each layer writes the token's K/V at its slot, then attends over positions
 // 0..positions[b]. Norm weights and the embedding share the model's dtype (float32, bfloat16
@@ -112,7 +114,8 @@ class DecodeStack {
     TORCH_CHECK(!layers_.empty(), "add the layers first");
     TORCH_CHECK(lm_head >= 0 && lm_head < static_cast<int64_t>(linears_.size()), "unknown linear id ", lm_head);
     const int64_t Hd = linears_[layers_[0].qkv].K;
-    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == Hd && embed.is_contiguous(), "embed must be [V, hidden]");
+    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == Hd && embed.is_contiguous(),
+                "embed must be [V, hidden] ([0, hidden]: no table, forward takes the embedded rows)");
     TORCH_CHECK(embed.scalar_type() == layers_[0].input_norm.scalar_type() &&
                     final_norm.scalar_type() == embed.scalar_type(),
                 "embed, norms must share the model's dtype");
@@ -125,7 +128,7 @@ class DecodeStack {
 
   torch::Tensor forward(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor page_table,
                         torch::Tensor rows, int64_t page_size, torch::Tensor k_pool, torch::Tensor v_pool,
-                        torch::Tensor logits_rows) {
+                        torch::Tensor logits_rows, std::optional<torch::Tensor> embedded) {
     TORCH_CHECK(embed_.defined(), "set_head first");
     const int64_t B = input_ids.size(0), L = static_cast<int64_t>(layers_.size());
     for (const auto* t : {&input_ids, &positions, &rows, &logits_rows})
@@ -142,7 +145,14 @@ class DecodeStack {
                     v_pool.scalar_type() == kv_type,
                 "the pool must have the model's dtype or an FP8 one");
     TORCH_CHECK(page_size >= 1 && k_pool.size(1) % page_size == 0, "the pool must hold whole pages");
-    check_indices(input_ids, embed_.size(0), "token id");
+    if (embedded) {  // the caller looked the rows up (an embedding held only quantized)
+      TORCH_CHECK(embedded->dim() == 2 && embedded->size(0) == B && embedded->size(1) == embed_.size(1) &&
+                      embedded->scalar_type() == embed_.scalar_type() && embedded->is_contiguous(),
+                  "embedded must be contiguous [B, hidden] in the model's dtype");
+    } else {
+      TORCH_CHECK(embed_.size(0) > 0, "no embedding table was set: pass the embedded rows");
+      check_indices(input_ids, embed_.size(0), "token id");
+    }
     check_indices(positions, std::min(cos_.size(0), page_table.size(1) * page_size), "position");
     check_indices(rows, page_table.size(0), "page-table row");
     check_indices(logits_rows, B, "logits row");
@@ -171,7 +181,7 @@ class DecodeStack {
     auto logits = torch::empty({logits_rows.size(0), linears_[lm_head_].N}, embed_.options().dtype(at::kFloat));
     if (B == 0) return logits;
     Step step{input_ids.data_ptr<int64_t>(), pos, slots, lens, new_slots.data(), Lk, B,
-              logits_rows.data_ptr<int64_t>(), logits_rows.size(0)};
+              logits_rows.data_ptr<int64_t>(), logits_rows.size(0), embedded ? embedded->data_ptr() : nullptr};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, embed_.scalar_type(), "decode_stack", [&] {
       if (kv_type == at::kFloat8_e4m3fn) run<scalar_t, radixmesh::fp8_e4m3>(step, k_pool, v_pool, logits);
       else if (kv_type == at::kFloat8_e5m2) run<scalar_t, radixmesh::fp8_e5m2>(step, k_pool, v_pool, logits);
@@ -343,6 +353,7 @@ class DecodeStack {
     int64_t Lk, B;
     const int64_t* logits_rows;
     int64_t R;
+    const void* embedded;  // [B, hidden] rows in the model's dtype, or null: look ids up in embed_
   };
 
   template <typename S, typename KV>
@@ -355,8 +366,12 @@ class DecodeStack {
     S* qkv = reinterpret_cast<S*>(persistent(qkv_, B * W * static_cast<int64_t>(sizeof(S))));  // attention reads it
     std::vector<float> tmp(Hd);
     const int64_t *ids = st.ids, *pos = st.pos, *ns = st.new_slots;
-    const S* embed = embed_.data_ptr<S>();
-    for (int64_t b = 0; b < B; ++b) std::memcpy(&x[b * Hd], embed + ids[b] * Hd, Hd * sizeof(S));
+    if (st.embedded != nullptr) {
+      std::memcpy(x.data(), st.embedded, B * Hd * sizeof(S));
+    } else {
+      const S* embed = embed_.data_ptr<S>();
+      for (int64_t b = 0; b < B; ++b) std::memcpy(&x[b * Hd], embed + ids[b] * Hd, Hd * sizeof(S));
+    }
     const float* cos = cos_.data_ptr<float>();
     const float* sin = sin_.data_ptr<float>();
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -427,6 +442,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_head", &DecodeStack::set_head)
       .def("forward", &DecodeStack::forward, "one decode step: token ids -> logits of logits_rows (float32)",
+           py::arg("input_ids"), py::arg("positions"), py::arg("page_table"), py::arg("rows"), py::arg("page_size"),
+           py::arg("k_pool"), py::arg("v_pool"), py::arg("logits_rows"), py::arg("embedded") = py::none(),
            py::call_guard<py::gil_scoped_release>())  // the worker's event loop runs meanwhile
       .def("linears_only", &DecodeStack::linears_only, "time the step's matmuls alone on B rows",
            py::arg("rows"), py::call_guard<py::gil_scoped_release>())

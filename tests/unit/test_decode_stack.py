@@ -292,14 +292,20 @@ def test_stack_on_every_format_is_bit_identical_to_op_by_op(checkpoint):
         assert stacked.requests[rids[-1]].output_ids == plain.requests[rids[-1]].output_ids
 
 
-def test_int8_weights_run_on_the_stack_bit_identical_to_op_by_op(checkpoint):
-    """--quantization int8: the layers' per-channel int8 linears (and the file's Q8_0 head) run
+@pytest.mark.parametrize("quantization,qtype", [("int8", "int8"), ("gguf", "Q4_1")])
+def test_quantized_only_weights_run_on_the_stack_bit_identical_to_op_by_op(checkpoint, quantization, qtype):
+    """--quantization int8 (the layers' per-channel int8 linears, the file's Q8_0 head) and gguf
+    (the file's blocks only; the embedding too, looked up in Python and handed to the stack) run
     on the one-call stack, and its logits and KV equal the op-by-op path's on the same weights."""
-    config = dict(dtype="float32", kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2, quantization="int8")
+    from services.worker.model.quant_embedding import QuantEmbedding
+    config = dict(dtype="float32", kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2,
+                  quantization=quantization)
     stacked = ModelRunner(WorkerConfig(**config, decode_stack=True), checkpoint)
     plain = ModelRunner(WorkerConfig(**config, decode_stack=False), checkpoint)
     assert stacked.model.decode_stack is not None and plain.model.decode_stack is None
-    assert stacked.model.layers[0].self_attn.qkv_proj.quant.qtype == "int8"
+    assert stacked.model.decode_stack_rows == 2  # --quant-max-rows, though quantized-only linears take any
+    assert stacked.model.layers[0].self_attn.qkv_proj.quant.qtype == qtype
+    assert isinstance(stacked.model.embed_tokens, QuantEmbedding) == (quantization == "gguf")
     for rids in (["a"], ["a", "b"]):
         for r in (stacked, plain):
             r.reset()

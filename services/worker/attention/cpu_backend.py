@@ -118,4 +118,4 @@ def _use_decode_stack(model: LlamaForCausalLM, config: WorkerConfig) -> bool:
         log.info("one-call decode steps declined for %s (%s): op by op", model.config.name, refusal)
         return False
     from kernels import decode_stack
-    return model.use_decode_stack(decode_stack.load(), config.step_team_spin_us)
+    return model.use_decode_stack(decode_stack.load(), config.step_team_spin_us, config.quant_max_rows)

@@ -17,6 +17,7 @@ from services.worker.attention.backend import LayerAttention
 from services.worker.model.config import ModelConfig
 from services.worker.model.layer_ops import LayerOps, TorchLayerOps, gelu_tanh_mul
 from services.worker.model.linear import Linear
+from services.worker.model.quant_embedding import QuantEmbedding
 from services.worker.model.rope import RotaryEmbedding
 
 
@@ -185,14 +186,15 @@ class LlamaForCausalLM(nn.Module):
         return [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          *_dense_linears(layer.mlp))]
 
-    def use_decode_stack(self, kernel, team_spin_us: int = 100) -> bool:
+    def use_decode_stack(self, kernel, team_spin_us: int = 100, max_rows: int | None = None) -> bool:
         """Run pure-decode steps of at most quant_max_rows rows as one C++ call
         (kernels/decode_stack.py: the same row kernels as the fused ops, the paged decode
         attention and the quantized linears, with no Python between them). Needs every
         linear, the LM head included, on quantized blocks (use_quantized); False otherwise.
         The stack reads the weights it was built from: call again after changing them.
         team_spin_us: the step's loops run on a StepTeam whose idle helpers poll that long
-        before sleeping (kernels/cpu/step_team.h); -1: on OpenMP. Declined (False) for a model
+        before sleeping (kernels/cpu/step_team.h); -1: on OpenMP. max_rows: at most this many rows
+        (--quant-max-rows; linears held only quantized have no limit of their own). Declined (False) for a model
         whose math the stack lacks (decode_stack_refusal): the op-by-op path runs it."""
         from kernels.quant_gemv import QuantWeight
         from services.worker.model.weight_format import quant_only_refusal
@@ -215,8 +217,9 @@ class LlamaForCausalLM(nn.Module):
             stack.add_layer(layer.input_layernorm.weight.detach(), add(attn.qkv_proj), add(attn.o_proj),
                             layer.post_attention_layernorm.weight.detach(), add(mlp.gate_up_proj),
                             add(mlp.down_proj))
-        stack.set_head(self.embed_tokens.weight.detach(), self.norm.weight.detach(), add(self.lm_head))
-        self.decode_stack, self.decode_stack_rows = stack, min(lin.quant_max_rows for lin in blocks)
+        stack.set_head(self._stack_embedding(), self.norm.weight.detach(), add(self.lm_head))
+        rows = min(lin.quant_max_rows for lin in blocks)  # quantized-only linears take any count
+        self.decode_stack, self.decode_stack_rows = stack, rows if max_rows is None else min(rows, max_rows)
         return True
 
     def decode_stack_refusal(self) -> str | None:
@@ -235,8 +238,16 @@ class LlamaForCausalLM(nn.Module):
         """One token per request through the decode stack (use_decode_stack), KV written.
         input_ids, positions, rows [B] int64: request b's pages are page_table[rows[b]]
         ([N, P] int64). → float32 logits [len(logits_rows), vocab]."""
+        embedded = self.embed_tokens(input_ids) if isinstance(self.embed_tokens, QuantEmbedding) else None
         return self.decode_stack.forward(input_ids, positions, page_table, rows, page_size, pool.k, pool.v,
-                                         logits_rows)
+                                         logits_rows, embedded)
+
+    def _stack_embedding(self) -> torch.Tensor:
+        """The table the decode stack looks token ids up in: the dense embedding, or, for one
+        held only quantized (QuantEmbedding), none ([0, hidden]): decode_step looks the rows up."""
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            return torch.empty(0, self.config.hidden_size, dtype=self.norm.weight.dtype)
+        return self.embed_tokens.weight.detach()
 
     def unpack_weights(self) -> None:
         unpack_linears(self)

@@ -135,10 +135,9 @@ def tie_quantized_head(model: nn.Module, kernel: ModuleType | None) -> None:
 
 
 def quant_only_refusal(model: nn.Module) -> str | None:
-    """Why the one-call decode stack cannot run this model's weights, or None: it reads a dense
-    embedding and one QuantWeight of a kernel-known format per linear."""
-    if isinstance(model.embed_tokens, QuantEmbedding):
-        return "the embedding is held only quantized (--quantization gguf)"
+    """Why the one-call decode stack cannot run this model's weights, or None: it takes one
+    QuantWeight of a kernel-known format per linear (a quantized-only embedding is looked up
+    in Python and handed to it: LlamaForCausalLM.decode_step)."""
     mixed = [lin for lin in model.modules() if isinstance(lin, Linear) and isinstance(lin.quant, QuantParts)]
     if mixed:
         return f"{len(mixed)} linears fuse parts in different formats"
