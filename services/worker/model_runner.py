@@ -285,13 +285,7 @@ class ModelRunner:
             logits = self.backend.one_call_step(step, self._computing)
             if logits is not None:
                 return logits, sampled
-        q_lens = [len(item.input_ids) for item in plan.items]
-        start = [item.start_pos for item in plan.items]
-        max_pages = -(-max(s + q for s, q in zip(start, q_lens)) // self.kv_spec.page_size)
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
-        layout = BatchLayout.build(q_lens, start, self.page_table[rows, :max_pages].to(self.device),
-                                   self.kv_spec.page_size)
-        self.backend.prepare(layout, self.pool)
+        layout = self._layout(plan, reqs)
         flat_ids = [t for item in plan.items for t in item.input_ids]
         input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)
         ends = torch.cumsum(layout.q_lens, 0) - 1
@@ -310,6 +304,18 @@ class ModelRunner:
         with self.loras.active(lora) if lora is not None else contextlib.nullcontext():
             return self.model(input_ids, meta, logits_indices.to(self.device)), sampled
 
+    def _layout(self, plan: StepPlan, reqs: list) -> BatchLayout:
+        """The step's batch layout (query lengths, positions, its rows of the page table),
+        prepared by the attention backend."""
+        q_lens = [len(item.input_ids) for item in plan.items]
+        start = [item.start_pos for item in plan.items]
+        max_pages = -(-max(s + q for s, q in zip(start, q_lens)) // self.kv_spec.page_size)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        layout = BatchLayout.build(q_lens, start, self.page_table[rows, :max_pages].to(self.device),
+                                   self.kv_spec.page_size)
+        self.backend.prepare(layout, self.pool)
+        return layout
+
     @torch.inference_mode()
     def prefill_logits(self, plan: StepPlan) -> torch.Tensor:
         """The accuracy harness's step (services/eval/perplexity.py): release and admit as execute()
@@ -323,13 +329,7 @@ class ModelRunner:
         reqs = [self.requests[item.rid] for item in plan.items]
         for req, item in zip(reqs, plan.items):
             self._append_pages(req, item.new_pages, item.reset_pages)
-        q_lens = [len(item.input_ids) for item in plan.items]
-        start = [item.start_pos for item in plan.items]
-        max_pages = -(-max(s + q for s, q in zip(start, q_lens)) // self.kv_spec.page_size)
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
-        layout = BatchLayout.build(q_lens, start, self.page_table[rows, :max_pages].to(self.device),
-                                   self.kv_spec.page_size)
-        self.backend.prepare(layout, self.pool)
+        layout = self._layout(plan, reqs)
         input_ids = torch.tensor([t for item in plan.items for t in item.input_ids], dtype=torch.int64,
                                  device=self.device)
         meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
