@@ -164,6 +164,24 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Each of GB score rows (ld apart, len long, its maximum in vmax[g]): p = exp(s - max) in
+// place, and 1 / sum(p) in inv_sum[g]. Shared by the bf16 and FP8 block kernels.
+template <int GB>
+inline void exp_in_place(float* scores, int64_t ld, int64_t len, const __m512* vmax, float* inv_sum) {
+  for (int g = 0; g < GB; ++g) {
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[g]));
+    __m512 sum = _mm512_setzero_ps();
+    float* s = scores + g * ld;
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const __mmask16 keep = len - j0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j0)) - 1u);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j0), m));
+      sum = _mm512_mask_add_ps(sum, keep, sum, e);
+      _mm512_mask_storeu_ps(s + j0, keep, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+}
+
 // 32 bf16 -> two 16-float vectors by interleaving zero below each value (exact). The
 // dimensions come out permuted per 128-bit lane: lo holds 8L+0..3, hi 8L+4..7 of lane L.
 inline void widen_bf16x32(const bf16* p, __m512& lo, __m512& hi) {
@@ -220,18 +238,7 @@ void attend_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const b
   }
   // 2. p = exp(s - max) in place; the 1/sum waits for the output.
   float inv_sum[GB];
-  for (int g = 0; g < GB; ++g) {
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[g]));
-    __m512 sum = _mm512_setzero_ps();
-    float* s = scores + g * ld;
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      const __mmask16 keep = len - j0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j0)) - 1u);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j0), m));
-      sum = _mm512_mask_add_ps(sum, keep, sum, e);
-      _mm512_mask_storeu_ps(s + j0, keep, e);
-    }
-    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
-  }
+  exp_in_place<GB>(scores, ld, len, vmax, inv_sum);
   // 3. out = (p · V) / sum, the accumulators in registers (lane-permuted, see widen_bf16x32).
   __m512 lo[GB][C], hi[GB][C];
   for (int g = 0; g < GB; ++g)
@@ -372,18 +379,7 @@ void attend_fp8(const float* __restrict__ q, const KV* __restrict__ k, const KV*
     }
   }
   float inv_sum[GB];
-  for (int g = 0; g < GB; ++g) {
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[g]));
-    __m512 sum = _mm512_setzero_ps();
-    float* s = scores + g * ld;
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      const __mmask16 keep = len - j0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j0)) - 1u);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j0), m));
-      sum = _mm512_mask_add_ps(sum, keep, sum, e);
-      _mm512_mask_storeu_ps(s + j0, keep, e);
-    }
-    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
-  }
+  exp_in_place<GB>(scores, ld, len, vmax, inv_sum);
   __m512 acc[GB][C];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
