@@ -165,6 +165,28 @@ def linear_step_seconds(shapes: LinearShapes, dtype: torch.dtype, batch: int, mo
         return best_of(lambda: fn(x), 10, warmup=3)
 
 
+def machine_limits(batch: int = 64, dtype_name: str = "bfloat16") -> dict:
+    """The two limits serving numbers are fractions of, measured now (seconds, in-process):
+    the linear-only step at `batch` rows in `dtype_name` through prepacked weights where the CPU
+    prepacks that dtype (else eager), as tokens/s; and the batch-1 floor, the step's weight bytes
+    (the checkpoint's quantized blocks where it has them: what the worker reads at batch 1) over the
+    measured read bandwidth."""
+    torch.manual_seed(0)
+    torch.set_flush_denormal(True)  # as main(): chained random matmuls must not run in denormals
+    ckpt = load_checkpoint(default_model_path())
+    shapes, dtype = LinearShapes.of(ckpt.config), DTYPES[dtype_name]
+    mode = "packed" if can_prepack(torch.empty(1, dtype=dtype)) else "eager"
+    step_s = linear_step_seconds(shapes, dtype, batch, mode, ckpt)
+    mem = memory_bandwidth()
+    weight_bytes = sum(q.nbytes for q in ckpt.quantized.values()) if ckpt.quantized \
+        else shapes.weight_params * dtype.itemsize
+    return {"linear_only": {"dtype": dtype_name, "mode": mode, "batch": batch, "step_ms": 1e3 * step_s,
+                            "tok_s": batch / step_s},
+            "memory": mem, "batch1_weight_bytes": weight_bytes,
+            "batch1_floor_ms": 1e3 * weight_bytes / (mem["read_gb_s"] * 1e9),
+            "torch_threads": torch.get_num_threads()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", default="1,16,64")

