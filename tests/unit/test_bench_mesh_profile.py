@@ -1,0 +1,83 @@
+"""bench/mesh_profile.py's pure parts: the phase clock's exclusive accounting and prefill/decode
+split (bench/phase_timers.py), the /proc parsers (bench/proc_cpu.py), and the two tables' rows."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import mesh_profile  # noqa: E402
+import proc_cpu  # noqa: E402
+from phase_timers import PhaseClock  # noqa: E402
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_clock_counts_exclusive_time_and_splits_matmuls_by_the_steps_tokens():
+    clock = PhaseClock()
+    matmul = clock.wrap("matmul", lambda: busy(0.02))
+    sample = clock.wrap("sampling", lambda: busy(0.01))
+
+    def execute(runner, plan):
+        busy(0.01)
+        matmul()
+        sample()
+    step = clock.wrap_step(execute)
+    # one prefill chunk of 3 tokens and one decode row: 3/4 of the matmul time is prefill's
+    plan = SimpleNamespace(items=[SimpleNamespace(input_ids=[1, 2, 3], verify=False),
+                                  SimpleNamespace(input_ids=[4], verify=False)])
+    step(None, plan)
+    s = clock.snapshot()
+    total = s["inclusive"]["step"]
+    assert s["seconds"]["prefill_matmul"] == pytest.approx(3 * s["seconds"]["decode_matmul"])
+    parts = s["seconds"]["step"] + s["seconds"]["prefill_matmul"] + s["seconds"]["decode_matmul"] + \
+        s["seconds"]["sampling"]
+    assert parts == pytest.approx(total)  # exclusive times add up to the step's
+    assert s["seconds"]["step"] < total - 0.025  # the matmul and sampling time is not the step's own
+    assert s["counters"] == {"steps": 1, "steps_with_prefill": 1, "prefill_tokens": 3, "decode_tokens": 1}
+    assert s["calls"] == {"matmul": 1, "sampling": 1, "step": 1}
+
+
+def test_a_verify_item_counts_as_decode():
+    clock = PhaseClock()
+    clock.wrap_step(lambda runner, plan: None)(None, SimpleNamespace(
+        items=[SimpleNamespace(input_ids=[1, 2, 3], verify=True)]))
+    assert clock.counters["prefill_tokens"] == 0 and clock.counters["decode_tokens"] == 3
+
+
+def test_proc_parsers():
+    line = "4242 (python -m (x)) S 17 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 3 0 1 2 3"
+    ppid, cpu = proc_cpu.parse_pid_stat(line)
+    assert ppid == 17 and cpu == pytest.approx(300 / proc_cpu.TICKS_PER_S)
+    busy_s, idle_s = proc_cpu.parse_machine_stat("cpu  100 5 50 800 20 3 2 10 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert busy_s == pytest.approx(170 / proc_cpu.TICKS_PER_S) and idle_s == pytest.approx(820 / proc_cpu.TICKS_PER_S)
+    assert proc_cpu.service_name(b"/v/python\0-m\0services.cli\0serve\0worker\0--port\0") == "worker"
+    assert proc_cpu.service_name(b"/v/python\0-m\0services.cli\0up\0") is None
+
+
+def test_worker_rows_add_up_to_the_wall_time():
+    before = {"seconds": {"decode_matmul": 1.0, "attention": 0.5}, "inclusive": {"rpc": 2.0}}
+    after = {"seconds": {"decode_matmul": 4.0, "attention": 1.5, "prefill_matmul": 2.0, "rpc": 0.25},
+             "inclusive": {"rpc": 9.0}}
+    rows = dict(mesh_profile.worker_rows(before, after, wall_s=10.0))
+    assert rows["decode matmuls"] == 3.0 and rows["prefill matmuls"] == 2.0 and rows["sampling"] == 0.0
+    assert rows["between steps (worker waits for a plan)"] == pytest.approx(3.0)  # 10 s wall, 7 s in steps
+
+
+def test_process_rows_add_up_to_the_machines_capacity():
+    rows = mesh_profile.process_rows({"gateway": 1.0, "worker": 10.0}, own_s=0.5, machine_busy_s=15.0,
+                                     machine_idle_s=5.0)
+    assert rows[0] == ("worker", 10.0)
+    d = dict(rows)
+    assert d["other processes"] == pytest.approx(3.5) and sum(d.values()) == pytest.approx(20.0)
+    text = mesh_profile.format_rows("t", rows, 20.0, "cpu s")
+    assert "50.0%" in text and "machine idle" in text
