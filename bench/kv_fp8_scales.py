@@ -1,4 +1,4 @@
-"""Which FP8 KV scale granularity (docs/quantization.md, FP8 KV cache): the real model's
+"""Which FP8 KV scale and rotation (docs/quantization.md, FP8 KV cache): the real model's
 log-likelihood of a text through chunked prefill (each chunk attends over the KV the earlier
 chunks left in the pool), with the pool's K/V rounded through FP8 under each scale scheme.
 
@@ -6,9 +6,10 @@ chunks left in the pool), with the pool's K/V rounded through FP8 under each sca
 
 Schemes: one scale for every layer (the pool stores fp8(x / scale)) at 1, 1/4, 1/16, and
 per-token-per-head scales (amax / the format's max, which would cost 4 bytes per head per
-token beside the page). The rounding is simulated on a bfloat16 pool (quantize then widen),
+token beside the page); then some of them with each row Hadamard-rotated before rounding and
+rotated back after (what the worker stores: kernels/kv_fp8.py). The rounding is simulated on a bfloat16 pool (quantize then widen),
 so every scheme runs the same kernels. Then the worker's own FP8 pools (--kv-cache-dtype),
-which must reproduce their scheme's number. Prints perplexity and its change against
+which must reproduce their rotated scheme's number. Prints perplexity and its change against
 bfloat16 KV, and the largest |K|, |V| seen.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.kv_fp8 import hadamard_rotate
 from services.engine.engine import Engine
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
@@ -30,11 +32,13 @@ _original_write = KVPool.write
 amax = {"k": 0.0, "v": 0.0}
 
 
-def fake_write(fmt: torch.dtype | None, per_token: bool, scale: float = 1.0):
+def fake_write(fmt: torch.dtype | None, per_token: bool, scale: float = 1.0, rotated: bool = False):
     def write(self, layer, slots, k, v):
         amax["k"] = max(amax["k"], float(k.abs().max()))
         amax["v"] = max(amax["v"], float(v.abs().max()))
-        if fmt is not None:
+        if fmt is not None and rotated:
+            k, v = (hadamard_rotate(round_trip(hadamard_rotate(x.float()), fmt, per_token, scale)) for x in (k, v))
+        elif fmt is not None:
             k, v = (round_trip(x.float(), fmt, per_token, scale) for x in (k, v))
         _original_write(self, layer, slots, k, v)
     return write
@@ -79,12 +83,17 @@ def main() -> None:
     engine = Engine(worker=config)
     ids = engine.tokenizer.encode(text)[:args.tokens]
     base = None
-    for name, fmt, per_token, scale in [
-            ("bfloat16 KV", None, False, 1.0),
-            ("e4m3, one scale 1", "e4m3", False, 1.0), ("e4m3, one scale 1/4", "e4m3", False, 0.25),
-            ("e4m3, one scale 1/16", "e4m3", False, 1 / 16), ("e4m3, per-token/head scale", "e4m3", True, 1.0),
-            ("e5m2, one scale 1", "e5m2", False, 1.0), ("e5m2, per-token/head scale", "e5m2", True, 1.0)]:
-        KVPool.write = fake_write(FORMATS.get(fmt), per_token, scale)
+    for name, fmt, per_token, scale, rotated in [
+            ("bfloat16 KV", None, False, 1.0, False),
+            ("e4m3, one scale 1", "e4m3", False, 1.0, False), ("e4m3, one scale 1/4", "e4m3", False, 0.25, False),
+            ("e4m3, one scale 1/16", "e4m3", False, 1 / 16, False),
+            ("e4m3, per-token/head scale", "e4m3", True, 1.0, False),
+            ("e4m3, rotated, one scale 1/4", "e4m3", False, 0.25, True),
+            ("e4m3, rotated, one scale 1/16", "e4m3", False, 1 / 16, True),
+            ("e4m3, rotated, per-token/head", "e4m3", True, 1.0, True),
+            ("e5m2, one scale 1", "e5m2", False, 1.0, False), ("e5m2, per-token/head scale", "e5m2", True, 1.0, False),
+            ("e5m2, rotated, one scale 1", "e5m2", False, 1.0, True)]:
+        KVPool.write = fake_write(FORMATS.get(fmt), per_token, scale, rotated)
         ppl = perplexity(engine, ids, args.chunk)
         base = base or ppl
         print(f"{name:34s} ppl {ppl:9.4f}  {100 * (ppl / base - 1):+.3f}%", flush=True)

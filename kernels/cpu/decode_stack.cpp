@@ -329,7 +329,7 @@ class DecodeStack {
   }
 
   // The step's K/V rows (in qkv [B, W] at columns H*D and (H+Hkv)*D) into the pool at their
-  // new slots: copied, or for an FP8 pool rounded to it (fp8.h's to_kv, torch's rounding).
+  // new slots: copied, or for an FP8 pool rotated and rounded to it (fp8.h, torch's rounding).
   template <typename S, typename KV>
   void write_kv(const S* qkv, int64_t W, const int64_t* ns, int64_t B, KV* k, KV* v) const {
     const int64_t kv_row = Hkv_ * D_;
@@ -340,9 +340,15 @@ class DecodeStack {
         std::memcpy(k + ns[b] * kv_row, kr, kv_row * sizeof(S));
         std::memcpy(v + ns[b] * kv_row, vr, kv_row * sizeof(S));
       } else {
+        thread_local std::vector<float> kf, vf;
+        kf.resize(kv_row);
+        vf.resize(kv_row);
+        for (int64_t e = 0; e < kv_row; ++e) kf[e] = to_float(kr[e]), vf[e] = to_float(vr[e]);
+        radixmesh::rotate_fp8_heads<KV>(kf.data(), Hkv_, D_);  // FP8 rows are stored rotated
+        radixmesh::rotate_fp8_heads<KV>(vf.data(), Hkv_, D_);
         for (int64_t e = 0; e < kv_row; ++e) {
-          k[ns[b] * kv_row + e] = radixmesh::to_kv<KV>(to_float(kr[e]));
-          v[ns[b] * kv_row + e] = radixmesh::to_kv<KV>(to_float(vr[e]));
+          k[ns[b] * kv_row + e] = radixmesh::to_kv<KV>(kf[e]);
+          v[ns[b] * kv_row + e] = radixmesh::to_kv<KV>(vf[e]);
         }
       }
     }

@@ -3,12 +3,15 @@
 // intermediates, so flush-to-zero modes cannot change a value), narrowing through c10's own
 // conversion, which is what torch's .to(float8) runs: the C++ and torch write paths store the
 // same bytes. A stored element means fp8 * kv_scale<T>(); the scales equal
-// services/worker/kv_pool.py's FP8_KV_SCALES (powers of two: scaling is exact).
+// kernels/kv_fp8.py's FP8_KV_SCALES (powers of two: scaling is exact). A stored FP8 row is
+// Hadamard-rotated first (hadamard_inplace, the butterflies kv_fp8.py's hadamard_rotate runs,
+// in the same order, so both round alike); readers rotate the query and the output instead.
 #pragma once
 
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -56,6 +59,30 @@ inline float to_float(fp8_e5m2 x) {
   uint32_t vb;
   std::memcpy(&vb, &v, sizeof vb);
   return bits_to_float(vb | sign);
+}
+
+// x [d] -> H x, H the orthonormal Sylvester Walsh-Hadamard matrix, per block of the largest
+// power of two dividing d (64 -> one block of 64); symmetric and its own inverse.
+inline void hadamard_inplace(float* x, int64_t d) {
+  const int64_t n = d & -d;
+  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+  for (float* y = x; y < x + d; y += n) {
+    for (int64_t h = 1; h < n; h *= 2)
+      for (int64_t i = 0; i < n; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = y[j], b = y[j + h];
+          y[j] = a + b;
+          y[j + h] = a - b;
+        }
+    for (int64_t e = 0; e < n; ++e) y[e] *= norm;
+  }
+}
+
+// `heads` rows of d, each rotated (hadamard_inplace) when T is an FP8 type; else untouched.
+template <typename T>
+inline void rotate_fp8_heads(float* x, int64_t heads, int64_t d) {
+  if constexpr (is_fp8_v<T>)
+    for (int64_t g = 0; g < heads; ++g) hadamard_inplace(x + g * d, d);
 }
 
 // A value to store: value / scale, rounded as torch rounds float -> float8.

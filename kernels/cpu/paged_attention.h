@@ -86,7 +86,8 @@ void attend_portable(const float* __restrict__ q, const kv_t* __restrict__ k, co
 }
 
 // Item i = (request b, KV head h) of a step: out [group, D] for the query heads sharing h.
-// An FP8 kv_t's scale folds into the score scale (K) and the output (V): exact, powers of two.
+// An FP8 kv_t's scale folds into the score scale (K) and the output (V): exact, powers of two;
+// its rotation is undone by rotating the query before and the output after (fp8.h).
 template <typename q_t, typename kv_t>
 void item_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
                    const int64_t* lens, int64_t i, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
@@ -97,6 +98,7 @@ void item_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv
   of.resize(group * D);
   const q_t* qr = qp + b * q_row_stride + h * group * D;
   for (int64_t e = 0; e < group * D; ++e) qf[e] = to_float(qr[e]);
+  radixmesh::rotate_fp8_heads<kv_t>(qf.data(), group, D);  // FP8 rows are stored rotated (fp8.h)
   constexpr float ks = radixmesh::kv_scale<kv_t>(), vs = radixmesh::kv_scale<kv_t>();
   auto call = [&](auto fn) {
     fn(qf.data(), kp + h * D, vp + h * D, sp + b * L, lens[b], group, D, Hkv * D, scale * ks, of.data(), scores);
@@ -106,6 +108,7 @@ void item_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv
   else call(attend_portable<kv_t, 0>);
   if constexpr (vs != 1.f)
     for (int64_t e = 0; e < group * D; ++e) of[e] *= vs;
+  radixmesh::rotate_fp8_heads<kv_t>(of.data(), group, D);  // back from the rotated space
   for (int64_t e = 0; e < group * D; ++e) orow[e] = from_float<q_t>(of[e]);
 }
 
@@ -425,12 +428,14 @@ void item_fp8(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* v
   of.resize(group * D);
   const q_t* qr = qp + b * q_row_stride + h * group * D;
   for (int64_t e = 0; e < group * D; ++e) qf[e] = to_float(qr[e]);
+  radixmesh::rotate_fp8_heads<kv_t>(qf.data(), group, D);  // the rows are stored rotated (fp8.h)
   constexpr float ks = radixmesh::kv_scale<kv_t>(), vs = radixmesh::kv_scale<kv_t>();
   for (int64_t g0 = 0; g0 < group; g0 += max_block) {
     const int64_t gb = std::min(max_block, group - g0);
     fp8_block_fn<kv_t>(D, gb)(qf.data() + g0 * D, kp + h * D, vp + h * D, sp + b * L, len, Hkv * D, scale * ks,
                               of.data() + g0 * D, scores.data(), ld);
   }
+  radixmesh::rotate_fp8_heads<kv_t>(of.data(), group, D);  // back from the rotated space
   for (int64_t e = 0; e < group * D; ++e) orow[e] = from_float<q_t>(of[e] * vs);
 }
 #endif  // RADIXMESH_AVX512_BF16

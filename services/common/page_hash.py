@@ -41,7 +41,7 @@ _PERSON = b"radixmesh-kv"  # blake2b personalization: keys never equal other bla
 def kv_layout(dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> str:
     """The KV layout string of a page [num_layers, 2, page_size, num_kv_heads, head_dim]
     of `dtype` (a torch dtype name such as "bfloat16", or an FP8 one with its scale,
-    "float8_e4m3fn*0.25": services/kvstore/page_codec.PageSpec.layout); part of the namespace,
+    "float8_e4m3fn*0.25+hadamard": services/kvstore/page_codec.PageSpec.layout); part of the namespace,
     so pages of two KV dtypes never share a key."""
     return f"{dtype}:L{num_layers}:KV2:H{num_kv_heads}:D{head_dim}"
 

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels.kv_fp8 import FP8_KV_SCALES
+from kernels.kv_fp8 import FP8_KV_ROTATION, FP8_KV_SCALES
 from services.common.page_hash import kv_layout
 
 
@@ -48,11 +48,12 @@ class PageSpec:
 
     @property
     def layout(self) -> str:
-        """The kv_layout string for this page's KeyNamespace: an FP8 page's names its format and
-        scale ("float8_e4m3fn*0.25"), so no page is ever read under another dtype or scale."""
+        """The kv_layout string for this page's KeyNamespace: an FP8 page's names its format,
+        scale and rotation ("float8_e4m3fn*0.25+hadamard"), so no page is ever read under
+        another dtype, scale or rotation."""
         name = str(self.dtype).removeprefix("torch.")
         if self.dtype in FP8_KV_SCALES:
-            name += f"*{FP8_KV_SCALES[self.dtype]:g}"
+            name += f"*{FP8_KV_SCALES[self.dtype]:g}+{FP8_KV_ROTATION}"
         return kv_layout(name, self.num_layers, self.num_kv_heads, self.head_dim)
 
 

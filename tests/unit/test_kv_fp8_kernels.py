@@ -29,17 +29,20 @@ def kernel():
 
 @pytest.mark.parametrize("dtype", FP8)
 def test_every_byte_widens_as_torch_does(kernel, dtype):
-    """One request per row of 64 bytes attending over that single row: the output is the row,
-    widened and scaled (softmax of one score is exactly 1), for all 256 byte values."""
-    v = torch.arange(256, dtype=torch.uint8).view(4, 1, 64).view(dtype)  # [S=4, Hkv=1, D=64]
+    """One request per byte value, attending over a single row that holds the byte in its
+    first element and zeros elsewhere: softmax of one score is exactly 1, and the rotation
+    back (kernels/kv_fp8.py) spreads x * scale as x * scale / 8 over all 64 outputs, exactly
+    (a power of two). So each output equals torch's widening, infinities, NaNs and
+    subnormals included."""
+    v = torch.zeros(256, 1, 64, dtype=torch.uint8)  # [S=256, Hkv=1, D=64]
+    v[:, 0, 0] = torch.arange(256, dtype=torch.uint8)
+    v = v.view(dtype)
     k = torch.zeros_like(v)
-    q = torch.randn(4, 1, 64)
-    slots = torch.arange(4, dtype=torch.int64)[:, None]  # [B=4, L=1]
-    out = paged_decode_cpu.paged_decode_attention(q, k, v, slots, torch.ones(4, dtype=torch.int64), 0.125)
-    expected = v.float() * FP8_KV_SCALES[dtype]
-    assert torch.equal(out.isnan(), expected.isnan())
-    finite = ~expected.isnan()
-    assert torch.equal(out[finite], expected[finite])  # bit-exact, infinities and subnormals included
+    q = torch.randn(256, 1, 64)
+    slots = torch.arange(256, dtype=torch.int64)[:, None]  # [B=256, L=1]
+    out = paged_decode_cpu.paged_decode_attention(q, k, v, slots, torch.ones(256, dtype=torch.int64), 0.125)
+    widened = v[:, :, :1].float() * FP8_KV_SCALES[dtype] / 8  # [256, 1, 1]
+    torch.testing.assert_close(out, widened.expand(-1, -1, 64), rtol=0, atol=0, equal_nan=True)
 
 
 def _paged_case(page_size: int, lens: list[int], hkv: int, d: int, seed: int):

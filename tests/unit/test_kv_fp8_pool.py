@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.kv_fp8 import hadamard_rotate
 from services.common.page_hash import KeyNamespace, PageHasher
 from services.kvstore.page_codec import PageSpec, decode_batch, encode
 from services.step.contract import DEVICE, HOST, STORE, KVCopy
@@ -50,9 +51,10 @@ def test_write_stores_torchs_rounding_of_the_scaled_rows(dtype):
     v = torch.randn(3, 2, 8)
     slots = torch.tensor([5, 0, 15])
     pool.write(1, slots, k, v)
-    scale = pool.spec.kv_scale
-    assert torch.equal(pool.k[1][slots].view(torch.uint8), (k.float() / scale).to(dtype).view(torch.uint8))
-    assert torch.equal(pool.v[1][slots].view(torch.uint8), (v / scale).to(dtype).view(torch.uint8))
+    scale = pool.spec.kv_scale  # rows stored rotated: fp8(H x / scale), kernels/kv_fp8.py
+    assert torch.equal(pool.k[1][slots].view(torch.uint8),
+                       (hadamard_rotate(k.float()) / scale).to(dtype).view(torch.uint8))
+    assert torch.equal(pool.v[1][slots].view(torch.uint8), (hadamard_rotate(v) / scale).to(dtype).view(torch.uint8))
     assert not pool.k[0].view(torch.uint8).any()  # other layers untouched
 
 
@@ -131,8 +133,8 @@ def test_page_identity_differs_by_kv_dtype():
     layouts = {dtype: PageSpec(30, 16, 3, 64, dtype).layout
                for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)}
     assert len(set(layouts.values())) == 4
-    assert layouts[torch.float8_e4m3fn] == "float8_e4m3fn*0.25:L30:KV2:H3:D64"
-    assert layouts[torch.float8_e5m2] == "float8_e5m2*1:L30:KV2:H3:D64"
+    assert layouts[torch.float8_e4m3fn] == "float8_e4m3fn*0.25+hadamard:L30:KV2:H3:D64"
+    assert layouts[torch.float8_e5m2] == "float8_e5m2*1+hadamard:L30:KV2:H3:D64"
     tokens = list(range(64))
     keys = {dtype: PageHasher(KeyNamespace("m:1", "0", "", 16, layout)).keys(tokens)
             for dtype, layout in layouts.items()}

@@ -5,7 +5,9 @@ items (one query token) and extend items (prefill chunks). Padding a decode
 item to a prefill chunk's length would waste most of the work of a mixed step.
 There is no loop over requests: gathers through slot matrices do the paging.
 An FP8 pool (--kv-cache-dtype) is gathered as bytes and widened to the query's dtype
-(times its scale, kernels/kv_fp8.py) before SDPA; the native decode kernel widens in place.
+(times its scale, kernels/kv_fp8.py) before SDPA. Its rows are stored Hadamard-rotated, so
+the query is rotated before and the output after (q.k = Hq.Hk; sum p Hv = H sum p v);
+the native decode kernel does the same in place.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import torch.nn.functional as F
 
 from services.worker.attention.backend import Attached, DecodeStep, LayerAttention
 from services.worker.attention.batch_layout import BatchLayout, slots_of
-from services.worker.kv_pool import KVPool, dequantize_kv, quantize_kv
+from kernels.kv_fp8 import hadamard_rotate, widen_kv
+from services.worker.kv_pool import KVPool, quantize_kv
 
 
 @dataclass
@@ -98,7 +101,8 @@ class TorchAttentionBackend:
     def _gather(self, layer: int, g: _Group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This group's K and V, [b, Hkv, Lk, D], copied into reused buffers: a fresh
         multi-MB tensor per layer costs page faults on every step. An FP8 pool's rows come
-        back widened to `dtype` (the query's); any other pool's in its own dtype."""
+        back widened to `dtype` (the query's) and still rotated (_rotated_query); any other
+        pool's in its own dtype."""
         b, lk = g.kv_slots.shape
         n = b * lk
         if self._kbuf is None or self._kbuf.shape[0] < n or self._kbuf.dtype != self.pool.k.dtype:
@@ -109,7 +113,7 @@ class TorchAttentionBackend:
         kg = torch.index_select(self.pool.k[layer], 0, flat, out=self._kbuf[:n])
         vg = torch.index_select(self.pool.v[layer], 0, flat, out=self._vbuf[:n])
         if self.pool.spec.is_fp8:
-            kg, vg = dequantize_kv(kg, dtype), dequantize_kv(vg, dtype)
+            kg, vg = widen_kv(kg, dtype), widen_kv(vg, dtype)
         return kg.view(b, lk, *kg.shape[1:]).transpose(1, 2), vg.view(b, lk, *vg.shape[1:]).transpose(1, 2)
 
     def _decode(self, layer: int, q: torch.Tensor, g: _Group, spec: LayerAttention, native,
@@ -125,23 +129,28 @@ class TorchAttentionBackend:
                 q, self.pool.k[layer], self.pool.v[layer], g.kv_slots, g.kv_lens, spec.scale, *extra)
         kg, vg = self._gather(layer, g, q.dtype)  # [B, Hkv, Lk, D]
         B, hkv = kg.shape[:2]
-        qg = q.view(B, hkv, -1, q.shape[-1]).to(kg.dtype)  # [B, Hkv, G, D]
+        qg = self._rotated(q).view(B, hkv, -1, q.shape[-1]).to(kg.dtype)  # [B, Hkv, G, D]
         o = _scores_softmax_v(qg, kg, vg, g.mask(spec.window), spec)  # mask [B, 1, 1, Lk]
-        return o.reshape(q.shape).to(q.dtype)
+        return self._rotated(o).reshape(q.shape).to(q.dtype)
+
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] in the FP8 pool's rotated space (or back: H is its own inverse), float32;
+        x itself for any other pool."""
+        return hadamard_rotate(x.float()) if self.pool.spec.is_fp8 else x
 
     def _attend(self, layer: int, q: torch.Tensor, g: _Group, spec: LayerAttention) -> torch.Tensor:
         b, lq = g.q_index.shape
         qg = q.index_select(0, g.q_index.flatten()).view(b, lq, *q.shape[1:]).transpose(1, 2)  # [b, H, Lq, D]
         kg, vg = self._gather(layer, g, q.dtype)  # [b, Hkv, Lk, D]
         mask = g.mask(spec.window)  # [b, 1, Lq, Lk]
-        qg = qg.to(kg.dtype)
+        qg = self._rotated(qg).to(kg.dtype)
         if spec.softcap is None:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=spec.scale, enable_gqa=True)
         else:  # the G query heads of a KV head as one more dimension: [b, Hkv, G, Lq, D]
             hkv = kg.shape[1]
             q5 = qg.view(b, hkv, -1, lq, qg.shape[-1])
             o = _scores_softmax_v(q5, kg.unsqueeze(2), vg.unsqueeze(2), mask.unsqueeze(2), spec).flatten(1, 2)
-        return o.transpose(1, 2).to(q.dtype)  # [b, Lq, H, D]
+        return self._rotated(o.transpose(1, 2)).to(q.dtype)  # [b, Lq, H, D]
 
 
 def _scores_softmax_v(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
