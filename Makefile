@@ -12,7 +12,7 @@ AVX2_ENV := RADIXMESH_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=A
 AVX2_TESTS := tests/unit/test_cpu_isa.py tests/unit/test_kernels_cpu.py tests/unit/test_quant_gemv.py tests/unit/test_quant_formats.py \
 	tests/unit/test_decode_stack.py tests/unit/test_layer_ops.py tests/unit/test_linear.py \
 	tests/unit/test_sampling.py tests/unit/test_token_bitmask_cpu.py tests/unit/test_model_tiny_configs.py tests/integration/test_engine_reference.py \
-	tests/unit/test_lora_stacked.py tests/unit/test_lora_parity.py \
+	tests/unit/test_lora_stacked.py tests/unit/test_lora_parity.py tests/unit/test_lora_kernel.py \
 	tests/unit/test_kv_fp8_kernels.py tests/unit/test_kv_fp8_pool.py tests/unit/test_quantized_linear.py tests/unit/test_quantized_linear_models.py
 
 .PHONY: setup test test-fast test-avx2 serve protos bench clean

@@ -37,6 +37,10 @@ class Padded:
 class LoraBatch:
     groups: tuple[tuple[int, Rows], ...]  # (slot, its rows of the step's [T, ...] activations)
     padded: Padded | None = None  # the same rows laid out for one batched matmul (several slots)
+    # The same rows for the fused kernel (kernels/lora_cpu.py): order int32 [n] the adapter rows
+    # grouped by slot, slot_groups int32 [G, 3] (slot, begin, end) into order.
+    order: torch.Tensor | None = None
+    slot_groups: torch.Tensor | None = None
 
 
 class LoraContext:
@@ -67,7 +71,20 @@ def group_rows(spans: list[tuple[int, int]], device: torch.device) -> LoraBatch 
         else:
             rows = torch.cat([torch.arange(lo, hi, dtype=torch.int64) for lo, hi in ranges]).to(device)
         groups.append((slot, rows))
-    return LoraBatch(tuple(groups), _padded(runs, device))
+    return LoraBatch(tuple(groups), _padded(runs, device), *_kernel_rows(runs, device))
+
+
+def _kernel_rows(runs: dict[int, list[tuple[int, int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ order int32 [n] (every adapter row, grouped by slot), slot_groups int32 [G, 3]."""
+    order: list[int] = []
+    slot_groups: list[list[int]] = []
+    for slot, ranges in runs.items():
+        begin = len(order)
+        for lo, hi in ranges:
+            order += range(lo, hi)
+        slot_groups.append([slot, begin, len(order)])
+    return (torch.tensor(order, dtype=torch.int32, device=device),
+            torch.tensor(slot_groups, dtype=torch.int32, device=device))
 
 
 def _padded(runs: dict[int, list[tuple[int, int]]], device: torch.device) -> Padded | None:

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from kernels import lora_cpu
 from services.worker.lora.adapter import AdapterError, LoraAdapter, check_name, load_adapter
 from services.worker.lora.batch import LoraBatch, LoraContext, group_rows
 from services.worker.lora.stacked import StackedLora
@@ -39,10 +40,13 @@ class LoraManager:
     """in_use(name): whether a live request runs under that adapter (unload is refused then)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int,
-                 in_use: Callable[[str], bool] = lambda name: False):
+                 in_use: Callable[[str], bool] = lambda name: False, fused_kernel: bool = True):
+        """fused_kernel: apply the adapters with the fused CPU kernel where it builds
+        (kernels/lora_cpu.py); False: the torch paths only (stacked.py)."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank, self._in_use = max_loras, max_rank, in_use
+        self.fused_kernel = fused_kernel
         weight = model.norm.weight  # always dense (the embedding may be held only quantized: --quantization)
         self.device = weight.device
         # The adapters' math runs in the model's dtype; in half precision on a CPU the slots'
@@ -111,9 +115,10 @@ class LoraManager:
 
     # --- hooks on the model ----------------------------------------------------------
     def _install_hooks(self) -> None:
+        kernel = lora_cpu.load() if self.fused_kernel and self.device.type == "cpu" else None
         for linear in self._linears:
             stack = StackedLora(linear.in_features, linear.out_features, self.max_loras, self.dtype, self.device,
-                                self.context)
+                                self.context, kernel)
             self._stacks[linear] = linear.lora = stack
 
     def _remove_hooks(self) -> None:

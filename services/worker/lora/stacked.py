@@ -7,24 +7,38 @@ then apply every segment of a fused linear (q, k and v of qkv_proj) for all the 
 zeros add exactly nothing, and a module the adapter does not target takes no columns at all. The
 stacks grow their width to the widest slot written, so memory follows the ranks in use rather
 than --max-lora-rank.
+
+With the fused CPU kernel built (kernels/lora_cpu.py) the slots are also held in its layout
+(fused.py) and every call it can take runs there: one call per linear for any mix of slots,
+where the torch paths below take a gather, two matmuls and a scatter; only one slot's long
+prefill chunk still runs on its prepacked matmuls, which win there. The torch paths stay the
+reference, and the fallback where the kernel cannot be built.
 """
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from services.worker.lora import fused
 from services.worker.lora.batch import LoraContext
 from services.worker.model.linear import can_prepack, packed_linear, prepack
 
 Segment = tuple[int, int, torch.Tensor, torch.Tensor]  # (lo, hi, A [r, in], scaled B [hi - lo, r])
+PACKED_MIN_ROWS = 512  # one slot's rows from which its prepacked matmuls run instead of the kernel
 
 
 class StackedLora:
     """The LoRA hook of one Linear (Linear.lora): `hook(x, y)` adds the active batch's deltas."""
 
     def __init__(self, in_features: int, out_features: int, num_slots: int, dtype: torch.dtype,
-                 device: torch.device, context: LoraContext):
+                 device: torch.device, context: LoraContext, kernel: ModuleType | None = None):
+        """kernel: lora_cpu.load()'s module, to hold the slots in its layout too and apply them
+        there (None: the torch paths only)."""
         self.context = context
+        self.fused = (fused.FusedSlots(in_features, out_features, num_slots, dtype, kernel)
+                      if fused.usable(kernel, dtype, device) else None)
         self.a = torch.zeros(num_slots, 0, in_features, dtype=dtype, device=device)  # [S, W, in]
         self.b = torch.zeros(num_slots, out_features, 0, dtype=dtype, device=device)  # [S, out, W]
         self.width = [0] * num_slots  # slot → the columns its adapter uses (0: none of this linear)
@@ -48,6 +62,8 @@ class StackedLora:
         self.width[slot] = width
         a, b = self.a[slot, :width], self.b[slot, :, :width]
         self.packed[slot] = (prepack(a), prepack(b)) if width and can_prepack(a) else None
+        if self.fused is not None:
+            self.fused.write(slot, segments)
 
     def clear(self, slot: int) -> None:
         with torch.inference_mode():  # the stacks may have been made on the step thread, in inference mode
@@ -55,6 +71,8 @@ class StackedLora:
             self.b[slot].zero_()
         self.width[slot] = 0
         self.packed[slot] = None
+        if self.fused is not None:
+            self.fused.clear(slot)
 
     def _grow(self, width: int) -> None:
         S, W, n_in = self.a.shape
@@ -68,6 +86,9 @@ class StackedLora:
         batch = self.context.batch
         if batch is None:
             return y
+        if (self.fused is not None and batch.order is not None and self.fused.applies(x, y)
+                and not self._packed_wins(batch)):
+            return self.fused.apply(x, y, batch)
         if batch.padded is not None:  # several slots: one batched matmul (measured 4x a loop of packed ones)
             return self._padded(x, y, batch.padded)
         for slot, rows in batch.groups:
@@ -85,6 +106,13 @@ class StackedLora:
             else:
                 y.index_add_(0, rows, delta)
         return y
+
+    def _packed_wins(self, batch) -> bool:
+        """One slot's many rows (a long prefill chunk): its two prepacked oneDNN matmuls (AMX where
+        the CPU has it) beat the kernel from about PACKED_MIN_ROWS rows (measured on this
+        project's CPU, single-threaded: even at 256 rows, 0.94x the kernel's time at 512)."""
+        return (len(batch.groups) == 1 and batch.order.shape[0] >= PACKED_MIN_ROWS
+                and self.packed[batch.groups[0][0]] is not None)
 
     def _padded(self, x: torch.Tensor, y: torch.Tensor, p) -> torch.Tensor:
         """Every slot of the step at once: x's adapter rows as [G, L, in], two batched matmuls with
