@@ -119,7 +119,10 @@ def measure(args) -> dict:
     from services.loadgen.cli import run_bench
     from services.loadgen.words import load_pool
 
-    timers = None if args.no_timers else tempfile.mktemp(prefix="mesh-phases-", suffix=".json")
+    timers = None
+    if not args.no_timers:  # the worker replaces this file with its snapshots
+        with tempfile.NamedTemporaryFile(prefix="mesh-phases-", suffix=".json", delete=False) as f:
+            timers = f.name
     env = dict(os.environ)
     if timers:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(BENCH, "phase_hook"), env.get("PYTHONPATH")]))
@@ -140,6 +143,8 @@ def measure(args) -> dict:
         cpu1, own1, (busy1, idle1) = cpu_snapshot(server.proc.pid, children)
         end = time.time()
         phases1 = fresh_snapshot(timers, end) if timers else None
+    if timers:
+        os.unlink(timers)
     summary = doc["runs"][0]["summary"]
     out = {"command": "radixmesh " + shlex.join(cmd[4:]), "workload": {
         "requests": cfg.num_prompts, "concurrency": cfg.max_concurrency, "input_len": cfg.input_len,
