@@ -9,7 +9,9 @@ import torch
 from kernels import lora_cpu
 from services.worker.config import WorkerConfig
 from services.worker.lora.batch import LoraContext, group_rows
+from services.worker.lora.random_adapter import make_random_adapter
 from services.worker.lora.stacked import StackedLora
+from tests.unit.lora_fixtures import lora_runner, run_together, save_tiny_llama
 
 MODULE = lora_cpu.load()
 pytestmark = pytest.mark.skipif(MODULE is None, reason="the CPU LoRA kernel cannot be built here")
@@ -142,3 +144,33 @@ def test_hook_on_the_kernel_matches_the_torch_path(dtype):
     untouched = [3, 4, 15, 16, 17]  # base rows and slot 3's (cleared) rows
     assert torch.equal(ours[untouched], base[untouched])
     assert not torch.equal(ours, base)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_kernel")
+    path, hf = save_tiny_llama(root / "base")
+    dirs = {n: make_random_adapter(hf, str(root / n), r, 2 * r, seed=i + 1)
+            for i, (n, r) in enumerate({"a": 8, "b": 16, "c": 5}.items())}
+    return path, dirs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_on_the_kernel_matches_the_torch_path(tiny, dtype):
+    """A mixed step (base rows, three adapters, one on two requests) and its decodes through the
+    model runner: the same logits on the kernel as on the torch paths (set_fused_kernel(False))."""
+    path, dirs = tiny
+    adapters = {"r0": "a", "r1": "", "r2": "b", "r3": "c", "r4": "a"}
+    requests = {rid: (torch.randint(0, 256, (7 + 3 * i,), generator=torch.Generator().manual_seed(i)).tolist(), ad)
+                for i, (rid, ad) in enumerate(adapters.items())}
+    chunks = {rid: [4 + i] for i, rid in enumerate(requests)}
+    results = []
+    for on in (True, False):
+        runner = lora_runner(path, dirs, dtype=dtype)
+        runner.loras.set_fused_kernel(on)
+        assert all((s.fused is not None) and s.use_fused == on for s in runner.loras._stacks.values())
+        results.append(run_together(runner, requests, chunks))
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=0.1, rtol=0.05)
+    for rid in requests:
+        for (p, ours), (_, want) in zip(*(r[rid] for r in results)):
+            torch.testing.assert_close(ours, want, **tol, msg=lambda m: f"{rid} position {p}: {m}")

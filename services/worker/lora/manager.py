@@ -40,13 +40,13 @@ class LoraManager:
     """in_use(name): whether a live request runs under that adapter (unload is refused then)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int,
-                 in_use: Callable[[str], bool] = lambda name: False, fused_kernel: bool = True):
-        """fused_kernel: apply the adapters with the fused CPU kernel where it builds
-        (kernels/lora_cpu.py); False: the torch paths only (stacked.py)."""
+                 in_use: Callable[[str], bool] = lambda name: False):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank, self._in_use = max_loras, max_rank, in_use
-        self.fused_kernel = fused_kernel
+        # Adapters run on the fused CPU kernel where it builds (kernels/lora_cpu.py), else on
+        # stacked.py's torch paths; set_fused_kernel(False) holds them to the torch paths.
+        self._fused_on = True
         weight = model.norm.weight  # always dense (the embedding may be held only quantized: --quantization)
         self.device = weight.device
         # The adapters' math runs in the model's dtype; in half precision on a CPU the slots'
@@ -115,11 +115,19 @@ class LoraManager:
 
     # --- hooks on the model ----------------------------------------------------------
     def _install_hooks(self) -> None:
-        kernel = lora_cpu.load() if self.fused_kernel and self.device.type == "cpu" else None
+        kernel = lora_cpu.load() if self.device.type == "cpu" else None
         for linear in self._linears:
             stack = StackedLora(linear.in_features, linear.out_features, self.max_loras, self.dtype, self.device,
                                 self.context, kernel)
+            stack.use_fused = self._fused_on
             self._stacks[linear] = linear.lora = stack
+
+    def set_fused_kernel(self, on: bool) -> None:
+        """Apply the adapters with the fused kernel (where it built) or on the torch paths only,
+        from the next step on (bench/lora.py compares the two in one run)."""
+        self._fused_on = on
+        for stack in self._stacks.values():
+            stack.use_fused = on
 
     def _remove_hooks(self) -> None:
         """With no adapter loaded the linears run exactly their base code, and the stacks are freed."""

@@ -39,6 +39,7 @@ class StackedLora:
         self.context = context
         self.fused = (fused.FusedSlots(in_features, out_features, num_slots, dtype, kernel)
                       if fused.usable(kernel, dtype, device) else None)
+        self.use_fused = True  # False: the torch paths even with the kernel (LoraManager.set_fused_kernel)
         self.a = torch.zeros(num_slots, 0, in_features, dtype=dtype, device=device)  # [S, W, in]
         self.b = torch.zeros(num_slots, out_features, 0, dtype=dtype, device=device)  # [S, out, W]
         self.width = [0] * num_slots  # slot → the columns its adapter uses (0: none of this linear)
@@ -86,7 +87,7 @@ class StackedLora:
         batch = self.context.batch
         if batch is None:
             return y
-        if (self.fused is not None and batch.order is not None and self.fused.applies(x, y)
+        if (self.fused is not None and self.use_fused and batch.order is not None and self.fused.applies(x, y)
                 and not self._packed_wins(batch)):
             return self.fused.apply(x, y, batch)
         if batch.padded is not None:  # several slots: one batched matmul (measured 4x a loop of packed ones)
@@ -119,7 +120,8 @@ class StackedLora:
         the slots' stacks (zero columns past a slot's width add exactly nothing), the real rows'
         deltas added back."""
         G = p.slots.shape[0]
-        a, b = (self.a, self.b) if p.all_slots else (self.a[p.slots], self.b[p.slots])  # [G, W, in], [G, out, W]
+        whole = p.all_slots and G == self.a.shape[0]  # the step uses every slot: the stacks as they are
+        a, b = (self.a, self.b) if whole else (self.a[p.slots], self.b[p.slots])  # [G, W, in], [G, out, W]
         xs = x.index_select(0, p.gather).to(a.dtype).view(G, p.length, -1)  # [G, L, in]
         h = torch.bmm(xs, a.transpose(1, 2))  # [G, L, W]
         delta = torch.bmm(h, b.transpose(1, 2)).view(G * p.length, -1)  # [G L, out]
