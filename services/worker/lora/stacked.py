@@ -10,9 +10,10 @@ than --max-lora-rank.
 
 With the fused CPU kernel built (kernels/lora_cpu.py) the slots are also held in its layout
 (fused.py) and every call it can take runs there: one call per linear for any mix of slots,
-where the torch paths below take a gather, two matmuls and a scatter; only one slot's long
-prefill chunk still runs on its prepacked matmuls, which win there. The torch paths stay the
-reference, and the fallback where the kernel cannot be built.
+where the torch paths below take a gather, two matmuls and a scatter, at every batch size: in
+bench/lora.py's 2-thread run even one slot's prefill chunks took 0.63x the LoRA time of its
+prepacked matmuls. The torch paths stay the reference (set_fused_kernel(False) runs them, so the
+slots stay prepacked) and the fallback where the kernel cannot be built.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from services.worker.lora.batch import LoraContext
 from services.worker.model.linear import can_prepack, packed_linear, prepack
 
 Segment = tuple[int, int, torch.Tensor, torch.Tensor]  # (lo, hi, A [r, in], scaled B [hi - lo, r])
-PACKED_MIN_ROWS = 512  # one slot's rows from which its prepacked matmuls run instead of the kernel
 
 
 class StackedLora:
@@ -87,8 +87,7 @@ class StackedLora:
         batch = self.context.batch
         if batch is None:
             return y
-        if (self.fused is not None and self.use_fused and batch.order is not None and self.fused.applies(x, y)
-                and not self._packed_wins(batch)):
+        if self.fused is not None and self.use_fused and batch.order is not None and self.fused.applies(x, y):
             return self.fused.apply(x, y, batch)
         if batch.padded is not None:  # several slots: one batched matmul (measured 4x a loop of packed ones)
             return self._padded(x, y, batch.padded)
@@ -107,13 +106,6 @@ class StackedLora:
             else:
                 y.index_add_(0, rows, delta)
         return y
-
-    def _packed_wins(self, batch) -> bool:
-        """One slot's many rows (a long prefill chunk): its two prepacked oneDNN matmuls (AMX where
-        the CPU has it) beat the kernel from about PACKED_MIN_ROWS rows (measured on this
-        project's CPU, single-threaded: even at 256 rows, 0.94x the kernel's time at 512)."""
-        return (len(batch.groups) == 1 and batch.order.shape[0] >= PACKED_MIN_ROWS
-                and self.packed[batch.groups[0][0]] is not None)
 
     def _padded(self, x: torch.Tensor, y: torch.Tensor, p) -> torch.Tensor:
         """Every slot of the step at once: x's adapter rows as [G, L, in], two batched matmuls with
