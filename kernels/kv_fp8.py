@@ -16,6 +16,7 @@ is exact.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -49,6 +50,20 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     return (y * hadamard_norm(n)).view(x.shape)
 
 
+def hadamard_matmul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] float32 → H x as one matmul with the block-diagonal H: hadamard_rotate's value
+    up to float32 summation order, several times faster on many rows; for readers, which need
+    no byte-exactness (the writers use hadamard_rotate)."""
+    d = x.shape[-1]
+    return torch.matmul(x, _hadamard_matrix(d))
+
+
+@functools.cache
+def _hadamard_matrix(d: int) -> torch.Tensor:
+    """[D, D] float32: the blocks of hadamard_rotate on the diagonal (symmetric)."""
+    return hadamard_rotate(torch.eye(d))
+
+
 def hadamard_norm(n: int) -> float:
     """1 / sqrt(n) computed in double, rounded to float32 (fp8.h's norm; exact for 64: 1/8)."""
     return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
@@ -76,4 +91,4 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Stored rows [..., D] → values in `dtype` (FP8: widened, times the scale, rotated back)."""
     if not is_fp8(x.dtype):
         return x.to(dtype)
-    return hadamard_rotate(widen_kv(x, torch.float32)).to(dtype)
+    return hadamard_matmul(widen_kv(x, torch.float32)).to(dtype)

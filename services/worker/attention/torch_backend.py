@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from services.worker.attention.backend import Attached, DecodeStep, LayerAttention
 from services.worker.attention.batch_layout import BatchLayout, slots_of
-from kernels.kv_fp8 import hadamard_rotate, widen_kv
+from kernels.kv_fp8 import hadamard_matmul, widen_kv
 from services.worker.kv_pool import KVPool, quantize_kv
 
 
@@ -136,7 +136,7 @@ class TorchAttentionBackend:
     def _rotated(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] in the FP8 pool's rotated space (or back: H is its own inverse), float32;
         x itself for any other pool."""
-        return hadamard_rotate(x.float()) if self.pool.spec.is_fp8 else x
+        return hadamard_matmul(x.float()) if self.pool.spec.is_fp8 else x
 
     def _attend(self, layer: int, q: torch.Tensor, g: _Group, spec: LayerAttention) -> torch.Tensor:
         b, lq = g.q_index.shape
