@@ -10,9 +10,8 @@ than --max-lora-rank.
 
 With the fused CPU kernel built (kernels/lora_cpu.py) the slots are also held in its layout
 (fused.py) and every call it can take runs there: one call per linear for any mix of slots,
-where the torch paths below take a gather, two matmuls and a scatter, at every batch size: in
-bench/lora.py's 2-thread runs even one slot's long prefill chunks ran faster on the kernel than
-on its prepacked matmuls (docs/benchmarks.md, issue 20). The torch paths stay the reference (set_fused_kernel(False) runs them, so the
+where the torch paths below take a gather, two matmuls and a scatter, at every batch size (one
+adapter's throughput included: bench/lora.py, docs/benchmarks.md issue 20). The torch paths stay the reference (set_fused_kernel(False) runs them, so the
 slots stay prepacked) and the fallback where the kernel cannot be built.
 """
 from __future__ import annotations
