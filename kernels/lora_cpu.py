@@ -60,7 +60,7 @@ def unpack_a(packed: torch.Tensor, n_in: int) -> torch.Tensor:
 def lora_apply_(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segs: torch.Tensor,
                 order: torch.Tensor, groups: torch.Tensor, module: ModuleType | None = None) -> None:
     """y[order[i]] += sum over the slot's segments of B[lo:hi, c0:c1] A[c0:c1] x[order[i]], in place.
-    x [T, in], y [T, out] one dtype; order int32 [n] rows grouped by slot; groups int32 [G, 3]
+    x [T, in], y [T, out] one dtype; order int32 [n] distinct rows grouped by slot; groups int32 [G, 3]
     (slot, begin, end) into order. Rows not in order are untouched."""
     module = module or load()
     if module is None:

@@ -19,7 +19,8 @@
 //      segment's rows (B is block-diagonal).
 //   segs: per slot, up to NSEG (lo, hi, c0, c1): output rows [lo, hi) take rank columns
 //      [c0, c1) (one module of a fused linear); an unused entry has hi == lo or c1 == c0.
-//   order: the adapter rows of x/y, grouped by slot; groups: (slot, begin, end) into order.
+//   order: the adapter rows of x/y, each once (tiles run in parallel: a row in two would race), grouped by slot;
+//   groups: (slot, begin, end) into order.
 // x, y, a, b share one dtype (float32, bfloat16 or float16); x's and y's rows may be strided.
 // bfloat16 on a CPU with AVX512-BF16 runs the intrinsics below, anything else the portable
 // loops (auto-vectorized under -march; the AVX2 build runs them).
