@@ -8,12 +8,12 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from kernels import cpu_isa, decode_stack, fused_cpu, paged_decode_cpu, quant_gemv, token_bitmask_cpu
+from kernels import cpu_isa, decode_stack, fused_cpu, lora_cpu, paged_decode_cpu, quant_gemv, token_bitmask_cpu
 
 
 KERNELS = (("paged decode attention", paged_decode_cpu), ("fused layer ops", fused_cpu),
            ("quantized linear", quant_gemv), ("decode stack", decode_stack),
-           ("grammar token bitmask", token_bitmask_cpu))
+           ("grammar token bitmask", token_bitmask_cpu), ("multi-LoRA apply", lora_cpu))
 
 
 def _build(name: str, module) -> str:
