@@ -16,7 +16,6 @@ is exact.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -37,7 +36,9 @@ def hadamard_block(head_dim: int) -> int:
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] float32 → H x per block of hadamard_block(D) (orthonormal, self-inverse).
-    Butterflies in the order fp8.h's hadamard_inplace runs them, so both round alike."""
+    Butterflies in the order fp8.h's hadamard_inplace runs them, so both round alike; and
+    element-wise, so a row's result never depends on the other rows (a matmul's can: its
+    summation blocking follows the row count, which would break batch invariance)."""
     d = x.shape[-1]
     n = hadamard_block(d)
     y = x.reshape(-1, n)
@@ -48,20 +49,6 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
         y = torch.stack((a + b, a - b), dim=2).view(-1, n)
         h *= 2
     return (y * hadamard_norm(n)).view(x.shape)
-
-
-def hadamard_matmul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] float32 → H x as one matmul with the block-diagonal H: hadamard_rotate's value
-    up to float32 summation order, several times faster on many rows; for readers, which need
-    no byte-exactness (the writers use hadamard_rotate)."""
-    d = x.shape[-1]
-    return torch.matmul(x, _hadamard_matrix(d))
-
-
-@functools.cache
-def _hadamard_matrix(d: int) -> torch.Tensor:
-    """[D, D] float32: the blocks of hadamard_rotate on the diagonal (symmetric)."""
-    return hadamard_rotate(torch.eye(d))
 
 
 def hadamard_norm(n: int) -> float:
@@ -91,4 +78,4 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Stored rows [..., D] → values in `dtype` (FP8: widened, times the scale, rotated back)."""
     if not is_fp8(x.dtype):
         return x.to(dtype)
-    return hadamard_matmul(widen_kv(x, torch.float32)).to(dtype)
+    return hadamard_rotate(widen_kv(x, torch.float32)).to(dtype)

@@ -23,8 +23,9 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
                            v_new: torch.Tensor | None = None,
                            new_slots: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D]; k, v [S, Hkv, D] (the model's dtype, or FP8: kernels/kv_fp8.py's scale applies);
-    slots [B, L] int64; kv_lens [B] → [B, H, D] in q's dtype. With k_new, v_new [B, Hkv, D] in the
-    pool's dtype (FP8: already quantized) and new_slots [B], those rows are written to the pool first."""
+    slots [B, L] int64; kv_lens [B] → [B, H, D] in q's dtype. With k_new, v_new [B, Hkv, D] and
+    new_slots [B], those rows are written to the pool first: in the pool's dtype, or for an FP8
+    pool also a float dtype (rotated and rounded in the kernel, as kv_fp8.quantize_kv does)."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU paged decode kernel is not built")

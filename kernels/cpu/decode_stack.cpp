@@ -344,12 +344,8 @@ class DecodeStack {
         kf.resize(kv_row);
         vf.resize(kv_row);
         for (int64_t e = 0; e < kv_row; ++e) kf[e] = to_float(kr[e]), vf[e] = to_float(vr[e]);
-        radixmesh::rotate_fp8_heads<KV>(kf.data(), Hkv_, D_);  // FP8 rows are stored rotated
-        radixmesh::rotate_fp8_heads<KV>(vf.data(), Hkv_, D_);
-        for (int64_t e = 0; e < kv_row; ++e) {
-          k[ns[b] * kv_row + e] = radixmesh::to_kv<KV>(kf[e]);
-          v[ns[b] * kv_row + e] = radixmesh::to_kv<KV>(vf[e]);
-        }
+        radixmesh::store_kv_row(kf.data(), Hkv_, D_, k + ns[b] * kv_row);  // FP8: rotated, rounded
+        radixmesh::store_kv_row(vf.data(), Hkv_, D_, v + ns[b] * kv_row);
       }
     }
   }

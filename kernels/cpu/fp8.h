@@ -92,4 +92,12 @@ inline T to_kv(float value) {
   return static_cast<T>(value);
 }
 
+// One token's K or V row of `heads` x d values, widened to float (clobbered), into a pool row
+// of KV: for FP8 each head rotated, then every value rounded (kv_fp8.py's quantize_kv).
+template <typename KV>
+inline void store_kv_row(float* row, int64_t heads, int64_t d, KV* dst) {
+  rotate_fp8_heads<KV>(row, heads, d);
+  for (int64_t e = 0; e < heads * d; ++e) dst[e] = to_kv<KV>(row[e]);
+}
+
 }  // namespace radixmesh

@@ -10,7 +10,10 @@
 //   slots      [B, L] int64   KV slot of each position (rows padded past kv_lens)
 //   kv_lens    [B] int64
 //   k_new, v_new [B, Hkv, D]  optional: this step's K/V, written to new_slots [B]
-//                             before attending (saves two index_copy dispatches a layer)
+//                             before attending (saves two index_copy dispatches a layer);
+//                             the pool's dtype, or for an FP8 pool a float one (rotated and
+//                             rounded here: fp8.h's store_kv_row)
+// write_kv(k, v, k_new, v_new, new_slots): that write alone (KVPool.write on an FP8 pool).
 //   returns    [B, H, D]      in q's dtype
 //
 // Two implementations behind the one entry point:
@@ -27,6 +30,7 @@
 
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "paged_attention.h"
 
@@ -35,28 +39,62 @@ namespace {
 using namespace radixmesh::attn;
 using radixmesh::from_float;
 
-// Copy this step's K/V rows [B, Hkv, D] (rows may be strided) into the pool at new_slots.
+// Rows [B, Hkv, D] of src_t into the pool (kv_t, FP8) at new_slots: widened, rotated, rounded
+// (fp8.h's store_kv_row), rows split over the step's threads.
+template <typename src_t, typename kv_t>
+void store_fp8_rows(kv_t* dst, const src_t* src, int64_t src_stride, const int64_t* ns, int64_t B, int64_t Hkv,
+                    int64_t D) {
+  radixmesh::parallel_chunks(B, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(Hkv * D);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t e = 0; e < Hkv * D; ++e) row[e] = to_float(src[b * src_stride + e]);
+      radixmesh::store_kv_row(row.data(), Hkv, D, dst + ns[b] * Hkv * D);
+    }
+  });
+}
+
+// This step's K/V rows [B, Hkv, D] (rows may be strided) into the pool at new_slots: copied when
+// they have the pool's dtype; for an FP8 pool they may have the model's (rotated and rounded here,
+// the bytes kv_fp8.py's quantize_kv stores).
 void write_new_kv(torch::Tensor& k, torch::Tensor& v, const torch::Tensor& k_new, const torch::Tensor& v_new,
                   const torch::Tensor& new_slots) {
   const int64_t B = k_new.size(0), row = k.size(1) * k.size(2), S = k.size(0);
   TORCH_CHECK(k_new.dim() == 3 && k_new.sizes() == v_new.sizes() && k_new.size(1) == k.size(1) &&
                   k_new.size(2) == k.size(2),
               "k_new/v_new must be [B, Hkv, D] matching the pool");
-  TORCH_CHECK(k_new.scalar_type() == k.scalar_type() && v_new.scalar_type() == k.scalar_type(),
-              "k_new/v_new must have the pool's dtype");
+  const bool fp8_pool = k.scalar_type() == at::kFloat8_e4m3fn || k.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(v_new.scalar_type() == k_new.scalar_type() &&
+                  (k_new.scalar_type() == k.scalar_type() ||
+                   (fp8_pool && (k_new.scalar_type() == at::kFloat || k_new.scalar_type() == at::kBFloat16 ||
+                                 k_new.scalar_type() == at::kHalf))),
+              "k_new/v_new must have the pool's dtype (or, for an FP8 pool, a float one)");
   for (const auto* t : {&k_new, &v_new})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == k.size(2), "k_new/v_new heads must be contiguous");
   TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.dim() == 1 && new_slots.size(0) == B &&
                   new_slots.is_contiguous(),
               "new_slots must be int64 [B]");
   const int64_t* ns = new_slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(ns[b] >= 0 && ns[b] < S, "new slot out of range");
+  if (k_new.scalar_type() != k.scalar_type()) {
+    auto store = [&](auto kv_tag) {
+      using kv_t = decltype(kv_tag);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_new.scalar_type(), "store_fp8_rows", [&] {
+        store_fp8_rows(static_cast<kv_t*>(k.data_ptr()), k_new.data_ptr<scalar_t>(), k_new.stride(0), ns, B,
+                       k.size(1), k.size(2));
+        store_fp8_rows(static_cast<kv_t*>(v.data_ptr()), v_new.data_ptr<scalar_t>(), v_new.stride(0), ns, B,
+                       k.size(1), k.size(2));
+      });
+    };
+    if (k.scalar_type() == at::kFloat8_e4m3fn) store(radixmesh::fp8_e4m3());
+    else store(radixmesh::fp8_e5m2());
+    return;
+  }
   const int64_t elem = k.element_size();
   auto* kd = static_cast<char*>(k.data_ptr());
   auto* vd = static_cast<char*>(v.data_ptr());
   const auto* ks = static_cast<const char*>(k_new.data_ptr());
   const auto* vs = static_cast<const char*>(v_new.data_ptr());
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ns[b] >= 0 && ns[b] < S, "new slot out of range");
     std::memcpy(kd + ns[b] * row * elem, ks + b * k_new.stride(0) * elem, row * elem);
     std::memcpy(vd + ns[b] * row * elem, vs + b * v_new.stride(0) * elem, row * elem);
   }
@@ -108,6 +146,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Te
   return out;
 }
 
+// The pool write alone (KVPool.write for an FP8 pool): k, v [S, Hkv, D] one layer of the pool.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor new_slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.is_contiguous() && v.is_contiguous() &&
+                  v.scalar_type() == k.scalar_type(),
+              "k/v must be one contiguous pool layer [S, Hkv, D] of one dtype");
+  write_new_kv(k, v, k_new, v_new, new_slots);
+}
+
 bool has_avx512_bf16_path() {
 #ifdef RADIXMESH_AVX512_BF16
   return true;
@@ -120,5 +166,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("kv_lens"), py::arg("scale"),
         py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("new_slots") = py::none());
+  m.def("write_kv", &write_kv, "write K/V rows into one pool layer (FP8: rotated and rounded)", py::arg("k"),
+        py::arg("v"), py::arg("k_new"), py::arg("v_new"), py::arg("new_slots"));
   m.def("has_avx512_bf16_path", &has_avx512_bf16_path, "whether the AVX512-BF16 bf16 kernel was compiled in");
 }

@@ -96,6 +96,20 @@ def index_copy_rows(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch
     dst.index_copy_(dim, index, src)
 
 
+_FLOAT_ROWS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fp8_writer():
+    """The CPU paged decode extension (its write_kv), or None when it cannot be built."""
+    from kernels import paged_decode_cpu
+    return paged_decode_cpu.load()
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """x [T, Hkv, D] with each row's heads back to back (rows may be strided)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 class KVPool:
     def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu"):
         self.spec = spec
@@ -104,6 +118,13 @@ class KVPool:
         self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots [T] int64; k, v [T, Hkv, D] in any float dtype (rounded to the pool's)."""
+        """slots [T] int64; k, v [T, Hkv, D] in any float dtype (rounded to the pool's). An FP8
+        pool's rows are rotated and rounded by the C++ kernel when it is built (the bytes
+        quantize_kv stores, without its dozen small torch ops a layer), else by quantize_kv."""
+        native = _fp8_writer() if self.spec.is_fp8 and self.k.device.type == "cpu" else None
+        if native is not None and k.dtype in _FLOAT_ROWS and v.dtype == k.dtype and _heads_contiguous(k) \
+                and _heads_contiguous(v):
+            native.write_kv(self.k[layer], self.v[layer], k, v, slots.to(torch.int64).contiguous())
+            return
         index_copy_rows(self.k[layer], 0, slots, quantize_kv(k, self.spec.dtype))
         index_copy_rows(self.v[layer], 0, slots, quantize_kv(v, self.spec.dtype))

@@ -80,17 +80,22 @@ def test_decode_kernel_equals_the_dequantizing_reference(kernel, dtype, page_siz
 
 
 @pytest.mark.parametrize("dtype", FP8)
-def test_decode_kernel_writes_the_steps_rows_first(kernel, dtype):
+@pytest.mark.parametrize("rows", ["quantized", "float32", "bfloat16"])
+def test_decode_kernel_writes_the_steps_rows_first(kernel, dtype, rows):
+    """The step's rows given already rounded (copied) or in the model's dtype (the kernel
+    rotates and rounds them): either way the pool gets quantize_kv's bytes."""
     k, v, slots, lens, g = _paged_case(16, [5, 9], 2, 64, seed=7)
     k8, v8 = quantize_kv(k, dtype), quantize_kv(v, dtype)
     new_slots = torch.stack([slots[b, lens[b] - 1] for b in range(2)])
     k_new, v_new = torch.randn(2, 2, 64, generator=g), torch.randn(2, 2, 64, generator=g)
+    if rows != "quantized":
+        k_new, v_new = k_new.to(getattr(torch, rows)), v_new.to(getattr(torch, rows))
     q = torch.randn(2, 6, 64, generator=g)
     expect_k, expect_v = k8.clone(), v8.clone()
     expect_k.view(torch.uint8)[new_slots] = quantize_kv(k_new, dtype).view(torch.uint8)
     expect_v.view(torch.uint8)[new_slots] = quantize_kv(v_new, dtype).view(torch.uint8)
-    out = paged_decode_cpu.paged_decode_attention(q, k8, v8, slots, lens, 0.125, quantize_kv(k_new, dtype),
-                                                  quantize_kv(v_new, dtype), new_slots)
+    given = (quantize_kv(k_new, dtype), quantize_kv(v_new, dtype)) if rows == "quantized" else (k_new, v_new)
+    out = paged_decode_cpu.paged_decode_attention(q, k8, v8, slots, lens, 0.125, *given, new_slots)
     assert torch.equal(k8.view(torch.uint8), expect_k.view(torch.uint8))
     assert torch.equal(v8.view(torch.uint8), expect_v.view(torch.uint8))
     torch.testing.assert_close(out, paged_decode_cpu.reference(q, expect_k, expect_v, slots, lens, 0.125),
@@ -155,3 +160,19 @@ def test_write_rounding_is_torchs_and_saturates_e4m3():
     back = dequantize_kv(q, torch.float32)
     assert back[5] == back[6] * -1 == 112.0  # 448 * 1/4: saturated, not NaN
     assert math.isclose(back[3], 0.3, rel_tol=1 / 16)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("rows", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128, 48])
+def test_native_pool_write_stores_quantize_kvs_bytes(kernel, dtype, rows, d):
+    """KVPool.write on an FP8 pool goes through the C++ write_kv: byte for byte the torch
+    reference (kernels/kv_fp8.quantize_kv), over values from tiny to saturating, strided rows."""
+    g = torch.Generator().manual_seed(d)
+    qkv = torch.randn(300, 5, d, generator=g) * torch.logspace(-4, 3, 300)[:, None, None]  # [T, 2 + Hkv*.., D]
+    k, v = qkv[:, :2].to(rows), qkv[:, 2:4].to(rows)  # [T, Hkv=2, D], row stride 5*D
+    pool = KVPool(KVPoolSpec(40, 16, 1, 2, d, dtype))
+    slots = torch.randperm(640, generator=g)[:300]
+    pool.write(0, slots, k, v)
+    assert torch.equal(pool.k[0][slots].view(torch.uint8), quantize_kv(k, dtype).view(torch.uint8))
+    assert torch.equal(pool.v[0][slots].view(torch.uint8), quantize_kv(v, dtype).view(torch.uint8))

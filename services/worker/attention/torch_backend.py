@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from services.worker.attention.backend import Attached, DecodeStep, LayerAttention
 from services.worker.attention.batch_layout import BatchLayout, slots_of
-from kernels.kv_fp8 import hadamard_matmul, widen_kv
-from services.worker.kv_pool import KVPool, quantize_kv
+from kernels.kv_fp8 import hadamard_rotate, widen_kv
+from services.worker.kv_pool import KVPool
 
 
 @dataclass
@@ -121,10 +121,8 @@ class TorchAttentionBackend:
         """One query token per item: the G query heads sharing a KV head act as a
         query length of G, so SDPA needs no GQA expansion. q [B, H, D] → [B, H, D].
         native: the paged kernel, or None. new_kv (k [B, Hkv, D], v, slots [B]): rows it writes first."""
-        if native is not None:
-            kv_dtype = self.pool.k.dtype
-            extra = () if new_kv is None else (quantize_kv(new_kv[0], kv_dtype), quantize_kv(new_kv[1], kv_dtype),
-                                               new_kv[2])
+        if native is not None:  # new rows in the model's dtype: the kernel rounds them (FP8: rotated too)
+            extra = () if new_kv is None else new_kv
             return native.paged_decode_attention(
                 q, self.pool.k[layer], self.pool.v[layer], g.kv_slots, g.kv_lens, spec.scale, *extra)
         kg, vg = self._gather(layer, g, q.dtype)  # [B, Hkv, Lk, D]
@@ -136,7 +134,7 @@ class TorchAttentionBackend:
     def _rotated(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] in the FP8 pool's rotated space (or back: H is its own inverse), float32;
         x itself for any other pool."""
-        return hadamard_matmul(x.float()) if self.pool.spec.is_fp8 else x
+        return hadamard_rotate(x.float()) if self.pool.spec.is_fp8 else x
 
     def _attend(self, layer: int, q: torch.Tensor, g: _Group, spec: LayerAttention) -> torch.Tensor:
         b, lq = g.q_index.shape
