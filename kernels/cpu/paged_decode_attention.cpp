@@ -14,6 +14,7 @@
 //                             the pool's dtype, or for an FP8 pool a float one (rotated and
 //                             rounded here: fp8.h's store_kv_row)
 // write_kv(k, v, k_new, v_new, new_slots): that write alone (KVPool.write on an FP8 pool).
+// hadamard_rows(x): the FP8 rotation of every row of x, in place (the torch path's query/output).
 //   returns    [B, H, D]      in q's dtype
 //
 // Two implementations behind the one entry point:
@@ -154,6 +155,19 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_new, torch::Tens
   write_new_kv(k, v, k_new, v_new, new_slots);
 }
 
+// x [..., D] float32, contiguous: every row rotated in place by fp8.h's hadamard_inplace (the
+// FP8 pool's rotation; kv_fp8.py's hadamard_rotate, without its dozen torch ops), rows over the
+// threads. Element-wise per row, so a row's result never depends on the others. Returns x.
+torch::Tensor hadamard_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() >= 1, "x must be contiguous float32");
+  const int64_t D = x.size(-1), rows = D == 0 ? 0 : x.numel() / D;
+  float* p = x.data_ptr<float>();
+  radixmesh::parallel_chunks(rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) radixmesh::hadamard_inplace(p + r * D, D);
+  });
+  return x;
+}
+
 bool has_avx512_bf16_path() {
 #ifdef RADIXMESH_AVX512_BF16
   return true;
@@ -168,5 +182,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("new_slots") = py::none());
   m.def("write_kv", &write_kv, "write K/V rows into one pool layer (FP8: rotated and rounded)", py::arg("k"),
         py::arg("v"), py::arg("k_new"), py::arg("v_new"), py::arg("new_slots"));
+  m.def("hadamard_rows", &hadamard_rows, "rotate every row of a float32 tensor in place (FP8 KV rotation)",
+        py::arg("x"));
   m.def("has_avx512_bf16_path", &has_avx512_bf16_path, "whether the AVX512-BF16 bf16 kernel was compiled in");
 }

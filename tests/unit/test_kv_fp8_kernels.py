@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import paged_decode_cpu
-from kernels.kv_fp8 import FP8_KV_SCALES, dequantize_kv, quantize_kv
+from kernels.kv_fp8 import FP8_KV_SCALES, dequantize_kv, hadamard_rotate, quantize_kv
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.kv_pool import KVPool, KVPoolSpec
@@ -176,3 +176,13 @@ def test_native_pool_write_stores_quantize_kvs_bytes(kernel, dtype, rows, d):
     pool.write(0, slots, k, v)
     assert torch.equal(pool.k[0][slots].view(torch.uint8), quantize_kv(k, dtype).view(torch.uint8))
     assert torch.equal(pool.v[0][slots].view(torch.uint8), quantize_kv(v, dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize("d", [64, 128, 48])
+def test_kernel_rotation_of_rows_is_kv_fp8s(kernel, d):
+    """hadamard_rows (the torch path's query/output rotation on the cpu backend) runs the
+    butterflies of kv_fp8.hadamard_rotate: the same floats, in place."""
+    x = torch.randn(37, 9, d, generator=torch.Generator().manual_seed(d)) * 30
+    expected = hadamard_rotate(x)
+    assert kernel.hadamard_rows(x) is x
+    assert torch.equal(x, expected)

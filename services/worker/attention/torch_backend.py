@@ -133,8 +133,12 @@ class TorchAttentionBackend:
 
     def _rotated(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] in the FP8 pool's rotated space (or back: H is its own inverse), float32;
-        x itself for any other pool."""
-        return hadamard_rotate(x.float()) if self.pool.spec.is_fp8 else x
+        x itself for any other pool. The C++ kernel's rows op when built (the same butterflies)."""
+        if not self.pool.spec.is_fp8:
+            return x
+        if self.native is None:
+            return hadamard_rotate(x.float())
+        return self.native.hadamard_rows(x.to(torch.float32, copy=True).contiguous())
 
     def _attend(self, layer: int, q: torch.Tensor, g: _Group, spec: LayerAttention) -> torch.Tensor:
         b, lq = g.q_index.shape
