@@ -11,6 +11,10 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -61,19 +65,62 @@ inline float to_float(fp8_e5m2 x) {
   return bits_to_float(vb | sign);
 }
 
+// The butterflies in kv_fp8.py's order. Each output of a stage is one add or subtract of two
+// values of the stage before, so the order within a stage cannot change a result, but -ffast-math
+// would let GCC reassociate across stages: this function opts out, so it stays bit-exact with
+// torch. Callers use hadamard_inplace.
+__attribute__((optimize("no-associative-math"))) inline void hadamard_butterflies(float* y, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = y[j], b = y[j + h];
+        y[j] = a + b;
+        y[j + h] = a - b;
+      }
+}
+
+#ifdef __AVX512F__
+// One stage inside a register: lanes outside `upper` get x + s, lanes in it s - x (s = x with
+// each lane's partner swapped in): the same single add or subtract per output.
+__attribute__((optimize("no-associative-math"))) inline __m512 hadamard_stage(__m512 x, __m512 s,
+                                                                             __mmask16 upper) {
+  return _mm512_mask_sub_ps(_mm512_add_ps(x, s), upper, s, x);
+}
+
+// hadamard_butterflies for n = 64 in four registers, then the 1/8 norm: the same floats (and the
+// same opt-out: (r0 + r1) + (r2 + r3) is a chain -ffast-math would reorder).
+__attribute__((optimize("no-associative-math"))) inline void hadamard64_avx512(float* y) {
+  __m512 r[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512 x = _mm512_loadu_ps(y + 16 * i);
+    x = hadamard_stage(x, _mm512_permute_ps(x, 0xB1), 0xAAAA);                              // h = 1
+    x = hadamard_stage(x, _mm512_permute_ps(x, 0x4E), 0xCCCC);                              // h = 2
+    x = hadamard_stage(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)), 0xF0F0);     // h = 4
+    r[i] = hadamard_stage(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)), 0xFF00);  // h = 8
+  }
+  const __m512 a0 = _mm512_add_ps(r[0], r[1]), a1 = _mm512_sub_ps(r[0], r[1]);  // h = 16
+  const __m512 a2 = _mm512_add_ps(r[2], r[3]), a3 = _mm512_sub_ps(r[2], r[3]);
+  const __m512 norm = _mm512_set1_ps(0.125f);                                    // h = 32, then the norm
+  _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_add_ps(a0, a2), norm));
+  _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_add_ps(a1, a3), norm));
+  _mm512_storeu_ps(y + 32, _mm512_mul_ps(_mm512_sub_ps(a0, a2), norm));
+  _mm512_storeu_ps(y + 48, _mm512_mul_ps(_mm512_sub_ps(a1, a3), norm));
+}
+#endif
+
 // x [d] -> H x, H the orthonormal Sylvester Walsh-Hadamard matrix, per block of the largest
 // power of two dividing d (64 -> one block of 64); symmetric and its own inverse.
 inline void hadamard_inplace(float* x, int64_t d) {
   const int64_t n = d & -d;
+#ifdef __AVX512F__
+  if (n == 64) {
+    for (float* y = x; y < x + d; y += 64) hadamard64_avx512(y);
+    return;
+  }
+#endif
   const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
   for (float* y = x; y < x + d; y += n) {
-    for (int64_t h = 1; h < n; h *= 2)
-      for (int64_t i = 0; i < n; i += 2 * h)
-        for (int64_t j = i; j < i + h; ++j) {
-          const float a = y[j], b = y[j + h];
-          y[j] = a + b;
-          y[j + h] = a - b;
-        }
+    hadamard_butterflies(y, n);
     for (int64_t e = 0; e < n; ++e) y[e] *= norm;
   }
 }
