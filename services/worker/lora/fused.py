@@ -5,7 +5,8 @@ The kernel applies every slot of a step to the linear's output in one call, wher
 modules' A's side by side along the rank as stacked.py does, but B is kept per segment: the
 kernel multiplies each module's output rows by its own rank columns only, so the zeros of the
 block-diagonal B cost nothing. The layouts grow to the widest slot written (Wp, a multiple of
-16) and to the most segments one slot holds.
+16) and to the most segments one slot holds. On CUDA the same layouts feed the Triton SGMV kernel
+(kernels/triton/lora_sgmv.py, chosen by backend_select.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from types import ModuleType
 import torch
 
 from kernels import lora_cpu
+from services.worker.lora import backend_select
 from services.worker.lora.batch import LoraBatch
 
 Segment = tuple[int, int, torch.Tensor, torch.Tensor]  # (lo, hi, A [r, in], scaled B [hi - lo, r])
@@ -21,21 +23,22 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def usable(module: ModuleType | None, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the kernel can serve stacks of this dtype on this device."""
-    return module is not None and device.type == "cpu" and dtype in DTYPES
+    """Whether the kernel (backend_select.fused_kernel's: C++ on CPU, Triton on CUDA) can serve
+    stacks of this dtype on this device."""
+    return backend_select.serves(module, device) and dtype in DTYPES
 
 
 class FusedSlots:
     """a [S, ceil(in/2), Wp, 2], b [S, Wp/2, out, 2], segs int32 [S, NSEG, 4]: lora_cpu's layouts."""
 
     def __init__(self, in_features: int, out_features: int, num_slots: int, dtype: torch.dtype,
-                 module: ModuleType):
+                 module: ModuleType, device: torch.device = torch.device("cpu")):
         self.module = module
         self.in_features = in_features
-        self.a = torch.zeros(num_slots, (in_features + 1) // 2, 0, 2, dtype=dtype)
+        self.a = torch.zeros(num_slots, (in_features + 1) // 2, 0, 2, dtype=dtype, device=device)
         self.out_features = out_features
-        self.b = torch.zeros(num_slots, 0, out_features, 2, dtype=dtype)
-        self.segs = torch.zeros(num_slots, 0, 4, dtype=torch.int32)
+        self.b = torch.zeros(num_slots, 0, out_features, 2, dtype=dtype, device=device)
+        self.segs = torch.zeros(num_slots, 0, 4, dtype=torch.int32, device=device)
 
     def write(self, slot: int, segments: list[Segment]) -> None:
         """Hold `segments` in `slot`, replacing what it held."""

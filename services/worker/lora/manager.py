@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from kernels import lora_cpu
+from services.worker.lora import backend_select
 from services.worker.lora.adapter import AdapterError, LoraAdapter, check_name, load_adapter
 from services.worker.lora.batch import LoraBatch, LoraContext, group_rows
 from services.worker.lora.stacked import StackedLora
@@ -44,8 +44,8 @@ class LoraManager:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank, self._in_use = max_loras, max_rank, in_use
-        # Adapters run on the fused CPU kernel where it builds (kernels/lora_cpu.py), else on
-        # stacked.py's torch paths; set_fused_kernel(False) holds them to the torch paths.
+        # Adapters run on the fused kernel where one serves the device (backend_select: C++ on CPU,
+        # Triton SGMV on CUDA), else on stacked.py's torch paths; set_fused_kernel(False) holds them to the torch paths.
         self._fused_on = True
         weight = model.norm.weight  # always dense (the embedding may be held only quantized: --quantization)
         self.device = weight.device
@@ -115,7 +115,7 @@ class LoraManager:
 
     # --- hooks on the model ----------------------------------------------------------
     def _install_hooks(self) -> None:
-        kernel = lora_cpu.load() if self.device.type == "cpu" else None
+        kernel = backend_select.fused_kernel(self.device)
         for linear in self._linears:
             stack = StackedLora(linear.in_features, linear.out_features, self.max_loras, self.dtype, self.device,
                                 self.context, kernel)

@@ -33,10 +33,10 @@ class StackedLora:
 
     def __init__(self, in_features: int, out_features: int, num_slots: int, dtype: torch.dtype,
                  device: torch.device, context: LoraContext, kernel: ModuleType | None = None):
-        """kernel: lora_cpu.load()'s module, to hold the slots in its layout too and apply them
-        there (None: the torch paths only)."""
+        """kernel: backend_select.fused_kernel(device)'s module (C++ on CPU, Triton on CUDA), to
+        hold the slots in its layout too and apply them there (None: the torch paths only)."""
         self.context = context
-        self.fused = (fused.FusedSlots(in_features, out_features, num_slots, dtype, kernel)
+        self.fused = (fused.FusedSlots(in_features, out_features, num_slots, dtype, kernel, device)
                       if fused.usable(kernel, dtype, device) else None)
         self.use_fused = True  # False: the torch paths even with the kernel (LoraManager.set_fused_kernel)
         self.a = torch.zeros(num_slots, 0, in_features, dtype=dtype, device=device)  # [S, W, in]
