@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from kernels.triton import import_triton
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_WORDS = 64  # words per program: 2048 tokens
 
@@ -81,12 +83,7 @@ def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None
 
 
 def _triton() -> Any:
-    try:
-        import triton
-    except ImportError as e:
-        raise RuntimeError("the grammar bitmask kernel needs triton (CUDA builds of torch ship it); "
-                           "apply_token_bitmask_reference needs only torch") from e
-    return triton
+    return import_triton("grammar bitmask", "apply_token_bitmask_reference")
 
 
 @functools.cache

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kernels.lora_cpu import lora_apply_reference  # noqa: F401  (the reference beside the kernel)
+from kernels.triton import import_triton
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_M = 16  # rows of one slot per tile (tl.dot's smallest side)
@@ -123,12 +124,7 @@ def _check_values(x, y, a, segs, order, groups) -> None:
 
 
 def _triton() -> Any:
-    try:
-        import triton
-    except ImportError as e:
-        raise RuntimeError("the LoRA SGMV kernel needs triton (CUDA builds of torch ship it); "
-                           "lora_apply_reference needs only torch") from e
-    return triton
+    return import_triton("LoRA SGMV", "lora_apply_reference")
 
 
 @functools.cache
