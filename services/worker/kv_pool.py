@@ -6,8 +6,10 @@ tensors, so no Python runs per token.
 
 The pool's storage dtype is the model's, or an FP8 format (--kv-cache-dtype): one byte
 per element, a stored byte meaning fp8_value * kv_scale (one scale per format, the same
-for every layer, K and V: kernels/kv_fp8.py). Writes round through torch's float -> float8
-conversion; the attention kernels widen.
+for every layer, K and V), each head's row Hadamard-rotated before rounding
+(kernels/kv_fp8.py). Writes rotate and round in the C++ extension when it is built, else
+in torch, to the same bytes; the attention kernels widen and undo the rotation on the
+query and output side.
 """
 from __future__ import annotations
 
