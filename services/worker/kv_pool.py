@@ -118,12 +118,14 @@ class KVPool:
         shape = (spec.num_layers, spec.num_slots, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=device)  # [L, S, Hkv, D]
         self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        # An FP8 pool's C++ writer (write_kv), resolved once: write runs every layer of every step.
+        self._fp8_writer = _fp8_writer() if spec.is_fp8 and self.k.device.type == "cpu" else None
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [T] int64; k, v [T, Hkv, D] in any float dtype (rounded to the pool's). An FP8
         pool's rows are rotated and rounded by the C++ kernel when it is built (the bytes
         quantize_kv stores, without its dozen small torch ops a layer), else by quantize_kv."""
-        native = _fp8_writer() if self.spec.is_fp8 and self.k.device.type == "cpu" else None
+        native = self._fp8_writer
         if native is not None and k.dtype in _FLOAT_ROWS and v.dtype == k.dtype and _heads_contiguous(k) \
                 and _heads_contiguous(v):
             native.write_kv(self.k[layer], self.v[layer], k, v, slots.to(torch.int64).contiguous())
