@@ -27,10 +27,19 @@ class WorkerConfig:
                 "per-layer scale 1.0, widened inside the attention kernels: the same --kv-cache-bytes holds about "
                 "twice the tokens of bfloat16; docs/quantization.md, FP8 KV cache)"})
     kv_mem_fraction: float | None = field(default=None, metadata={"help": "size the KV pool as this fraction of free memory instead of a byte budget"})
-    attention_backend: str = field(default="cpu", metadata={
-        "help": "cpu: torch + a C++ paged decode kernel (built on first use), and the CPU tuning: allocator, "
+    attention_backend: str = field(default="auto", metadata={
+        "help": "auto: cpu on --device cpu; on cuda triton, or flashinfer when it is installed and "
+                "--disable-cuda-graph is given (its wrappers plan on the host every step, which a replay cannot). "
+                "cpu: torch + a C++ paged decode kernel (built on first use), and the CPU tuning: allocator, "
                 "quantized weights, one-call decode steps, lead CPU (services/worker/attention/cpu_backend.py); "
+                "triton: the Triton paged kernels (kernels/triton; CPU tensors only under TRITON_INTERPRET=1); "
+                "flashinfer: FlashInfer's paged wrappers, CUDA only (falls back to triton when not installed); "
                 "torch: the plain reference"})
+    disable_cuda_graph: bool = field(default=False, metadata={
+        "help": "CUDA: run every decode step eagerly instead of replaying graphs captured per batch-size bucket"})
+    cuda_graph_max_bs: int = field(default=64, metadata={
+        "help": "CUDA: capture decode graphs for batch sizes up to this many requests (buckets 1, 2, 4, 8, then "
+                "multiples of 8); larger decode steps run eagerly"})
     max_requests: int = field(default=64, metadata={"help": "page-table rows: requests the worker holds at once (>= the scheduler's max_running_requests)"})
     context_length: int | None = field(default=None, metadata={"help": "cap the model's context length"})
     prepack_weights: bool = field(default=True, metadata={
@@ -45,9 +54,10 @@ class WorkerConfig:
         "help": "the format linear weights are held in (services/worker/model/weight_format.py). auto: dense "
                 "in --dtype, plus a GGUF file's quantized blocks for steps of <= --quant-max-rows tokens; none: "
                 "dense only; gguf: a GGUF file's quantized weights (and the embedding / tied LM head) held only as "
-                "the file's blocks, computed on at every batch size, no dense copy; int8: every linear weight "
-                "(and a tied embedding) per-channel int8 at load, from any checkpoint, no dense copy. gguf and "
-                "int8 run on CPU only"})
+                "the file's blocks, computed on at every batch size, no dense copy; int8: every decoder-layer "
+                "linear weight per-channel int8 at load, from any checkpoint, no dense copy (the embedding and LM "
+                "head stay dense); fp8: the same in float8_e4m3fn with a float32 scale per output row (a Triton "
+                "GEMM on CUDA, a per-call widening on CPU). gguf and int8 run on CPU only"})
     decode_stack: bool = field(default=True, metadata={
         "help": "CPU: run pure-decode steps of at most --quant-max-rows tokens as one C++ call (embedding, all "
                 "layers, LM head; same logits as op by op, without ~600 Python-dispatched ops a step)"})
@@ -144,7 +154,10 @@ class WorkerConfig:
         if self.verify_max_rows < 0:
             raise ValueError(f"--verify-max-rows must be >= 0, got {self.verify_max_rows}")
         from services.worker.model.weight_format import check_quantization
+        check_device(self.device, self.attention_backend)
         check_quantization(self.quantization, self.device)
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.quant_max_rows < 0:
             raise ValueError(f"--quant-max-rows must be >= 0, got {self.quant_max_rows}")
         if self.max_loras < 0:
@@ -170,6 +183,22 @@ class WorkerConfig:
         return "float32"
 
     @property
+    def resolved_attention_backend(self) -> str:
+        """The backend `auto` stands for on this device (services/worker/attention/backend.py)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if torch.device(self.device).type == "cpu":
+            return "cpu"
+        if self.uses_cuda_graphs:  # FlashInfer re-plans on the host before each step: no captured replay
+            return "triton"
+        import importlib.util
+        return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return torch.device(self.device).type == "cuda" and not self.disable_cuda_graph
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.resolved_dtype]
 
@@ -177,6 +206,23 @@ class WorkerConfig:
     def kv_torch_dtype(self) -> torch.dtype:
         """The KV pool's storage dtype: the model's under auto, else the FP8 format named."""
         return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+
+def check_device(device: str, attention_backend: str) -> None:
+    """ValueError unless `device` names a torch device type the worker runs on and the backend
+    computes there (the cpu backend's kernels read host memory; flashinfer runs on CUDA only)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}") from e
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
+    if kind == "cuda" and attention_backend == "cpu":
+        raise ValueError("--attention-backend cpu runs C++ kernels on host memory; on --device cuda use "
+                         "auto, triton or flashinfer")
+    if kind == "cpu" and attention_backend == "flashinfer":
+        raise ValueError("--attention-backend flashinfer runs on CUDA only; on --device cpu use auto, cpu, "
+                         "triton (under TRITON_INTERPRET=1) or torch")
 
 
 def parse_lora_paths(entries: tuple[str, ...]) -> tuple[tuple[str, str], ...]:

@@ -64,14 +64,16 @@ class KVPoolSpec:
 
     @classmethod
     def from_budget(cls, config: ModelConfig, page_size: int, dtype: torch.dtype,
-                    budget_bytes: int | None, mem_fraction: float | None) -> "KVPoolSpec":
-        """Size the pool from a byte budget or, when none, a fraction of available memory;
-        dtype is the storage dtype, so an FP8 pool holds twice a bfloat16 one's tokens."""
+                    budget_bytes: int | None, mem_fraction: float | None,
+                    device: torch.device | str = "cpu") -> "KVPoolSpec":
+        """Size the pool from a byte budget or, when none, a fraction of `device`'s free memory
+        (taken after the weights are loaded); dtype is the storage dtype, so an FP8 pool holds
+        twice a bfloat16 one's tokens."""
         probe = cls(1, page_size, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         if budget_bytes is None:
             if mem_fraction is None or not 0 < mem_fraction < 1:
                 raise ValueError(f"kv mem fraction must be in (0, 1), got {mem_fraction}")
-            budget_bytes = int(available_memory_bytes() * mem_fraction)
+            budget_bytes = int(available_memory_bytes(device) * mem_fraction)
         num_pages = budget_bytes // (probe.bytes_per_token * page_size)
         if num_pages < 2:
             raise ValueError(
@@ -80,9 +82,12 @@ class KVPoolSpec:
         return cls(num_pages, page_size, probe.num_layers, probe.num_kv_heads, probe.head_dim, dtype)
 
 
-def available_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[0]
+def available_memory_bytes(device: torch.device | str = "cpu") -> int:
+    """Free bytes where the pool will live: the CUDA device's free memory for a CUDA device,
+    the host's MemAvailable otherwise (never the GPU's for a CPU worker on a GPU machine)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
@@ -113,9 +118,11 @@ def _heads_contiguous(x: torch.Tensor) -> bool:
 
 
 class KVPool:
-    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu"):
+    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu", extra_pages: int = 0):
+        """extra_pages: pages past spec.num_pages that the scheduler never hands out (the CUDA
+        graphs' scratch page for padding rows: services/worker/cuda_graphs.py)."""
         self.spec = spec
-        shape = (spec.num_layers, spec.num_slots, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, spec.num_slots + extra_pages * spec.page_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=device)  # [L, S, Hkv, D]
         self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
         # An FP8 pool's C++ writer (write_kv), resolved once: write runs every layer of every step.

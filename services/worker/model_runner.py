@@ -7,6 +7,7 @@ runs one forward for the whole batch and samples every row at once.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -22,7 +23,9 @@ from services.worker.attention.backend import DecodeStep, create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
 from services.worker.grammar_cache import GrammarCache
+from services.worker.device_stats import DeviceStats
 from services.worker.grammar_vocab import grammar_vocab
+from services.worker.host_to_device import to_device
 from services.worker.jump_forward import accepted, draft, plain_verify_rows, verify_rows
 from services.worker.kv_pool import KVPool, KVPoolSpec
 from services.worker.loader.checkpoint import Checkpoint
@@ -74,20 +77,23 @@ class ModelRunner:
         self.model_config: ModelConfig = mc
         self.model = build_model(mc, checkpoint.tensors, config.torch_dtype, self.device,
                                  checkpoint.quantized, config.quantization)
-        self.prepacked = config.prepack_weights and self.model.prepack_weights()
+        # oneDNN prepacking is a CPU layout; on CUDA the linears run on the dense weights.
+        self.prepacked = config.prepack_weights and self.device.type == "cpu" and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
         # The backend's own tuning (the cpu backend's allocator, quantized weights, one-call decode steps).
-        self.backend = create_backend(config.attention_backend, scale=mc.head_dim ** -0.5,
+        self.backend = create_backend(config.resolved_attention_backend, scale=mc.head_dim ** -0.5,
                                       sliding_window=mc.sliding_window)
         self.attach_backend(checkpoint)
         self.kv_spec = KVPoolSpec.from_budget(
             mc, config.page_size, config.kv_torch_dtype,  # FP8 (--kv-cache-dtype): the budget holds 2x the tokens
-            None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction)
-        self.pool = KVPool(self.kv_spec, self.device)
+            None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction, self.device)
+        # CUDA graphs pad decode steps with rows that write one scratch page past the scheduler's.
+        self.pool = KVPool(self.kv_spec, self.device, extra_pages=1 if config.uses_cuda_graphs else 0)
         max_pages = -(-mc.max_position_embeddings // config.page_size)
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
         self.requests: dict[str, _Request] = {}
+        self.device_stats = DeviceStats()  # launch vs device time, graph replays (/metrics)
         # LoRA adapters (services/worker/lora): loaded on the host, up to --max-loras resident in slots;
         # None: --max-loras 0, no LoRA serving.
         self.max_loras = config.max_loras
@@ -102,6 +108,9 @@ class ModelRunner:
         self.drafter: Drafter | None = (create_drafter(config.speculative_algorithm, config, self)
                                         if config.speculative_algorithm else None)
         self.max_draft_tokens = config.speculative_num_draft_tokens if self.drafter else 0
+        self.graphs = None  # services/worker/cuda_graphs.DecodeGraphs, captured last (CUDA)
+        if config.uses_cuda_graphs:
+            self.capture_graphs()
         self.weight_bytes = resident_weight_bytes(self.model)  # services/worker/model/weight_bytes.py
         log.info("weights: --quantization %s, %s resident (%s)", config.quantization,
                  format_bytes(self.weight_bytes), weight_formats(self.model))
@@ -123,6 +132,17 @@ class ModelRunner:
         # Steps with a verify item run as one call up to this many tokens (the stack's rows
         # are computed independently of each other: a verify gives the logits decoding would).
         self.verify_rows = self.config.verify_max_rows if self.decode_stack else 0
+
+    def capture_graphs(self) -> None:
+        """Capture the decode CUDA graphs (again after a weight update: they hold the weights'
+        addresses, which an in-place update keeps, but an unpack/prepack would not)."""
+        from services.worker.cuda_graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self, self.config.cuda_graph_max_bs, scratch_page=self.kv_spec.num_pages)
+        self.device_stats.graph_capture_seconds = self.graphs.capture()
+
+    def forward_meta(self, positions: torch.Tensor) -> "_ForwardMeta":
+        """What the model's layers see of a step: positions [T] and the backend's attention."""
+        return _ForwardMeta(positions, self.backend.forward)
 
     # --- request state -------------------------------------------------------------
     def _admit(self, spec: NewRequestSpec) -> None:
@@ -280,29 +300,42 @@ class ModelRunner:
             if item.input_ids[0] == LAST_SAMPLED:
                 item.input_ids = [_last_sampled(item.rid, req, item.start_pos)]
         sampled = [i for i, item in enumerate(plan.items) if item.sample]
-        step = self._one_call(plan, reqs)
-        if step is not None:
-            logits = self.backend.one_call_step(step, self._computing)
+        if self.graphs is not None:  # CUDA: a pure-decode step replays its bucket's graph
+            step = self._one_call(plan, reqs, max_rows=self.graphs.buckets[-1], max_verify_rows=0)
+            logits = self.device_stats.timed(self.device, lambda: self._replay(step), replayed=True)
+            if logits is not None:
+                return logits, sampled
+        elif (step := self._one_call(plan, reqs)) is not None:  # CPU: the backend's one-call decode step
+            logits = self.device_stats.timed(self.device, lambda: self.backend.one_call_step(step, self._computing))
             if logits is not None:
                 return logits, sampled
         layout = self._layout(plan, reqs)
         flat_ids = [t for item in plan.items for t in item.input_ids]
-        input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)
-        ends = torch.cumsum(layout.q_lens, 0) - 1
-        logits_indices = ends[torch.tensor(sampled, dtype=torch.int64)]
-        if any(plan.items[i].verify for i in sampled):  # a verify item: every position's logits
-            wanted = []
-            for i, end in zip(sampled, logits_indices.tolist()):
-                n = len(plan.items[i].input_ids) if plan.items[i].verify else 1
-                wanted += range(end - n + 1, end + 1)
-            logits_indices = torch.tensor(wanted, dtype=torch.int64)
-        meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
+        ends = list(itertools.accumulate(len(item.input_ids) for item in plan.items))
+        wanted: list[int] = []  # the token indices whose logits come back
+        for i in sampled:  # a verify item: every position's logits
+            n = len(plan.items[i].input_ids) if plan.items[i].verify else 1
+            wanted += range(ends[i] - n, ends[i])
+        input_ids, logits_indices = to_device(
+            [torch.tensor(flat_ids, dtype=torch.int64), torch.tensor(wanted, dtype=torch.int64)], self.device)
+        meta = self.forward_meta(layout.positions)
         lora = None  # the step's rows by adapter slot (services/worker/lora/batch.py); None: all base
         if self.loras is not None and any(req.adapter for req in reqs):
             lora = self.loras.batch([(req.adapter, len(item.input_ids)) for req, item in zip(reqs, plan.items)])
         self._computing()
         with self.loras.active(lora) if lora is not None else contextlib.nullcontext():
-            return self.model(input_ids, meta, logits_indices.to(self.device)), sampled
+            return self.device_stats.timed(self.device, lambda: self.model(input_ids, meta, logits_indices)), sampled
+
+    def _replay(self, step: DecodeStep) -> torch.Tensor | None:
+        """A pure-decode step's logits [sampled rows, V] from its CUDA graph; None when it has a
+        verify item (several rows per request) or no bucket holds it."""
+        if step is None or len(set(step.rows)) != len(step.rows):
+            return None
+        logits = self.graphs.run(step.token_ids, step.positions, step.rows)
+        if logits is None:
+            return None
+        self._computing()  # the replay is queued: the previous result posts while the GPU runs it
+        return logits[step.sampled]
 
     def _layout(self, plan: StepPlan, reqs: list) -> BatchLayout:
         """The step's batch layout (query lengths, positions, its rows of the page table),
@@ -311,8 +344,9 @@ class ModelRunner:
         start = [item.start_pos for item in plan.items]
         max_pages = -(-max(s + q for s, q in zip(start, q_lens)) // self.kv_spec.page_size)
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
-        layout = BatchLayout.build(q_lens, start, self.page_table[rows, :max_pages].to(self.device),
-                                   self.kv_spec.page_size)
+        # Built on the host from the host page table, then moved in one copy (host_to_device.py).
+        layout = BatchLayout.build(q_lens, start, self.page_table[rows, :max_pages], self.kv_spec.page_size)
+        layout = layout.to(self.device)
         self.backend.prepare(layout, self.pool)
         return layout
 
@@ -330,13 +364,14 @@ class ModelRunner:
         for req, item in zip(reqs, plan.items):
             self._append_pages(req, item.new_pages, item.reset_pages)
         layout = self._layout(plan, reqs)
-        input_ids = torch.tensor([t for item in plan.items for t in item.input_ids], dtype=torch.int64,
-                                 device=self.device)
-        meta = _ForwardMeta(layout.positions.to(self.device), self.backend.forward)
+        input_ids, = to_device([torch.tensor([t for item in plan.items for t in item.input_ids],
+                                             dtype=torch.int64)], self.device)
+        meta = self.forward_meta(layout.positions)
         every = torch.arange(input_ids.shape[0], device=self.device)
         return self.model(input_ids, meta, every).float()
 
-    def _one_call(self, plan: StepPlan, reqs: list[_Request]) -> DecodeStep | None:
+    def _one_call(self, plan: StepPlan, reqs: list[_Request], max_rows: int | None = None,
+                  max_verify_rows: int | None = None) -> DecodeStep | None:
         """The step as a one-call decode step when it is one: decodes, and verify items as one
         row per position (row j of a verify item attends over its request's KV through position
         start + j: the stack writes every row's K/V before any row attends). None: op by op."""
@@ -348,7 +383,9 @@ class ModelRunner:
             return None
         rows = sum(len(item.input_ids) for item in plan.items)
         verifying = rows > len(plan.items)
-        if rows > (self.verify_rows if verifying else self.one_call_rows):
+        limit = (self.verify_rows if max_verify_rows is None else max_verify_rows) if verifying else \
+            (self.one_call_rows if max_rows is None else max_rows)
+        if rows > limit:
             return None
         token_ids: list[int] = []
         positions: list[int] = []
@@ -421,9 +458,9 @@ def _last_sampled(rid: str, req: _Request, start_pos: int) -> int:
 def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device, quantized: dict | None = None, quantization: str = "auto") -> LlamaForCausalLM:
     """Construct the registry's class for mc.architecture without random init (meta device),
-    then load the checkpoint. quantization gguf / int8: the linear weights (and a tied
+    then load the checkpoint. quantization gguf / int8 / fp8: the linear weights (and a tied
     embedding) are held only quantized (services/worker/model/weight_format.py): gguf from
-    `quantized`, the file's blocks (HF name → QuantWeight); int8 from the loaded tensors."""
+    `quantized`, the file's blocks (HF name → QuantWeight); int8 and fp8 from the loaded tensors."""
     from services.worker.model import weight_format
     with torch.device("meta"):
         model = model_class(mc)(mc)
@@ -432,8 +469,8 @@ def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.
     if quantization == "gguf":  # before loading: the blocks' dense tensors need not be in `tensors`
         weight_format.apply_plan(model, weight_format.file_blocks_plan(model, quantized or {}), kernel)
     model.load_hf_tensors(tensors)
-    if quantization == "int8":  # from the float32 values, before the cast
-        weight_format.apply_plan(model, weight_format.int8_plan(model), kernel)
+    if quantization in weight_format.REQUANTIZED:  # int8 / fp8: from the float32 values, before the cast
+        weight_format.apply_plan(model, weight_format.requant_plan(model, quantization), kernel)
     model = model.to(dtype).eval()
     model.tie_lm_head()
     weight_format.tie_quantized_head(model, kernel)

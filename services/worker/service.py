@@ -78,7 +78,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             "kv_page_size": ("gauge", "tokens per KV page", self.info.page_size),
             "kv_capacity_tokens": ("gauge", "tokens the KV pool holds (pages x page size; its dtype: "
                                    "kv_cache_info)", self.info.num_kv_pages * self.info.page_size),
-            **self._grammar_metrics()}))
+            **self._grammar_metrics(), **(self.runner.device_stats.metrics() if self.runner is not None else {})}))
         r.register(m.InfoCollector(lambda: self._model if self.info is not None else None, "kv_cache",
                                    "the KV pool's storage dtype (--kv-cache-dtype resolved)",
                                    lambda: {"kv_dtype": self.info.kv_dtype}))

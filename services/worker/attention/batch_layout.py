@@ -24,6 +24,9 @@ class BatchLayout:
     out_slots: torch.Tensor  # [T] int64, KV slots this step writes
     max_q_len: int
     max_kv_len: int
+    # On a device: the host layout it was copied from, for a backend that plans on the host
+    # (FlashInfer) without copying back (a sync behind everything queued). None on the host.
+    host: "BatchLayout | None" = None
 
     @classmethod
     def build(cls, q_lens: list[int], start_pos: list[int], page_rows: torch.Tensor, page_size: int) -> "BatchLayout":
@@ -37,6 +40,18 @@ class BatchLayout:
         kv = sp + ql
         return cls(ql, sp, kv, page_rows, page_size, positions, token_item, out_slots,
                    max(q_lens), int(kv.max()))
+
+    def to(self, device: torch.device) -> "BatchLayout":
+        """This layout with its tensors on `device` (one pinned non-blocking copy on CUDA;
+        itself on the CPU), built on the host from the host page table."""
+        if device.type == "cpu":
+            return self
+        from services.worker.host_to_device import to_device
+        ql, sp, kv, rows, pos, item, slots = to_device(
+            [self.q_lens, self.start_pos, self.kv_lens, self.page_rows, self.positions, self.token_item,
+             self.out_slots], device)
+        return BatchLayout(ql, sp, kv, rows, self.page_size, pos, item, slots, self.max_q_len, self.max_kv_len,
+                           host=self)
 
     @property
     def all_decode(self) -> bool:

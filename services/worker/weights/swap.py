@@ -40,7 +40,7 @@ def swap_in(runner, staged: StagedWeights, source: str) -> int:
     if staged.quant_only:
         from kernels import quant_gemv
         apply_plan(runner.model, staged.quant_only, quant_gemv.load())
-    if runner.config.prepack_weights:  # as __init__: prepacked = config.prepack_weights and model.prepack_weights()
+    if runner.config.prepack_weights and runner.device.type == "cpu":  # as __init__ decides it
         runner.prepacked = runner.model.prepack_weights()
     reattach(runner, Checkpoint(config=runner.model_config, tensors={}, source=source, quantized=staged.quantized))
     runner.weights_version = runner.weights_version + 1

@@ -1,0 +1,100 @@
+"""The device-agnostic worker's host-side pieces, on the CPU: the --device / --attention-backend
+checks and what auto resolves to, KV sizing from the pool's own device, the one-copy move of a
+step's index tensors, and the launch / device-wait split that /metrics reports. What needs CUDA
+(pinned copies, graphs) is in the gpu-marked test at the end."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from services.worker import kv_pool
+from services.worker.attention.batch_layout import BatchLayout
+from services.worker.config import WorkerConfig
+from services.worker.device_stats import DeviceStats
+from services.worker.host_to_device import to_device
+
+
+@pytest.mark.parametrize("device, backend, message", [
+    ("cuda", "cpu", "on --device cuda use auto, triton or flashinfer"),
+    ("cpu", "flashinfer", "runs on CUDA only"),
+    ("tpu", "auto", "--device must be cpu or cuda"),
+    ("not-a-device", "auto", "--device must be cpu or cuda"),
+])
+def test_a_device_its_backend_cannot_serve_is_refused(device, backend, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig(device=device, attention_backend=backend)
+
+
+def test_auto_is_the_cpu_backend_on_cpu_and_triton_or_flashinfer_on_cuda(monkeypatch) -> None:
+    assert WorkerConfig().resolved_attention_backend == "cpu"
+    assert WorkerConfig(attention_backend="torch").resolved_attention_backend == "torch"
+    real = importlib.util.find_spec
+    for installed, expected in ((True, "flashinfer"), (False, "triton")):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, ok=installed: (object() if ok else None) if name == "flashinfer"
+                            else real(name, *a))
+        assert WorkerConfig(device="cuda", disable_cuda_graph=True).resolved_attention_backend == expected
+        assert WorkerConfig(device="cuda").resolved_attention_backend == "triton"  # graphs need a capturable one
+    assert WorkerConfig(device="cuda").uses_cuda_graphs
+    assert not WorkerConfig(device="cuda", disable_cuda_graph=True).uses_cuda_graphs
+    assert not WorkerConfig().uses_cuda_graphs
+    with pytest.raises(ValueError, match="cuda-graph-max-bs"):
+        WorkerConfig(cuda_graph_max_bs=0)
+
+
+def test_a_cpu_pool_is_sized_from_host_memory_even_on_a_gpu_machine(monkeypatch) -> None:
+    """The bug this fixes: CUDA's free memory sized a --device cpu pool whenever torch saw a GPU."""
+    def no_gpu_query(*args):
+        raise AssertionError("a CPU pool asked the GPU for its free memory")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_gpu_query)
+    with open("/proc/meminfo") as f:
+        meminfo = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert abs(kv_pool.available_memory_bytes("cpu") - meminfo) < 256 << 20  # it moves a little meanwhile
+
+
+def test_cuda_free_memory_sizes_a_cuda_pool(monkeypatch) -> None:
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (8 << 30, 16 << 30))
+    assert kv_pool.available_memory_bytes("cuda:0") == 8 << 30
+    assert asked == [torch.device("cuda:0")]
+    from services.worker.model.config import ModelConfig
+    mc = ModelConfig(name="toy", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    spec = kv_pool.KVPoolSpec.from_budget(mc, 16, torch.bfloat16, None, 0.5, "cuda:0")
+    assert spec.num_pages == (4 << 30) // (spec.bytes_per_token * 16)
+
+
+def test_the_layout_stays_put_on_cpu_and_to_device_keeps_values_and_order() -> None:
+    layout = BatchLayout.build([3, 1], [0, 5], torch.tensor([[0, 1], [2, 3]]), 4)
+    assert layout.to(torch.device("cpu")) is layout
+    tensors = [torch.arange(6).view(2, 3), torch.tensor([7]), torch.empty(0, dtype=torch.int64)]
+    assert to_device(tensors, torch.device("cpu")) is tensors
+    with pytest.raises(ValueError, match="int64 host tensors"):
+        to_device([torch.zeros(2, dtype=torch.int32)], torch.device("meta"))
+
+
+def test_device_stats_count_launches_not_declined_steps() -> None:
+    stats = DeviceStats()
+    assert stats.timed(torch.device("cpu"), lambda: None) is None  # a one-call path that declined
+    assert stats.eager_steps == 0
+    out = stats.timed(torch.device("cpu"), lambda: torch.ones(3).sum())
+    assert float(out) == 3.0 and stats.eager_steps == 1 and stats.graph_replays == 0
+    stats.timed(torch.device("cpu"), lambda: 1, replayed=True)
+    assert stats.graph_replays == 1
+    assert stats.launch_seconds > 0 and stats.device_wait_seconds == 0  # nothing to wait for on CPU
+    metrics = stats.metrics()
+    assert metrics["worker_eager_steps"] == ("counter", metrics["worker_eager_steps"][1], 1)
+
+
+@pytest.mark.gpu
+def test_to_device_moves_pinned_in_one_copy_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tensors = [torch.arange(6).view(2, 3), torch.tensor([7, 8])]
+    moved = to_device(tensors, torch.device("cuda"))
+    assert all(m.is_cuda for m in moved)
+    assert moved[0].untyped_storage().data_ptr() == moved[1].untyped_storage().data_ptr()  # one buffer
+    assert [m.cpu().tolist() for m in moved] == [t.tolist() for t in tensors]
