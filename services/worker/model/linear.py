@@ -20,9 +20,10 @@ them: at batch 1 a step is a read of the weights, and the blocks are 3.2x
 (Q4_1) fewer bytes than bfloat16. The math stays float32 with the file's exact
 weights, so this path is closer to the float32 reference than bfloat16 is.
 
-With `--quantization gguf` or `int8` a Linear is quantized-only (`set_quant_only`): it holds
-just its QuantWeight (or QuantParts, quant_parts.py) and runs every call on it at any batch
-size (kernels/quant_gemv.py: fused dot products for few rows, dequantized tiles for many);
+With `--quantization gguf`, `int8` or `fp8` a Linear is quantized-only (`set_quant_only`): it holds
+just its QuantWeight (or QuantParts, quant_parts.py; or an Fp8Weight, fp8_weights.py) and runs
+every call on it at any batch size (kernels/quant_gemv.py: fused dot products for few rows,
+dequantized tiles for many; FP8: the Triton GEMM on CUDA, a per-call widening on CPU);
 `weight` is then a meta Parameter of the same shape and dtype, so no dense copy is resident.
 Nothing may compute with it (beware: F.linear(cpu x, meta w) returns garbage, not an error):
 every compute path checks `quant_only` first.
@@ -42,6 +43,7 @@ from torch import nn
 
 from kernels import cpu_isa
 from services.worker.model import quant_parts
+from services.worker.model.fp8_weights import Fp8Weight
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -97,7 +99,7 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
-    quant = None  # a kernels.quant_gemv.QuantWeight, or a quant_parts.QuantParts
+    quant = None  # a kernels.quant_gemv.QuantWeight, a quant_parts.QuantParts, or (quantized-only) an Fp8Weight
     quant_max_rows: int = 0
     _quant_kernel = None
     lora = None  # a LoRA hook, hook(x, y) → y plus each row's adapter delta (services/worker/lora)
@@ -112,7 +114,7 @@ class Linear(nn.Linear):
         weight's shape) through `kernel` (kernels.quant_gemv.load()); None or 0 turns it off.
         A quantized-only layer keeps its blocks: set_quant_only replaces them."""
         if self.quant_only:
-            raise ValueError("this linear holds only quantized weights (--quantization gguf/int8); "
+            raise ValueError("this linear holds only quantized weights (--quantization gguf/int8/fp8); "
                              "use set_quant_only to replace them")
         if quant is not None and quant.shape != tuple(self.weight.shape):
             raise ValueError(f"quantized weight {quant.shape} does not match {tuple(self.weight.shape)}")
@@ -121,10 +123,13 @@ class Linear(nn.Linear):
 
     def set_quant_only(self, quant, kernel) -> None:
         """Hold only `quant` (a QuantWeight or QuantParts of this weight's shape) and run every
-        call on it through `kernel`; the dense weight is dropped (a meta Parameter remains)."""
+        call on it through `kernel`; the dense weight is dropped (a meta Parameter remains).
+        An Fp8Weight computes by itself on any device (kernel is ignored)."""
         if quant.shape != tuple(self.weight.shape):
             raise ValueError(f"quantized weight {quant.shape} does not match {tuple(self.weight.shape)}")
-        if kernel is None:
+        if isinstance(quant, Fp8Weight):
+            kernel = None
+        elif kernel is None:
             raise ValueError("the CPU quantized-linear kernel is not built here: run with --quantization auto "
                              "or none (dense weights)")
         if not self.weight.is_meta:  # a meta weight (a tied head's embedding) stays shared
@@ -158,7 +163,10 @@ class Linear(nn.Linear):
     def _quantized(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """x [..., in] → [..., out] on the quantized blocks."""
         flat = x.reshape(-1, x.shape[-1])  # [T, in]
-        y = quant_parts.linear(flat, self.quant, self.bias, self._quant_kernel, float_out=float_out)
+        if isinstance(self.quant, Fp8Weight):
+            y = self.quant.linear(flat, self.bias, float_out=float_out)
+        else:
+            y = quant_parts.linear(flat, self.quant, self.bias, self._quant_kernel, float_out=float_out)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

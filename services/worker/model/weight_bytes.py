@@ -3,7 +3,8 @@
 Counted: every parameter and buffer not on the meta device (by storage, so a tied LM head
 and its embedding count once), the oneDNN-prepacked copies of the linears (`Linear.packed`,
 a second copy beside the dense weight), and the quantized blocks (`Linear.quant`,
-`QuantEmbedding.quant`: a tied head shares its embedding's blocks, counted once).
+`QuantEmbedding.quant`: a tied head shares its embedding's blocks, counted once; an FP8 weight,
+`fp8_weights.Fp8Weight`, counts its N*K bytes and N float32 scales: `nbytes` on every format).
 Not counted: the rope tables (derived, float32 in every format).
 """
 from __future__ import annotations

@@ -8,6 +8,8 @@
   file stores as floats stay dense in --dtype.
 - int8: every linear weight, from any checkpoint, quantized per output channel at load
   (symmetric, one float32 scale per row); the embedding and LM head stay dense.
+- fp8: as int8, in float8_e4m3fn with one float32 scale per row (amax / 448; fp8_weights.py),
+  on CPU and CUDA (the Triton W8A16 GEMM, kernels/triton/fp8_gemm.py).
 
 The quantized-only layers (Linear.set_quant_only, QuantEmbedding) keep meta Parameters in
 place of their weights, so `named_parameters()` keeps its names and shapes for every caller
@@ -21,12 +23,15 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from services.worker.model.fp8_weights import Fp8Weight
 from services.worker.model.linear import Linear
 from services.worker.model.quant_embedding import QuantEmbedding
 from services.worker.model.quant_parts import QuantLike, QuantParts, fuse
 
-QUANTIZATIONS = ("auto", "none", "gguf", "int8")
-QUANT_ONLY = ("gguf", "int8")  # no dense copy of the quantized weights
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")
+QUANT_ONLY = ("gguf", "int8", "fp8")  # no dense copy of the quantized weights
+CPU_ONLY = ("gguf", "int8")  # computed by the CPU kernels (kernels/quant_gemv.py)
+REQUANTIZED = ("int8", "fp8")  # made at load from the float32 weights (requant_plan)
 EMBED = "embed_tokens.weight"
 
 
@@ -34,9 +39,9 @@ def check_quantization(mode: str, device: str) -> None:
     """ValueError unless mode is a known --quantization usable on device."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
-    if mode in QUANT_ONLY and torch.device(device).type != "cpu":
+    if mode in CPU_ONLY and torch.device(device).type != "cpu":
         raise ValueError(f"--quantization {mode} computes with the CPU kernels (kernels/quant_gemv.py); "
-                         f"on {device} use --quantization auto or none")
+                         f"on {device} use --quantization fp8, auto or none")
 
 
 def linear_sources(model: nn.Module) -> Iterator[tuple[Linear, list[str]]]:
@@ -97,14 +102,36 @@ def int8_plan(model: nn.Module, only: set[str] | None = None) -> dict[str, Quant
     them: measured on the default model (bench/quantization.py, kjv), int8 with the tied
     embedding/head quantized too is +1.23% perplexity against float32, and +0.94% without."""
     from kernels.quant_gemv import QuantWeight
-    names = module_names(model)
-    dense = [(names[id(linear)], linear.weight) for linear, _ in linear_sources(model) if linear is not model.lm_head]
     with torch.no_grad():
-        return {name: QuantWeight.int8_per_channel(w.detach().float()) for name, w in dense
-                if only is None or name in only}
+        return {name: QuantWeight.int8_per_channel(w.detach().float()) for name, w in _layer_weights(model, only)}
 
 
-def apply_plan(model: nn.Module, plan: dict[str, QuantLike], kernel: ModuleType | None) -> None:
+def fp8_plan(model: nn.Module, only: set[str] | None = None) -> dict[str, Fp8Weight]:
+    """--quantization fp8, from a model with its dense float32 weights loaded: module name → its
+    float8_e4m3fn weight with per-row scales (Fp8Weight.quantize), for every linear of the layers
+    (only: these names), on the weights' device. The embedding and LM head stay dense, as int8's."""
+    with torch.no_grad():
+        return {name: Fp8Weight.quantize(w) for name, w in _layer_weights(model, only)}
+
+
+def _layer_weights(model: nn.Module, only: set[str] | None) -> list[tuple[str, torch.Tensor]]:
+    """(module name, dense weight) of every linear of the layers (an untied LM head excluded)."""
+    names = module_names(model)
+    return [(names[id(lin)], lin.weight) for lin, _ in linear_sources(model)
+            if lin is not model.lm_head and (only is None or names[id(lin)] in only)]
+
+
+def requant_plan(model: nn.Module, mode: str, only: set[str] | None = None) -> dict[str, QuantLike | Fp8Weight]:
+    """The plan of a mode made at load from float32 weights (REQUANTIZED: int8_plan or fp8_plan),
+    as a fresh runner (model_runner.build_model) and a weight update (weights/staging.py) make it."""
+    if mode == "int8":
+        return int8_plan(model, only)
+    if mode == "fp8":
+        return fp8_plan(model, only)
+    raise ValueError(f"--quantization {mode} is not requantized from dense weights (only {', '.join(REQUANTIZED)})")
+
+
+def apply_plan(model: nn.Module, plan: dict[str, QuantLike | Fp8Weight], kernel: ModuleType | None) -> None:
     """Make each planned module hold only its quantized weight (the embedding becomes a
     QuantEmbedding), then tie a tied LM head to the embedding's blocks."""
     for name, quant in plan.items():
@@ -141,6 +168,9 @@ def quant_only_refusal(model: nn.Module) -> str | None:
     mixed = [lin for lin in model.modules() if isinstance(lin, Linear) and isinstance(lin.quant, QuantParts)]
     if mixed:
         return f"{len(mixed)} linears fuse parts in different formats"
+    fp8 = [lin for lin in model.modules() if isinstance(lin, Linear) and isinstance(lin.quant, Fp8Weight)]
+    if fp8:
+        return f"{len(fp8)} linears hold FP8 weights, which the stack's kernels do not read"
     return None
 
 

@@ -22,6 +22,7 @@ import torch
 
 from services.worker.model.config import ModelConfig
 from services.worker.model.registry import model_class
+from services.worker.model.weight_format import REQUANTIZED
 from services.worker.weights.errors import WeightUpdateError
 
 
@@ -39,8 +40,8 @@ def stage(runner, tensors: Mapping[str, torch.Tensor], quantized: Mapping | None
     Raises WeightUpdateError saying what does not fit."""
     _check_inputs(tensors)
     dtype, mode = runner.config.torch_dtype, runner.config.quantization
-    try:  # int8 requantizes from the float32 values, as a fresh runner does
-        shadow = _load_shadow(runner.model_config, tensors, torch.float32 if mode == "int8" else dtype,
+    try:  # int8 / fp8 requantize from the float32 values, as a fresh runner does
+        shadow = _load_shadow(runner.model_config, tensors, torch.float32 if mode in REQUANTIZED else dtype,
                               runner.device)
     except (ValueError, RuntimeError) as e:  # load_decoder_tensors: missing / unknown / misshapen
         raise WeightUpdateError(f"the new weights do not fit the serving model: {e}") from e
@@ -55,7 +56,7 @@ def stage(runner, tensors: Mapping[str, torch.Tensor], quantized: Mapping | None
 
 def _quant_only(runner, shadow: torch.nn.Module, quantized: Mapping) -> dict:
     """The quantized weights the live model's quantized-only modules take (--quantization gguf:
-    the update's GGUF blocks, required; int8: the shadow's float32 weights requantized)."""
+    the update's GGUF blocks, required; int8 / fp8: the shadow's float32 weights requantized)."""
     from services.worker.model import weight_format
     only = weight_format.quant_only_modules(runner.model)
     if not only:
@@ -63,7 +64,7 @@ def _quant_only(runner, shadow: torch.nn.Module, quantized: Mapping) -> dict:
     try:
         if runner.config.quantization == "gguf":
             return weight_format.file_blocks_plan(runner.model, dict(quantized), only)
-        return weight_format.int8_plan(shadow, only)
+        return weight_format.requant_plan(shadow, runner.config.quantization, only)
     except ValueError as e:
         raise WeightUpdateError(
             f"{e}. A --quantization gguf worker holds only GGUF blocks: update it from a quantized GGUF file "
