@@ -31,6 +31,37 @@ def test_padding_rows_write_and_read_only_the_scratch_page() -> None:
         pad_decode_inputs([1, 2], [0, 0], [0, 1], table, page_size, 1, scratch)
 
 
+def test_the_captured_forward_equals_an_eager_decode_step(tmp_path) -> None:
+    """What a graph captures, run as it is on the CPU (Triton's interpreter): the padded static
+    inputs, the backend's prepare_graph_decode and the model give the eager step's logits for the
+    real rows, and the padding rows write only the scratch page."""
+    triton = pytest.importorskip("triton")
+    from services.step.contract import StepItem, StepPlan
+    from services.common.sampling_params import SamplingParams
+    from services.step.contract import NewRequestSpec
+    from services.worker.cuda_graphs import DecodeGraphs
+    from tests.unit.tiny_models import runner as tiny_runner, save_tiny, sequences
+    path, _ = save_tiny(tmp_path, "mistral_no_window")
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        r = tiny_runner(path, page_size=4, backend="triton")
+        seqs = sequences("two")
+        r.execute(StepPlan(0, [NewRequestSpec(rid, s, [], SamplingParams(temperature=0.0), 0) for rid, s in seqs.items()]))
+        pages = {"a": list(range(0, 20)), "b": list(range(20, 28))}
+        prefill = [StepItem(rid, s[:-1], 0, pages[rid], True) for rid, s in seqs.items()]
+        r.compute_logits(StepPlan(1, [], prefill))
+        scratch = r.kv_spec.num_pages - 1  # unused by either request
+        before = r.pool.k[:, scratch * 4:(scratch + 1) * 4].clone()
+        graphs = DecodeGraphs(r, max_bs=4, scratch_page=scratch)
+        rows = [r.requests[rid].row for rid in seqs]
+        tokens, positions = [s[-1] for s in seqs.values()], [len(s) - 1 for s in seqs.values()]
+        static = pad_decode_inputs(tokens, positions, rows, r.page_table[:, :graphs.max_pages], 4, 4, scratch)
+        captured = graphs._forward(static, torch.arange(4), 4)()  # [4, V]: 2 rows + 2 padding
+        assert not torch.equal(r.pool.k[:, scratch * 4:(scratch + 1) * 4], before)  # padding wrote there
+        eager, _ = r.compute_logits(StepPlan(2, [], [StepItem(rid, [s[-1]], len(s) - 1, []) for rid, s in seqs.items()]))
+    torch.testing.assert_close(captured[:2], eager, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 def test_replayed_decode_steps_equal_eager_ones(tmp_path) -> None:
     """A tiny random Llama on CUDA with the triton backend: every step's logits with graphs on

@@ -1,4 +1,4 @@
-"""What an attention backend implements (torch reference now; Triton and FlashInfer later).
+"""What an attention backend implements (torch reference, cpu, triton, flashinfer: the registry below).
 
 Besides attention itself (prepare, forward), a backend owns the tuning of the device it runs
 on: `attach` applies it once to the built model, and `one_call_step` runs a whole pure-decode
@@ -79,6 +79,8 @@ _BACKENDS: dict[str, tuple[str, dict]] = {
     "torch": ("services.worker.attention.torch_backend:TorchAttentionBackend", {}),
     # torch with the C++ paged decode kernel, plus the CPU worker's tuning and one-call decode steps
     "cpu": ("services.worker.attention.cpu_backend:CpuBackend", {}),
+    "triton": ("services.worker.attention.triton_backend:TritonAttentionBackend", {}),  # paged Triton kernels
+    "flashinfer": ("services.worker.attention.flashinfer_backend:create", {}),  # CUDA; else triton, with a warning
 }
 
 
