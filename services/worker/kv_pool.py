@@ -112,6 +112,16 @@ def _fp8_writer():
     return paged_decode_cpu.load()
 
 
+def _cuda_writer():
+    """kernels/triton/kv_write.write_kv_, or None without triton (then quantize_kv + index_copy_)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    from kernels.triton.kv_write import write_kv_
+    return write_kv_
+
+
 def _heads_contiguous(x: torch.Tensor) -> bool:
     """x [T, Hkv, D] with each row's heads back to back (rows may be strided)."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
@@ -127,11 +137,16 @@ class KVPool:
         self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
         # An FP8 pool's C++ writer (write_kv), resolved once: write runs every layer of every step.
         self._fp8_writer = _fp8_writer() if spec.is_fp8 and self.k.device.type == "cpu" else None
+        # On CUDA every pool's rows go through the Triton write (one launch for K and V, FP8 rotated in it).
+        self._cuda_writer = _cuda_writer() if self.k.device.type == "cuda" else None
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [T] int64; k, v [T, Hkv, D] in any float dtype (rounded to the pool's). An FP8
         pool's rows are rotated and rounded by the C++ kernel when it is built (the bytes
         quantize_kv stores, without its dozen small torch ops a layer), else by quantize_kv."""
+        if self._cuda_writer is not None and k.dtype in _FLOAT_ROWS and v.dtype == k.dtype:
+            self._cuda_writer(self.k[layer], self.v[layer], k, v, slots)
+            return
         native = self._fp8_writer
         if native is not None and k.dtype in _FLOAT_ROWS and v.dtype == k.dtype and _heads_contiguous(k) \
                 and _heads_contiguous(v):

@@ -91,7 +91,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def create_layer_ops(fused: bool, device: torch.device) -> LayerOps:
-    """The fused C++ ops when asked for on CPU and buildable here, else the torch reference."""
+    """The layer ops for a model on `device`:
+    CPU: the fused C++ ops when `fused` and buildable here, else the torch reference;
+    CUDA: the Triton ops (triton_layer_ops.py) when triton imports, else the torch reference
+    (`fused` names the CPU kernels and is not consulted);
+    any other device: the torch reference."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401  (CUDA builds of torch ship it)
+        except ImportError:
+            return TorchLayerOps()
+        from services.worker.model.triton_layer_ops import TritonLayerOps
+        return TritonLayerOps()
     if fused and device.type == "cpu":
         from kernels import fused_cpu
         module = fused_cpu.load()
