@@ -12,6 +12,11 @@ logits, so top_k=1 and temperature 0 give exactly the same token.
 Randomness is counter-based: the noise for (seed, sample_index, token) is a hash,
 so a request's draws depend only on its own seed and step counter, never on its
 batch mates, its row position or a shared generator's state.
+
+On a CUDA device a batch with any top_k/top_p/min_p filter is drawn by the Triton kernel
+(kernels/triton/sampling.py) from the tempered softmax: the same kept sets and the same noise
+without sorting the vocabulary, so a seeded request gets the CPU path's tokens up to float
+rounding at a cut (see that module). Everything else, on every device, runs the torch path below.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from kernels.triton import sampling as triton_sampling
 from services.common.sampling_params import SamplingParams
 from services.step.contract import SampledLogprobs
 
@@ -272,6 +278,15 @@ def _candidates(scaled: Tensor, batch: SamplingBatch,
     return vals, ids
 
 
+def _draw_filtered_on_device(scaled: Tensor, batch: SamplingBatch) -> Tensor:
+    """What _candidates + Gumbel-max give, by the Triton kernel: scaled [B, V] tempered logits
+    -> next tokens [B] int64, with no sort and no host sync. Its filters use the batch's [B]
+    tensors as they are (top_k V, top_p 1, min_p 0 when off; greedy rows neutral)."""
+    probs = scaled.softmax(dim=-1, dtype=torch.float32)  # [B, V]
+    return triton_sampling.sample_from_probs(probs, batch.top_ks, batch.top_ps, batch.min_ps,
+                                             batch.seeds, batch.sample_indices).token_ids
+
+
 def sample(logits: Tensor, batch: SamplingBatch, prompt_tokens: Tensor | None = None,
            output_tokens: Tensor | None = None,
            want_logprobs: list[int] | None = None,
@@ -306,12 +321,16 @@ def sample(logits: Tensor, batch: SamplingBatch, prompt_tokens: Tensor | None = 
         greedy_rows = batch.temperatures == 0
         # Greedy rows divide by 1 here; their sampled token is replaced below.
         temps = torch.where(greedy_rows, torch.ones_like(batch.temperatures), batch.temperatures)
-        vals, ids = _candidates(processed / temps[:, None], batch)
-        token_ids = ids if ids is not None else torch.arange(V, device=logits.device)
-        # Gumbel-max: argmax(l/T + g) is a draw from softmax(l/T) over the kept set.
-        scores = _gumbel(batch.seeds, batch.sample_indices, token_ids).add_(vals)
-        pick = scores.argmax(dim=-1)  # [B]
-        next_ids = pick if ids is None else ids.gather(1, pick[:, None]).squeeze(1)
+        scaled = processed / temps[:, None]
+        if scaled.is_cuda and (batch.any_top_k or batch.any_top_p or batch.any_min_p):
+            next_ids = _draw_filtered_on_device(scaled, batch)
+        else:
+            vals, ids = _candidates(scaled, batch)
+            token_ids = ids if ids is not None else torch.arange(V, device=logits.device)
+            # Gumbel-max: argmax(l/T + g) is a draw from softmax(l/T) over the kept set.
+            scores = _gumbel(batch.seeds, batch.sample_indices, token_ids).add_(vals)
+            pick = scores.argmax(dim=-1)  # [B]
+            next_ids = pick if ids is None else ids.gather(1, pick[:, None]).squeeze(1)
         if batch.any_greedy:
             next_ids = torch.where(greedy_rows, argmax_rows(processed), next_ids)
 
