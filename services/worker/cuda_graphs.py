@@ -13,15 +13,17 @@ writes never touch a request's. Their logits are dropped.
 What must hold for a captured step to equal an eager one: the backend's capture-time preparation
 (prepare_graph_decode) derives everything from the static buffers with device ops only (no host
 sync, no shape that depends on their values), and the split-K count is pinned for the bucket
-at the longest context the page table can hold. Steps with LoRA adapters, verify items or
-prefill chunks run eagerly.
+at the longest context the page table can hold. A speculative or jump-forward verify item
+rides the same graphs: its positions are rows sharing one page-table row, each attending
+through its own position (the backend writes every row's K/V before any row attends), so the
+verify width needs no graphs of its own. Steps with LoRA adapters or prefill chunks run eagerly.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -137,9 +139,11 @@ class DecodeGraphs:
             return runner.model(static.token_ids, meta, every)
         return forward
 
-    def run(self, token_ids: list[int], positions: list[int], rows: list[int]) -> torch.Tensor | None:
+    def run(self, token_ids: list[int], positions: list[int], rows: list[int],
+            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """A decode step's logits [len(token_ids), V] from its bucket's replay; None when
-        no bucket holds it (the caller runs it eagerly)."""
+        no bucket holds it (the caller runs it eagerly). fill(token_ids [bs]): rewrites inputs
+        on the device before the replay (LAST_SAMPLED tokens still on the device)."""
         bs = bucket_for(len(token_ids), self.buckets)
         if bs is None:
             return None
@@ -150,5 +154,7 @@ class DecodeGraphs:
         for dst, src in zip((captured.inputs.token_ids, captured.inputs.positions, captured.inputs.page_rows,
                              captured.inputs.out_slots), moved):
             dst.copy_(src, non_blocking=True)
+        if fill is not None:
+            fill(captured.inputs.token_ids)
         captured.graph.replay()
         return captured.logits[:len(token_ids)]

@@ -23,6 +23,7 @@ from services.worker.attention.backend import DecodeStep, create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.config import WorkerConfig
 from services.worker.grammar_cache import GrammarCache
+from services.worker.deferred_step import DeferredStep
 from services.worker.device_stats import DeviceStats
 from services.worker.grammar_vocab import grammar_vocab
 from services.worker.host_to_device import to_device
@@ -52,6 +53,7 @@ class _Request:
     matcher: Matcher | None = None  # its constraint's grammar state, advanced with every sampled token
     drafted_speculatively: bool = False  # its last draft came from the drafter, not its grammar
     adapter: str = ""  # the LoRA adapter it runs under ("" = the base model)
+    unapplied: int = 0  # tokens sampled on the device whose deferred step has not been finished yet
 
 
 @dataclass
@@ -94,6 +96,10 @@ class ModelRunner:
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
         self.requests: dict[str, _Request] = {}
         self.device_stats = DeviceStats()  # launch vs device time, graph replays (/metrics)
+        # Each page-table row's last sampled token, on the device: a LAST_SAMPLED input of a request
+        # whose previous step is still deferred is gathered from here, never from the host.
+        self.last_token = torch.zeros(config.max_requests, dtype=torch.int64, device=self.device)
+        self._deferred: DeferredStep | None = None  # services/worker/deferred_step.py
         # LoRA adapters (services/worker/lora): loaded on the host, up to --max-loras resident in slots;
         # None: --max-loras 0, no LoRA serving.
         self.max_loras = config.max_loras
@@ -181,12 +187,18 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every request (a new scheduler connection starts from nothing)."""
+        self._deferred = None
         for rid in list(self.requests):
             self._release(rid)
 
     # --- the step ------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, defer: bool = False) -> StepResult:
+        """Run one plan → its result. defer: a step of plain rows (no grammar, logprobs, drafter or
+        verify item) may return before its sampled tokens reach the host; its result's rids,
+        tokens and logprobs are filled by finish_pending(), which the next step's sampling calls
+        first (the worker's step loop calls it once the next step is queued on the device, so the
+        copy back is off the critical path; services/worker/step_loop.py)."""
         t0 = time.perf_counter()
         # Release before admitting: a finished request's row is free for a new one in
         # the same step (the scheduler never lists a re-admitted request as released).
@@ -199,17 +211,33 @@ class ModelRunner:
             self._computing()
             result.kv_transfers = self.kv_transfer.run(plan.kv_copies)
         if plan.items:
-            self._run_items(plan, result)
+            self._run_items(plan, result, defer)
         result.forward_seconds = time.perf_counter() - t0
         return result
 
-    def _run_items(self, plan: StepPlan, result: StepResult) -> None:
+    @property
+    def has_deferred(self) -> bool:
+        return self._deferred is not None
+
+    def finish_pending(self) -> None:
+        """Complete the deferred step's result: wait for its tokens' copy (long done when the next
+        step is already queued behind it), apply them to the requests, fill its result."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            deferred.complete(self._take)
+
+    def _run_items(self, plan: StepPlan, result: StepResult, defer: bool = False) -> None:
         logits, sampled = self.compute_logits(plan)  # [R, V]: a row per sampled item, per position of a verify item
+        self.finish_pending()  # the previous step's tokens reach the requests before this step samples
         if not sampled:
             return
         items = [plan.items[i] for i in sampled]
         reqs = [self.requests[item.rid] for item in items]
         verifying = any(item.verify for item in items)  # jump-forward; the common step has one row per item
+        if defer and not verifying and self.drafter is None and all(
+                r.matcher is None and not r.sampling.logprobs for r in reqs):
+            self._defer(logits, items, reqs, result)
+            return
         rows, spans = self._verify_rows(reqs, items) if verifying else (reqs, None)
         grammar = self.grammars.backend if any(r.matcher is not None for r in rows) else None
         picked, logprobs = run_sampler(logits, rows, self.model_config.eos_token_ids, grammar, self.grammars.stats)
@@ -232,6 +260,15 @@ class ModelRunner:
         if proposed or any(forced):
             result.drafts = [TokenRun(proposed[i], speculative=True) if i in proposed else TokenRun(ids)
                              for i, ids in enumerate(forced)]
+
+    def _defer(self, logits: torch.Tensor, items: list, reqs: list[_Request], result: StepResult) -> None:
+        """Sample on the device, record each row's token in last_token, and start the tokens'
+        copy to the host; finish_pending completes `result`."""
+        picked, _ = run_sampler(logits, reqs, self.model_config.eos_token_ids, None, self.grammars.stats,
+                                to_host=False)  # [R] int64 on the device
+        rows, = to_device([torch.tensor([r.row for r in reqs], dtype=torch.int64)], self.device)
+        self.last_token.index_copy_(0, rows, picked)
+        self._deferred = DeferredStep.start(picked, result, items, reqs)
 
     def _speculate(self, reqs: list[_Request], items: list, runs: list[list[int]], forced: list[list[int]],
                    result: StepResult) -> dict[int, list[int]]:
@@ -293,16 +330,24 @@ class ModelRunner:
         """Run the plan's items (KV written) → (logits [R, V] of the sampled items: one row each,
         one per position for a verify item; their indices in plan.items). Requests must have
         been admitted."""
+        if self._deferred is not None and self.graphs is None and self.one_call_rows:
+            self.finish_pending()  # the CPU one-call step reads its token ids on the host
         reqs = [self.requests[item.rid] for item in plan.items]
+        on_device: list[tuple[int, int]] = []  # (token index, page-table row) of LAST_SAMPLED inputs still deferred
+        first = 0
         for req, item in zip(reqs, plan.items):
             if item.new_pages or item.reset_pages:
                 self._append_pages(req, item.new_pages, item.reset_pages)
             if item.input_ids[0] == LAST_SAMPLED:
                 item.input_ids = [_last_sampled(item.rid, req, item.start_pos)]
+                if req.unapplied:
+                    on_device.append((first, req.row))
+            first += len(item.input_ids)
         sampled = [i for i, item in enumerate(plan.items) if item.sample]
         if self.graphs is not None:  # CUDA: a pure-decode step replays its bucket's graph
-            step = self._one_call(plan, reqs, max_rows=self.graphs.buckets[-1], max_verify_rows=0)
-            logits = self.device_stats.timed(self.device, lambda: self._replay(step), replayed=True)
+            most = self.graphs.buckets[-1]  # a verify item's rows share its page-table row, as in one-call steps
+            step = self._one_call(plan, reqs, max_rows=most, max_verify_rows=most)
+            logits = self.device_stats.timed(self.device, lambda: self._replay(step, on_device), replayed=True)
             if logits is not None:
                 return logits, sampled
         elif (step := self._one_call(plan, reqs)) is not None:  # CPU: the backend's one-call decode step
@@ -318,20 +363,34 @@ class ModelRunner:
             wanted += range(ends[i] - n, ends[i])
         input_ids, logits_indices = to_device(
             [torch.tensor(flat_ids, dtype=torch.int64), torch.tensor(wanted, dtype=torch.int64)], self.device)
+        self._fill_last_sampled(input_ids, on_device)
         meta = self.forward_meta(layout.positions)
         lora = None  # the step's rows by adapter slot (services/worker/lora/batch.py); None: all base
         if self.loras is not None and any(req.adapter for req in reqs):
             lora = self.loras.batch([(req.adapter, len(item.input_ids)) for req, item in zip(reqs, plan.items)])
-        self._computing()
         with self.loras.active(lora) if lora is not None else contextlib.nullcontext():
-            return self.device_stats.timed(self.device, lambda: self.model(input_ids, meta, logits_indices)), sampled
+            if self.device.type != "cuda":  # the CPU computes as it goes: post the previous result first
+                self._computing()
+            logits = self.device_stats.timed(self.device, lambda: self.model(input_ids, meta, logits_indices))
+            if self.device.type == "cuda":  # queued on the GPU: post (and finish) the previous step meanwhile
+                self._computing()
+            return logits, sampled
 
-    def _replay(self, step: DecodeStep) -> torch.Tensor | None:
-        """A pure-decode step's logits [sampled rows, V] from its CUDA graph; None when it has a
-        verify item (several rows per request) or no bucket holds it."""
-        if step is None or len(set(step.rows)) != len(step.rows):
+    def _fill_last_sampled(self, input_ids: torch.Tensor, on_device: list[tuple[int, int]]) -> None:
+        """input_ids [T] on the device: the LAST_SAMPLED inputs whose step is still deferred take
+        their row's last_token, device to device (their host value is a stale placeholder)."""
+        if on_device:
+            index, rows = to_device([torch.tensor(on_device, dtype=torch.int64).T.contiguous()], self.device)[0]
+            input_ids.index_copy_(0, index, self.last_token.index_select(0, rows))
+
+    def _replay(self, step: DecodeStep, on_device: list[tuple[int, int]]) -> torch.Tensor | None:
+        """A decode step's logits [sampled rows, V] from its CUDA graph (a verify item's positions
+        as rows of one page-table row, each attending through its own position: the backend writes
+        every row's K/V before any attends); None when no bucket holds it."""
+        if step is None:
             return None
-        logits = self.graphs.run(step.token_ids, step.positions, step.rows)
+        logits = self.graphs.run(step.token_ids, step.positions, step.rows,
+                                 lambda token_ids: self._fill_last_sampled(token_ids, on_device))
         if logits is None:
             return None
         self._computing()  # the replay is queued: the previous result posts while the GPU runs it
@@ -448,11 +507,13 @@ class ModelRunner:
 
 def _last_sampled(rid: str, req: _Request, start_pos: int) -> int:
     """The input of a decode planned before the scheduler knew it: the token this worker
-    sampled for the request last (overlapped scheduling; services/scheduler/scheduler.py)."""
-    if not req.output_ids or start_pos != len(req.prompt_ids) + len(req.output_ids) - 1:
+    sampled for the request last (overlapped scheduling; services/scheduler/scheduler.py).
+    While that token's step is deferred, a placeholder: the runner gathers it on the device."""
+    generated = len(req.output_ids) + req.unapplied
+    if not generated or start_pos != len(req.prompt_ids) + generated - 1:
         raise ValueError(f"request {rid}: LAST_SAMPLED at position {start_pos}, but the worker's last sampled "
-                         f"token is at {len(req.prompt_ids) + len(req.output_ids) - 1}")
-    return req.output_ids[-1]
+                         f"token is at {len(req.prompt_ids) + generated - 1}")
+    return 0 if req.unapplied else req.output_ids[-1]
 
 
 def build_model(mc: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -21,10 +21,13 @@ class _SampledRequest(Protocol):
 
 
 def run_sampler(logits: torch.Tensor, reqs: list[_SampledRequest], eos_token_ids: tuple[int, ...],
-                grammar: GrammarBackend | None = None, stats=None) -> tuple[list[int], list[SampledLogprobs | None]]:
+                grammar: GrammarBackend | None = None, stats=None,
+                to_host: bool = True) -> tuple[list[int] | torch.Tensor, list[SampledLogprobs | None]]:
     """logits [B, V] for the rows of `reqs` → (next token ids, logprobs per row). Rows with a
     grammar matcher sample only what their grammar allows next (`grammar`: the backend that
-    fills and applies the batch's bitmask; `stats.masked_rows` counts them)."""
+    fills and applies the batch's bitmask; `stats.masked_rows` counts them). to_host=False:
+    the ids stay a [B] int64 tensor on the logits' device (no sync), for rows that want no
+    logprobs (theirs come back None)."""
     params = [r.sampling for r in reqs]
     suppressed = [_suppressed(r, eos_token_ids) for r in reqs]
     mask = _grammar_mask(reqs, grammar, stats)
@@ -32,7 +35,7 @@ def run_sampler(logits: torch.Tensor, reqs: list[_SampledRequest], eos_token_ids
         picked = argmax_rows(logits)  # [B]
         if mask is not None:
             mask.repick_greedy(logits, picked)
-        return picked.tolist(), [None] * len(reqs)
+        return (picked.tolist() if to_host else picked), [None] * len(reqs)
     batch = SamplingBatch.build(
         params, [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
         suppressed, logits.shape[-1], logits.device)
@@ -42,6 +45,8 @@ def run_sampler(logits: torch.Tensor, reqs: list[_SampledRequest], eos_token_ids
         output_tokens = pad_token_lists([r.output_ids for r in reqs], logits.device)
     want = [p.top_logprobs if p.logprobs else -1 for p in params]
     out = sample(logits, batch, prompt_tokens, output_tokens, want, mask.apply if mask is not None else None)
+    if not to_host:
+        return out.next_token_ids, [None] * len(reqs)
     return out.next_token_ids.tolist(), token_logprobs(out, want)
 
 

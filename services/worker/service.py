@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 from opentelemetry.context import Context
@@ -232,12 +232,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._step_tokens.labels(model).inc(sum(len(it.input_ids) for it in msg.items))
         self._batch.labels(model).observe(len(msg.items))
 
-    def _step(self, msg: pb.StepPlan) -> pb.StepResult:
-        """One plan, on the step thread: its span, the runner, its metrics."""
+    def _step(self, msg: pb.StepPlan) -> pb.StepResult | Callable[[], pb.StepResult]:
+        """One plan, on the step thread: its span, the runner, its metrics → its result, or on
+        CUDA possibly a callable that completes it (StepLoop calls it before posting)."""
         t0, span = time.monotonic(), self._step_span(msg) if tracing.enabled() else None
         try:
-            with self.model_lock:
-                result = result_to_proto(self.runner.execute(plan_from_proto(msg)))
+            with self.model_lock:  # CUDA: its tokens may still be crossing to the host (ModelRunner.execute)
+                result = self.runner.execute(plan_from_proto(msg), defer=self.runner.device.type == "cuda")
         except Exception as exc:
             if span is not None:
                 span.record_exception(exc)
@@ -247,7 +248,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if span is not None:
             span.set_attribute("radixmesh.forward_seconds", result.forward_seconds)
             span.end()
-        return result
+        if self.runner.has_deferred:  # completed when the step loop posts it, after the next step is queued
+            def complete() -> pb.StepResult:
+                self.runner.finish_pending()  # on the step thread (StepLoop's flush), inside or between steps
+                return result_to_proto(result)
+            return complete
+        return result_to_proto(result)
 
     def model_changed(self, state) -> None:
         """An admin call changed adapters or weights (an admin_pb2.ModelState): GetInfo follows."""

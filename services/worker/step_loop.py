@@ -18,7 +18,8 @@ _FINISH = object()  # the scheduler closed the stream: run what is queued, then 
 
 class StepLoop:
     def __init__(self, runner, step: Callable[[Any], Any], post: Callable[[tuple | None], None]) -> None:
-        """step(msg) -> result runs one plan; post((step_id, result or exception)) hands an answer
+        """step(msg) -> result runs one plan (or returns a callable that completes its result, called
+        on this thread right before posting); post((step_id, result or exception)) hands an answer
         to the event loop, post(None) says there will be no more."""
         self._runner, self._step, self._post = runner, step, post
         self._plans: queue.SimpleQueue = queue.SimpleQueue()
@@ -42,7 +43,13 @@ class StepLoop:
 
         def flush() -> None:
             if pending:
-                self._post(pending.pop())
+                step_id, result = pending.pop()
+                if callable(result):  # a deferred step (ModelRunner.execute(defer=True)): complete it now
+                    try:
+                        result = result()
+                    except Exception as exc:
+                        result = exc
+                self._post((step_id, result))
 
         self._runner.on_compute = flush
         try:

@@ -31,10 +31,12 @@ def test_padding_rows_write_and_read_only_the_scratch_page() -> None:
         pad_decode_inputs([1, 2], [0, 0], [0, 1], table, page_size, 1, scratch)
 
 
-def test_the_captured_forward_equals_an_eager_decode_step(tmp_path) -> None:
+@pytest.mark.parametrize("verify", [False, True])
+def test_the_captured_forward_equals_an_eager_decode_step(tmp_path, verify) -> None:
     """What a graph captures, run as it is on the CPU (Triton's interpreter): the padded static
     inputs, the backend's prepare_graph_decode and the model give the eager step's logits for the
-    real rows, and the padding rows write only the scratch page."""
+    real rows, and the padding rows write only the scratch page. verify: request "a" verifies a
+    one-token draft, two rows of one page-table row (the eager step runs it as an extend item)."""
     triton = pytest.importorskip("triton")
     from services.step.contract import StepItem, StepPlan
     from services.common.sampling_params import SamplingParams
@@ -53,13 +55,18 @@ def test_the_captured_forward_equals_an_eager_decode_step(tmp_path) -> None:
         scratch = r.kv_spec.num_pages - 1  # unused by either request
         before = r.pool.k[:, scratch * 4:(scratch + 1) * 4].clone()
         graphs = DecodeGraphs(r, max_bs=4, scratch_page=scratch)
-        rows = [r.requests[rid].row for rid in seqs]
-        tokens, positions = [s[-1] for s in seqs.values()], [len(s) - 1 for s in seqs.values()]
+        draft = {"a": [17] if verify else [], "b": []}
+        rows = [r.requests[rid].row for rid in seqs for _ in range(1 + len(draft[rid]))]
+        tokens = [t for rid, s in seqs.items() for t in [s[-1], *draft[rid]]]
+        positions = [len(s) - 1 + j for rid, s in seqs.items() for j in range(1 + len(draft[rid]))]
+        n = len(tokens)
         static = pad_decode_inputs(tokens, positions, rows, r.page_table[:, :graphs.max_pages], 4, 4, scratch)
-        captured = graphs._forward(static, torch.arange(4), 4)()  # [4, V]: 2 rows + 2 padding
+        captured = graphs._forward(static, torch.arange(4), 4)()  # [4, V]: n rows + padding
         assert not torch.equal(r.pool.k[:, scratch * 4:(scratch + 1) * 4], before)  # padding wrote there
-        eager, _ = r.compute_logits(StepPlan(2, [], [StepItem(rid, [s[-1]], len(s) - 1, []) for rid, s in seqs.items()]))
-    torch.testing.assert_close(captured[:2], eager, atol=1e-5, rtol=1e-5)
+        items = [StepItem(rid, [s[-1], *draft[rid]], len(s) - 1, [], verify=bool(draft[rid])) for rid, s in seqs.items()]
+        eager, _ = r.compute_logits(StepPlan(2, [], items))
+    assert eager.shape[0] == n
+    torch.testing.assert_close(captured[:n], eager, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
