@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kernels.kv_fp8 import FP8_KV_SCALES, widen_kv
-from kernels.triton import import_triton
+from kernels.triton import import_triton, jitted
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -215,14 +215,8 @@ def _triton() -> Any:
 
 @functools.cache
 def _kernels(interpret: bool) -> tuple[Any, Any]:
-    """(partial, reduce) jitted, compiled (False) or interpreted (True): the knob is pinned while
-    decorating, one pair per setting (see grammar_bitmask._kernel for why)."""
-    import triton
-    import triton.language as tl
-
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        return triton.jit(_partial_source(tl)), triton.jit(_reduce_source(tl))
+    """(partial, reduce) jitted for this interpreter setting (kernels.triton.jitted)."""
+    return jitted(interpret, _partial_source, _reduce_source)
 
 
 def _partial_source(tl: Any) -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kernels.kv_fp8 import FP8_KV_SCALES
-from kernels.triton import import_triton
+from kernels.triton import import_triton, jitted
 from kernels.triton.decode_attention import (INDEX_DTYPES, LOG2E, _block_d, _precision, attend_reference,
                                              check_pages, check_paged, paged_rows)
 
@@ -103,14 +103,8 @@ def _triton() -> Any:
 
 @functools.cache
 def _kernel(interpret: bool) -> Any:
-    """The jitted kernel, compiled (False) or interpreted (True): the knob is pinned while
-    decorating, one per setting (see grammar_bitmask._kernel for why)."""
-    import triton
-    import triton.language as tl
-
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        return triton.jit(_extend_source(tl))
+    """The jitted kernel for this interpreter setting (kernels.triton.jitted says why one per setting)."""
+    return jitted(interpret, _extend_source)[0]
 
 
 def _extend_source(tl: Any) -> Any:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kernels.triton import import_triton
+from kernels.triton import import_triton, jitted
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 E4M3 = torch.float8_e4m3fn
@@ -132,14 +132,8 @@ def _triton() -> Any:
 
 @functools.cache
 def _kernel(interpret: bool) -> Any:
-    """The GEMM jitted, compiled (False) or interpreted (True): the knob is pinned while
-    decorating, one kernel per setting (see grammar_bitmask._kernel for why)."""
-    import triton
-    import triton.language as tl
-
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        return triton.jit(_source(tl))
+    """The jitted kernel for this interpreter setting (kernels.triton.jitted says why one per setting)."""
+    return jitted(interpret, _source)[0]
 
 
 def _source(tl: Any) -> Any:

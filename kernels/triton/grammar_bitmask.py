@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kernels.triton import import_triton
+from kernels.triton import import_triton, jitted
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_WORDS = 64  # words per program: 2048 tokens
@@ -88,16 +88,8 @@ def _triton() -> Any:
 
 @functools.cache
 def _kernel(interpret: bool) -> Any:
-    """The jitted kernel, compiled (False) or interpreted (True). triton.jit picks one when it
-    decorates (triton 3.9 reads triton.knobs.runtime.interpret, i.e. TRITON_INTERPRET, then), so
-    the knob is pinned while decorating and there is one kernel per setting: turning the
-    interpreter on after something imported triton or this module still takes effect."""
-    import triton
-    import triton.language as tl
-
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        return triton.jit(_mask_rows_source(tl))
+    """The jitted kernel for this interpreter setting (kernels.triton.jitted says why one per setting)."""
+    return jitted(interpret, _mask_rows_source)[0]
 
 
 def _mask_rows_source(tl: Any) -> Any:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kernels.kv_fp8 import FP8_KV_SCALES, hadamard_block, hadamard_norm, quantize_kv
-from kernels.triton import import_triton
+from kernels.triton import import_triton, jitted
 
 SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 POOL_DTYPES = SOURCE_DTYPES + tuple(FP8_KV_SCALES)
@@ -128,14 +128,8 @@ def _triton() -> Any:
 
 @functools.cache
 def _kernel(interpret: bool) -> Any:
-    """The jitted kernel, compiled (False) or interpreted (True): the knob is pinned while
-    decorating, one kernel per setting (see grammar_bitmask._kernel for why)."""
-    import triton
-    import triton.language as tl
-
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        return triton.jit(_write_source(tl))
+    """The jitted kernel for this interpreter setting (kernels.triton.jitted says why one per setting)."""
+    return jitted(interpret, _write_source)[0]
 
 
 def _write_source(tl: Any) -> Any:

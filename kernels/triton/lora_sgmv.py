@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kernels.lora_cpu import lora_apply_reference  # noqa: F401  (the reference beside the kernel)
-from kernels.triton import import_triton
+from kernels.triton import import_triton, jitted
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_M = 16  # rows of one slot per tile (tl.dot's smallest side)
@@ -129,14 +129,8 @@ def _triton() -> Any:
 
 @functools.cache
 def _kernels(interpret: bool) -> tuple[Any, Any]:
-    """(shrink, expand) jitted, compiled (False) or interpreted (True): the knob is pinned while
-    decorating, one pair per setting (see grammar_bitmask._kernel for why)."""
-    import triton
-    import triton.language as tl
-
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        return triton.jit(_shrink_source(tl)), triton.jit(_expand_source(tl))
+    """(shrink, expand) jitted for this interpreter setting (kernels.triton.jitted)."""
+    return jitted(interpret, _shrink_source, _expand_source)
 
 
 def _shrink_source(tl: Any) -> Any:

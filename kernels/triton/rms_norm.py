@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.triton import import_triton
+from kernels.triton import import_triton, jitted
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HIDDEN = 65536  # one row in one program's registers
@@ -110,14 +110,8 @@ def _triton() -> Any:
 
 @functools.cache
 def _kernel(interpret: bool) -> Any:
-    """The jitted kernel, compiled (False) or interpreted (True): the knob is pinned while
-    decorating, one kernel per setting (see grammar_bitmask._kernel for why)."""
-    import triton
-    import triton.language as tl
-
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        return triton.jit(_norm_source(tl))
+    """The jitted kernel for this interpreter setting (kernels.triton.jitted says why one per setting)."""
+    return jitted(interpret, _norm_source)[0]
 
 
 def _norm_source(tl: Any) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kernels.triton import import_triton
+from kernels.triton import import_triton, jitted
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ELEMENTS = 1024  # (head, i < D/2) pairs per program
@@ -104,14 +104,8 @@ def _triton() -> Any:
 
 @functools.cache
 def _kernel(interpret: bool) -> Any:
-    """The jitted kernel, compiled (False) or interpreted (True): the knob is pinned while
-    decorating, one kernel per setting (see grammar_bitmask._kernel for why)."""
-    import triton
-    import triton.language as tl
-
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        return triton.jit(_rope_source(tl))
+    """The jitted kernel for this interpreter setting (kernels.triton.jitted says why one per setting)."""
+    return jitted(interpret, _rope_source)[0]
 
 
 def _rope_source(tl: Any) -> Any:

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from kernels.triton import import_triton
+from kernels.triton import import_triton, jitted
 
 BLOCK = 512  # tokens per step of a pass
 PIVOTS = 16  # probability values tested per pass
@@ -159,14 +159,8 @@ def _triton() -> Any:
 
 @functools.cache
 def _kernel(interpret: bool) -> Any:
-    """The jitted kernel, compiled (False) or interpreted (True): the knob is pinned while
-    decorating, one kernel per setting (see grammar_bitmask._kernel for why)."""
-    import triton
-    import triton.language as tl
-
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        return triton.jit(_sample_source(tl))
+    """The jitted kernel for this interpreter setting (kernels.triton.jitted says why one per setting)."""
+    return jitted(interpret, _sample_source)[0]
 
 
 def _sample_source(tl: Any) -> Any:
