@@ -73,6 +73,9 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {config.device}: torch sees no CUDA device (torch {torch.__version__}, "
+                             f"built for CUDA {torch.version.cuda}); use --device cpu")
         mc = checkpoint.config
         if config.context_length:
             mc = _with_context(mc, config.context_length)

@@ -89,6 +89,14 @@ def test_device_stats_count_launches_not_declined_steps() -> None:
     assert metrics["worker_eager_steps"] == ("counter", metrics["worker_eager_steps"][1], 1)
 
 
+def test_a_cuda_worker_without_cuda_says_so_before_loading_anything() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from services.worker.model_runner import ModelRunner
+    with pytest.raises(ValueError, match="torch sees no CUDA device.*use --device cpu"):
+        ModelRunner(WorkerConfig(device="cuda"), checkpoint=None)
+
+
 @pytest.mark.gpu
 def test_to_device_moves_pinned_in_one_copy_on_cuda() -> None:
     if not torch.cuda.is_available():
