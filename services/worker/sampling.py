@@ -159,7 +159,8 @@ class SamplingBatch:
         top_ps = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
         min_ps = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
         filtered = [k < V or tp < 1.0 for k, tp in zip(top_ks, top_ps)]  # False if greedy
-        widths = [k if k < V else _TOP_P_PREFIX for k, f in zip(top_ks, filtered) if f]
+        # top_k + 1 candidates: the extra one shows whether a token past the cut ties with it.
+        widths = [min(V, k + 1) if k < V else _TOP_P_PREFIX for k, f in zip(top_ks, filtered) if f]
         sampled = [f for f, g in zip(filtered, greedy) if not g]
         pairs = [(b, t) for b, ids in enumerate(suppress_token_ids) for t in ids]
         return cls(
@@ -267,7 +268,10 @@ def _candidates(scaled: Tensor, batch: SamplingBatch,
         threshold = top.gather(1, (n_keep - 1)[:, None])  # [B, 1]
         unfiltered = (batch.top_ks >= V) & (batch.top_ps >= 1.0)
         threshold = threshold.masked_fill(unfiltered[:, None], float("-inf"))
-        if batch.all_filtered:  # every kept token is among the K: noise only those
+        # Every kept token is among the K, so only those get noise; unless some row still keeps its
+        # K-th candidate: a token past the K may tie with it, and ties at the cut stay (the whole
+        # row then, as with an unfiltered mate, so the kept set never depends on the batch).
+        if batch.all_filtered and (K >= V or not bool((top[:, -1:] >= threshold).any())):
             vals, ids = top, top_ids
         vals = vals.masked_fill(vals < threshold, float("-inf"))
     if batch.any_min_p:

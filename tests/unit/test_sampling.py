@@ -328,3 +328,20 @@ def test_run_sampler_takes_the_argmax_shortcut_only_when_nothing_else_applies() 
     with_lp = Req(SP(temperature=0.0, logprobs=True))
     tokens, lps = run_sampler(logits[:1], [with_lp], ())
     assert tokens == top[:1] and lps[0] is not None
+
+
+def test_ties_at_the_top_k_cut_stay_whatever_the_batch_mates() -> None:
+    """[3, 2, 2, 2, 1, 0] with top_k 2: the cut falls inside a three-way tie, and all three stay.
+    Alone (every row filtered, the K-candidate path) as with an unfiltered mate (the full row):
+    the kept set, and so a seeded draw, must not depend on who shares the step."""
+    row = [3.0, 2.0, 2.0, 2.0, 1.0, 0.0]
+    kept_sets = []
+    for mate in (None, SP(temperature=1.0)):
+        params = [SP(temperature=1.0, top_k=2)] + ([mate] if mate else [])
+        batch = build(params, vocab=6)
+        assert batch.all_filtered == (mate is None)
+        logits = torch.tensor([row] * len(params))
+        vals, ids = _candidates(logits, batch)
+        ids = torch.arange(6).expand_as(vals) if ids is None else ids
+        kept_sets.append(set(ids[0][vals[0] > float("-inf")].tolist()))
+    assert kept_sets == [{0, 1, 2, 3}, {0, 1, 2, 3}]
