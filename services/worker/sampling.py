@@ -271,7 +271,8 @@ def _candidates(scaled: Tensor, batch: SamplingBatch,
         # Every kept token is among the K, so only those get noise; unless some row still keeps its
         # K-th candidate: a token past the K may tie with it, and ties at the cut stay (the whole
         # row then, as with an unfiltered mate, so the kept set never depends on the batch).
-        if batch.all_filtered and (K >= V or not bool((top[:, -1:] >= threshold).any())):
+        ties_past = (top[:, -1:] >= threshold) & ~unfiltered[:, None]  # greedy rows never filter
+        if batch.all_filtered and (K >= V or not bool(ties_past.any())):
             vals, ids = top, top_ids
         vals = vals.masked_fill(vals < threshold, float("-inf"))
     if batch.any_min_p:

@@ -345,3 +345,13 @@ def test_ties_at_the_top_k_cut_stay_whatever_the_batch_mates() -> None:
         ids = torch.arange(6).expand_as(vals) if ids is None else ids
         kept_sets.append(set(ids[0][vals[0] > float("-inf")].tolist()))
     assert kept_sets == [{0, 1, 2, 3}, {0, 1, 2, 3}]
+
+
+def test_a_greedy_mate_keeps_the_k_candidate_path() -> None:
+    """Greedy rows do not filter: next to top_k rows without ties, the step still draws from the
+    K candidates only (ids come back), not from the whole row."""
+    batch = build([SP(temperature=0.0), SP(temperature=1.0, top_k=3), SP(temperature=0.7, top_k=2)], vocab=8)
+    assert batch.all_filtered
+    vals, ids = _candidates(torch.tensor([SMALL] * 3), batch)
+    assert ids is not None and vals.shape == (3, 4)  # top_k + 1 candidates
+    assert [int((v > float("-inf")).sum()) for v in vals[1:]] == [3, 2]
