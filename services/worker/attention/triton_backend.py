@@ -25,6 +25,7 @@ from kernels.triton.decode_attention import choose_num_splits, decode_attention
 from kernels.triton.extend_attention import extend_attention
 from services.worker.attention.backend import Attached, DecodeStep, LayerAttention
 from services.worker.attention.batch_layout import BatchLayout
+from services.worker.host_to_device import to_device
 from services.worker.kv_pool import KVPool
 
 
@@ -45,7 +46,7 @@ class _ExtendGroup:
 
     rows: torch.Tensor | None  # [t] int64 their tokens' rows of q, item by item; None: every row
     page_table: torch.Tensor  # [e, P] int64
-    cu_q: torch.Tensor  # [e + 1] int32, offsets into the gathered t rows
+    cu_q: torch.Tensor  # [e + 1] int64, offsets into the gathered t rows
     start_pos: torch.Tensor  # [e] int64
     max_q_len: int
 
@@ -68,36 +69,35 @@ class TritonAttentionBackend:
         return None  # every step op by op
 
     def prepare(self, layout: BatchLayout, pool: KVPool) -> None:
-        """The step's index tensors, on the pool's device, for every layer's forward."""
+        """The step's index tensors, on the pool's device, for every layer's forward: derived on
+        the host from the layout's host original, then moved in one copy (host_to_device.py)."""
         device = pool.k.device
         self.pool = pool
-        self.out_slots = _upload(layout.out_slots, device)
-        host = layout.host or layout  # the runner's device layout keeps its host original: no copy back
+        self.out_slots = layout.out_slots.to(device)  # the runner's layout is there already
+        table = layout.page_rows.to(device)  # [B, P]
+        host = layout.host or layout  # no copy back from the device
         q_lens = host.q_lens.cpu()
         is_decode = q_lens == 1
         decode_items = is_decode.nonzero().flatten()  # [b]
         extend_items = (~is_decode).nonzero().flatten()  # [e]
-        both = len(decode_items) and len(extend_items)
-        table = layout.page_rows.to(device)  # [B, P]
+        both = bool(len(decode_items)) and bool(len(extend_items))
+        first = torch.cumsum(q_lens, 0) - q_lens  # [B] each item's first row
+        kv_lens = host.kv_lens.cpu()[decode_items]  # [b]
+        lens = q_lens[extend_items]  # [e]
+        cu_q = torch.zeros(len(extend_items) + 1, dtype=torch.int64)
+        cu_q[1:] = torch.cumsum(lens, 0)
+        extend_rows = (~is_decode)[host.token_item.cpu()].nonzero().flatten()  # [t]: items stay in order
+        d_rows, d_items, d_lens, e_rows, e_items, e_cu_q, e_start = to_device(
+            [first[decode_items], decode_items, kv_lens, extend_rows, extend_items, cu_q,
+             host.start_pos.cpu()[extend_items]], device)
         self.decode = self.extend = None
         if len(decode_items):
-            first = torch.cumsum(q_lens, 0) - q_lens  # [B] each item's first row
-            kv_lens = host.kv_lens.cpu()[decode_items]
             max_kv = int(kv_lens.max())
-            self.decode = _DecodeGroup(
-                _upload(first[decode_items], device) if both else None,
-                table[_upload(decode_items, device)] if both else table,
-                _upload(kv_lens, device), max_kv,
-                choose_num_splits(len(decode_items), pool.spec.num_kv_heads, max_kv, device))
+            self.decode = _DecodeGroup(d_rows if both else None, table[d_items] if both else table, d_lens, max_kv,
+                                       choose_num_splits(len(decode_items), pool.spec.num_kv_heads, max_kv, device))
         if len(extend_items):
-            lens = q_lens[extend_items]
-            cu_q = torch.zeros(len(extend_items) + 1, dtype=torch.int32)
-            cu_q[1:] = torch.cumsum(lens, 0)
-            rows = (~is_decode)[host.token_item.cpu()].nonzero().flatten()  # [t]: items stay in order
-            self.extend = _ExtendGroup(
-                _upload(rows, device) if both else None,
-                table[_upload(extend_items, device)] if both else table,
-                _upload(cu_q, device), _upload(host.start_pos.cpu()[extend_items], device), int(lens.max()))
+            self.extend = _ExtendGroup(e_rows if both else None, table[e_items] if both else table, e_cu_q, e_start,
+                                       int(lens.max()))
 
     def prepare_graph_decode(self, layout: BatchLayout, pool: KVPool) -> None:
         """prepare for a CUDA graph's decode step (services/worker/cuda_graphs.py): every row one
@@ -134,10 +134,3 @@ class TritonAttentionBackend:
             out = oe if e.rows is None else out.index_copy_(0, e.rows, oe)
         return hadamard_rotate(out.float()).to(q.dtype) if fp8 else out
 
-
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: through pinned memory without blocking on CUDA (the copy is
-    ordered before the step's kernels on the stream), as is elsewhere."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
