@@ -12,6 +12,7 @@ import torch
 from kernels.kv_fp8 import quantize_kv
 from kernels.triton import decode_attention as da
 from kernels.triton import extend_attention as ea
+from tests.unit.triton_aot import compile_for_sm90
 
 triton = pytest.importorskip("triton")
 
@@ -259,8 +260,6 @@ def test_cpu_tensors_need_the_interpreter():
 def test_compiles_for_the_gpu(qtype, kvtype, tmp_path):
     """The interpreter runs the kernels as Python; the compiler is stricter. Each built for sm_90
     ahead of time, no GPU needed (triton ships ptxas), with every option on."""
-    from triton.backends.compiler import GPUTarget
-
     partial, reduce = da._kernels(False)
     extend = ea._kernel(False)
     types = {"q_ptr": qtype, "k_ptr": kvtype, "v_ptr": kvtype, "out_ptr": qtype, "table_ptr": "*i64",
@@ -272,11 +271,7 @@ def test_compiles_for_the_gpu(qtype, kvtype, tmp_path):
     if qtype == "*bf16" and kvtype == "*bf16":
         builds += [(partial, {**common, "BLOCK_H": 16, "ONE_SPLIT": True}), (reduce, {"BLOCK_S": 8, "BLOCK_D": 64})]
     for fn, constexprs in builds:
-        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
-        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        with triton.knobs.cache.scope():
-            triton.knobs.cache.dir = str(tmp_path)
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        compiled = compile_for_sm90(fn, types, constexprs, tmp_path)
         assert compiled.asm["cubin"]
 
 

@@ -20,6 +20,7 @@ import torch
 import xgrammar as xgr
 
 from kernels.triton import grammar_bitmask as gb
+from tests.unit.triton_aot import compile_for_sm90
 
 triton = pytest.importorskip("triton")
 
@@ -159,14 +160,9 @@ def test_the_interpreter_is_chosen_per_call():
 def test_compiles_for_the_gpu(dtype, tmp_path):
     """The interpreter runs the kernel as Python; the compiler is stricter. Built for sm_90 ahead
     of time, no GPU needed (triton ships ptxas)."""
-    from triton.backends.compiler import GPUTarget
-
     signature = {"logits_ptr": dtype, "logits_stride": "i64", "bitmask_ptr": "*i32", "bitmask_stride": "i64",
                  "rows_ptr": "*i32", "vocab": "i32", "BLOCK_WORDS": "constexpr"}
-    src = triton.compiler.ASTSource(fn=gb._kernel(False), signature=signature, constexprs={"BLOCK_WORDS": 64})
-    with triton.knobs.cache.scope():
-        triton.knobs.cache.dir = str(tmp_path)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    compiled = compile_for_sm90(gb._kernel(False), signature, {"BLOCK_WORDS": 64}, tmp_path)
     assert compiled.asm["cubin"]
 
 

@@ -8,6 +8,7 @@ import torch
 
 from kernels.triton import fp8_gemm
 from kernels.triton.fp8_gemm import E4M3, fp8_linear, fp8_linear_reference
+from tests.unit.triton_aot import compile_for_sm90
 
 triton = pytest.importorskip("triton")
 
@@ -157,8 +158,6 @@ def test_cpu_tensors_need_the_interpreter():
 def test_compiles_for_the_gpu(dtype, precision, m, tmp_path):
     """The interpreter runs the kernel as Python; the compiler is stricter. Built for sm_90 ahead of
     time with each row-count's tiles, no GPU needed (triton ships ptxas)."""
-    from triton.backends.compiler import GPUTarget
-
     kernel = fp8_gemm._kernel(False)
     cfg = fp8_gemm.block_config(m)
     signature = {"x_ptr": dtype, "x_stride": "i64", "w_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": dtype, "y_ptr": dtype,
@@ -166,12 +165,8 @@ def test_compiles_for_the_gpu(dtype, precision, m, tmp_path):
                  "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr", "UPCAST": "constexpr"}
     constexprs = {"HAS_BIAS": m != 1, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
                   "PRECISION": precision, "UPCAST": False}
-    src = triton.compiler.ASTSource(fn=kernel, signature={n: signature[n] for n in kernel.arg_names},
-                                    constexprs=constexprs)
-    with triton.knobs.cache.scope():
-        triton.knobs.cache.dir = str(tmp_path)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    compiled = compile_for_sm90(kernel, signature, constexprs, tmp_path,
+                                {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     assert compiled.asm["cubin"]
 
 

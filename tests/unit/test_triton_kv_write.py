@@ -10,6 +10,7 @@ import torch
 
 from kernels.kv_fp8 import FP8_KV_SCALES, hadamard_rotate, quantize_kv
 from kernels.triton import kv_write
+from tests.unit.triton_aot import compile_for_sm90
 
 triton = pytest.importorskip("triton")
 
@@ -196,8 +197,6 @@ def test_cpu_tensors_need_the_interpreter():
 def test_compiles_for_the_gpu(pool, src, d, tmp_path):
     """The interpreter runs the kernel as Python; the compiler is stricter (the butterflies'
     reshapes and the integer encoding must lower). Built for sm_90 ahead of time, no GPU needed."""
-    from triton.backends.compiler import GPUTarget
-
     from kernels.kv_fp8 import hadamard_block, hadamard_norm
 
     fn = kv_write._kernel(False)
@@ -208,11 +207,7 @@ def test_compiles_for_the_gpu(pool, src, d, tmp_path):
                   HAD_LOG=n.bit_length() - 1, NORM=hadamard_norm(n), INV_SCALE=4.0 if d == 128 else 1.0,
                   MBITS=3 if d == 128 else 2, BIAS=7 if d == 128 else 15, MAX_CODE=0x7E if d == 128 else 0x7C,
                   ROUND_BF16=False)
-    signature = {name: types.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
-    src_ = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts)
-    with triton.knobs.cache.scope():
-        triton.knobs.cache.dir = str(tmp_path)
-        compiled = triton.compile(src_, target=GPUTarget("cuda", 90, 32))
+    compiled = compile_for_sm90(fn, types, consts, tmp_path)
     assert compiled.asm["cubin"]
 
 

@@ -23,6 +23,7 @@ from services.worker.model.layer_ops import TorchLayerOps, create_layer_ops
 from services.worker.model.llama import DecoderLayer
 from services.worker.model.rope import RotaryEmbedding
 from services.worker.model.triton_layer_ops import TritonLayerOps
+from tests.unit.triton_aot import compile_for_sm90
 
 triton = pytest.importorskip("triton")
 
@@ -276,8 +277,6 @@ def test_cpu_tensors_need_the_interpreter():
 def test_compiles_for_the_gpu(dtype, tmp_path):
     """The interpreter runs the kernels as Python; the compiler is stricter. Each built for sm_90
     ahead of time (the residual-add mode of the norm, the bit rounding off as on a GPU)."""
-    from triton.backends.compiler import GPUTarget
-
     builds = [
         (rms_norm._kernel(False), {"x_ptr": dtype, "r_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "eps": "fp32"},
          dict(MODE=1, BLOCK=4096, ROUND_BF16=False)),
@@ -286,11 +285,7 @@ def test_compiles_for_the_gpu(dtype, tmp_path):
         (activation._kernel(False), {"gu_ptr": dtype, "out_ptr": dtype}, dict(BLOCK=1024, ROUND_BF16=False)),
     ]
     for fn, types, consts in builds:
-        signature = {name: types.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
-        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts)
-        with triton.knobs.cache.scope():
-            triton.knobs.cache.dir = str(tmp_path)
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        compiled = compile_for_sm90(fn, types, consts, tmp_path)
         assert compiled.asm["cubin"]
 
 

@@ -10,6 +10,7 @@ import torch
 from kernels import lora_cpu
 from kernels.triton import lora_sgmv
 from services.worker.lora import backend_select
+from tests.unit.triton_aot import compile_for_sm90
 
 triton = pytest.importorskip("triton")
 
@@ -172,8 +173,6 @@ def test_the_check_catches_a_broken_kernel():
 def test_compiles_for_the_gpu(dtype, precision, tmp_path):
     """The interpreter runs the kernels as Python; the compiler is stricter. Both built for sm_90
     ahead of time, no GPU needed (triton ships ptxas)."""
-    from triton.backends.compiler import GPUTarget
-
     shrink, expand = lora_sgmv._kernels(False)
     common = {"h_ptr": "*fp32", "segs_ptr": "*i32", "order_ptr": "*i32", "groups_ptr": "*i32", "n_groups": "i32",
               "wp": "i32", "n_seg": "i32", "BLOCK_M": "constexpr", "PRECISION": "constexpr", "UPCAST": "constexpr"}
@@ -184,12 +183,8 @@ def test_compiles_for_the_gpu(dtype, precision, tmp_path):
                   "BLOCK_N": "constexpr"}, {"BLOCK_R": 16, "BLOCK_N": 64}),
     ]
     for fn, own, consts in builds:
-        signature = {name: (own | common)[name] for name in fn.arg_names}
         constexprs = {"BLOCK_M": 16, "PRECISION": precision, "UPCAST": False, **consts}
-        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        with triton.knobs.cache.scope():
-            triton.knobs.cache.dir = str(tmp_path)
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        compiled = compile_for_sm90(fn, own | common, constexprs, tmp_path)
         assert compiled.asm["cubin"]
 
 

@@ -14,6 +14,7 @@ from kernels.triton import sampling as ks
 from services.common.sampling_params import SamplingParams as SP
 from services.worker import sampling
 from tests.unit.test_sampling import ref_distribution
+from tests.unit.triton_aot import compile_for_sm90
 
 triton = pytest.importorskip("triton")
 
@@ -199,7 +200,6 @@ def test_bad_noise_out_and_cpu_tensors_without_the_interpreter():
 def test_compiles_for_the_gpu(write_noise, tmp_path):
     """The interpreter runs the kernel as Python; the compiler is stricter. Built for sm_90 ahead
     of time, no GPU needed (triton ships ptxas)."""
-    from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
     if not isinstance(triton.language.standard._sum_combine, JITFunction):
@@ -210,10 +210,7 @@ def test_compiles_for_the_gpu(write_noise, tmp_path):
                  "kept_min_ptr": "*fp32", "noise_ptr": "*fp32", "vocab": "i32", "BLOCK": "constexpr",
                  "PIVOTS": "constexpr", "WRITE_NOISE": "constexpr"}
     constexprs = {"BLOCK": ks.BLOCK, "PIVOTS": ks.PIVOTS, "WRITE_NOISE": write_noise}
-    src = triton.compiler.ASTSource(fn=ks._kernel(False), signature=signature, constexprs=constexprs)
-    with triton.knobs.cache.scope():
-        triton.knobs.cache.dir = str(tmp_path)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    compiled = compile_for_sm90(ks._kernel(False), signature, constexprs, tmp_path)
     assert compiled.asm["cubin"]
 
 
