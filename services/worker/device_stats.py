@@ -19,6 +19,7 @@ T = TypeVar("T")
 
 @dataclass
 class DeviceStats:
+    device: torch.device = torch.device("cpu")  # the worker's: CUDA events are recorded only there
     launch_seconds: float = 0.0  # summed over steps
     device_seconds: float = 0.0  # summed over the forwards whose events have completed
     graph_replays: int = 0  # decode steps run as a captured CUDA graph
@@ -26,13 +27,13 @@ class DeviceStats:
     graph_capture_seconds: float = 0.0  # capturing every bucket's graph, at start
     _events: list = field(default_factory=list)  # (start, end) CUDA events not read yet
 
-    def timed(self, device: torch.device, forward: Callable[[], T], replayed: bool = False) -> T:
+    def timed(self, forward: Callable[[], T], replayed: bool = False) -> T:
         """Run forward() (it issues the step's kernels), counting its launch and, on CUDA, its
         device time; returns its result. A forward that returns None declined the step (a
         one-call path that does not take it): nothing is counted."""
         self._read_completed()
         start = end = None
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()

@@ -98,7 +98,7 @@ class ModelRunner:
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
         self.requests: dict[str, _Request] = {}
-        self.device_stats = DeviceStats()  # launch vs device time, graph replays (/metrics)
+        self.device_stats = DeviceStats(self.device)  # launch vs device time, graph replays (/metrics)
         # Each page-table row's last sampled token, on the device: a LAST_SAMPLED input of a request
         # whose previous step is still deferred is gathered from here, never from the host.
         self.last_token = torch.zeros(config.max_requests, dtype=torch.int64, device=self.device)
@@ -143,8 +143,8 @@ class ModelRunner:
         self.verify_rows = self.config.verify_max_rows if self.decode_stack else 0
 
     def capture_graphs(self) -> None:
-        """Capture the decode CUDA graphs (again after a weight update: they hold the weights'
-        addresses, which an in-place update keeps, but an unpack/prepack would not)."""
+        """Capture the decode CUDA graphs. They hold the weights' addresses: weight updates copy in
+        place on CUDA (services/worker/weights/swap.py), so the graphs stay valid across them."""
         from services.worker.cuda_graphs import DecodeGraphs
         self.graphs = DecodeGraphs(self, self.config.cuda_graph_max_bs, scratch_page=self.kv_spec.num_pages)
         self.device_stats.graph_capture_seconds = self.graphs.capture()
@@ -350,11 +350,11 @@ class ModelRunner:
         if self.graphs is not None:  # CUDA: a pure-decode step replays its bucket's graph
             most = self.graphs.buckets[-1]  # a verify item's rows share its page-table row, as in one-call steps
             step = self._one_call(plan, reqs, max_rows=most, max_verify_rows=most)
-            logits = self.device_stats.timed(self.device, lambda: self._replay(step, on_device), replayed=True)
+            logits = self.device_stats.timed(lambda: self._replay(step, on_device), replayed=True)
             if logits is not None:
                 return logits, sampled
         elif (step := self._one_call(plan, reqs)) is not None:  # CPU: the backend's one-call decode step
-            logits = self.device_stats.timed(self.device, lambda: self.backend.one_call_step(step, self._computing))
+            logits = self.device_stats.timed(lambda: self.backend.one_call_step(step, self._computing))
             if logits is not None:
                 return logits, sampled
         layout = self._layout(plan, reqs)
@@ -374,7 +374,7 @@ class ModelRunner:
         with self.loras.active(lora) if lora is not None else contextlib.nullcontext():
             if self.device.type != "cuda":  # the CPU computes as it goes: post the previous result first
                 self._computing()
-            logits = self.device_stats.timed(self.device, lambda: self.model(input_ids, meta, logits_indices))
+            logits = self.device_stats.timed(lambda: self.model(input_ids, meta, logits_indices))
             if self.device.type == "cuda":  # queued on the GPU: post (and finish) the previous step meanwhile
                 self._computing()
             return logits, sampled

@@ -78,11 +78,11 @@ def test_the_layout_stays_put_on_cpu_and_to_device_keeps_values_and_order() -> N
 
 def test_device_stats_count_launches_not_declined_steps() -> None:
     stats = DeviceStats()
-    assert stats.timed(torch.device("cpu"), lambda: None) is None  # a one-call path that declined
+    assert stats.timed(lambda: None) is None  # a one-call path that declined
     assert stats.eager_steps == 0
-    out = stats.timed(torch.device("cpu"), lambda: torch.ones(3).sum())
+    out = stats.timed(lambda: torch.ones(3).sum())
     assert float(out) == 3.0 and stats.eager_steps == 1 and stats.graph_replays == 0
-    stats.timed(torch.device("cpu"), lambda: 1, replayed=True)
+    stats.timed(lambda: 1, replayed=True)
     assert stats.graph_replays == 1
     assert stats.launch_seconds > 0 and stats.device_seconds == 0  # no device clock on the CPU
     metrics = stats.metrics()
