@@ -116,3 +116,21 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if module is None:
         raise RuntimeError("the CPU quantized-linear kernel is not built")
     return module.quant_linear(x, w.qs, w.d, w.m, w.code, bias, float_out)
+
+
+class Int8Activations:
+    """The compiled module with int8 activations on (the worker's --quant-activations int8):
+    every quant_linear call of at most FUSED_MAX_ROWS rows on Q4_1/Q8_0 weights quantizes x per
+    group of 32 and multiplies with VNNI dot products (kernels/cpu/int8_activations.h). Only
+    where `module.int8_activations()` says the build has them."""
+
+    def __init__(self, module: ModuleType) -> None:
+        if not module.int8_activations():
+            raise ValueError("this build of quant_gemv has no int8 activations (AVX512-VNNI)")
+        self.module = module
+
+    def quant_linear(self, *args, **kwargs) -> torch.Tensor:
+        return self.module.quant_linear(*args, int8_activations=True, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)

@@ -220,6 +220,14 @@ class DecodeStack {
     team_.reset();  // joins its helpers; the next step makes a team with the new placement
   }
 
+  // Q4_1 and Q8_0 linears quantize their input to int8 and use VNNI dot products (where
+  // compiled in: quant_gemv's int8_activations()); the worker's --quant-activations int8.
+  void set_int8_activations(bool on) {
+    std::lock_guard<std::mutex> hold(busy_);
+    int8_activations_ = on && radixmesh::qint8::compiled();
+  }
+  bool int8_activations() const { return int8_activations_; }
+
   // Tests: the helpers sleep this long in every chunk, as if preempted (the lead must not wait).
   void slow_helpers(int64_t us) {
     helper_delay_us_ = us;
@@ -291,16 +299,22 @@ class DecodeStack {
     const float* m = w.m.defined() ? w.m.data_ptr<float>() : nullptr;
     float* xf = persistent(xf_, B * w.K);  // the matmul's helpers read it
     for (int64_t i = 0; i < B * w.K; ++i) xf[i] = to_float(x[i]);
+    const bool int8_x = int8_activations_ && radixmesh::qint8::supports(w.qtype, w.K);
     if (team_) {
       float* xsum = nullptr;
-      if (has_m(w.qtype)) {
+      radixmesh::qint8::Int8X xq{};
+      if (int8_x) {
+        const int64_t nb = w.K / kBlock;
+        xq = quantize_x(xf, B, w.K, persistent(xq_, B * w.K), persistent(dx_pair_, B * nb * 8),
+                        persistent(xs_, B * nb));
+      } else if (has_m(w.qtype)) {
         xsum = persistent(xsum_, B * (w.K / kBlock));
         block_sums(xf, B, w.K, xsum);
       }
       team_->run(MatmulTask{w.qtype, w.qs.data_ptr<uint8_t>(), w.d.data_ptr<float>(), m, xf, xsum, out, B, w.K,
-                            w.N, rows_per_chunk(w.N)});
+                            w.N, rows_per_chunk(w.N), xq});
     } else {
-      quant_matmul(w.qtype, w.qs.data_ptr<uint8_t>(), w.d.data_ptr<float>(), m, xf, B, w.K, w.N, out);
+      quant_matmul(w.qtype, w.qs.data_ptr<uint8_t>(), w.d.data_ptr<float>(), m, xf, B, w.K, w.N, out, int8_x);
     }
     add_bias(w, B, out);
     return out;
@@ -425,6 +439,9 @@ class DecodeStack {
   // What the team's helpers read: a late helper may still read a buffer after its loop
   // ended, so these are grown only while the team is quiet and never freed before it.
   std::vector<float> xf_, xsum_;  // a linear's float32 input and its Q4_1 block sums
+  std::vector<int8_t> xq_;        // with int8 activations: the input quantized, its scales, its sums
+  std::vector<float> dx_pair_, xs_;
+  bool int8_activations_ = false;
   std::vector<unsigned char> qkv_;
   std::vector<int64_t> slots_, lens_;
   torch::Tensor k_held_, v_held_;  // the pools the last step attended over
@@ -452,6 +469,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("set_helper_cpus", &DecodeStack::set_helper_cpus, "the CPUs the step team's helpers run on",
            py::arg("cpus"))
+      .def("set_int8_activations", &DecodeStack::set_int8_activations,
+           "Q4_1/Q8_0 linears on int8-quantized inputs with VNNI dot products (ignored where not compiled in)",
+           py::arg("on"))
+      .def_property_readonly("int8_activations", &DecodeStack::int8_activations)
       .def("slow_helpers", &DecodeStack::slow_helpers, "tests: helpers sleep this long in every chunk",
            py::arg("us"))
       .def_property_readonly("team_recomputed", &DecodeStack::team_recomputed)

@@ -9,6 +9,8 @@
 //              d [N, K/32 or K/16] float32, m [N, K/32] float32 (formats with a min), qtype,
 //              bias [N]?, float_out)
 //   -> [T, N] in x's dtype, or float32 when float_out (logits: no rounding to bf16)
+// int8_activations: steps of at most 8 rows on Q4_1/Q8_0 weights quantize x per group of 32
+// and use VNNI dot products (int8_activations.h) where the build has them.
 // Weights are split at load (kernels/quant_formats.py): values v packed per group of 32,
 // float32 scales computed exactly as gguf computes them:
 //   qtype 0 Q8_0 (and int8 per-channel): int8 v;             w = d * v
@@ -25,7 +27,7 @@
 using namespace radixmesh::qgemv;
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, std::optional<torch::Tensor> m,
-                           int64_t qtype, std::optional<torch::Tensor> bias, bool float_out) {
+                           int64_t qtype, std::optional<torch::Tensor> bias, bool float_out, bool int8_activations) {
   TORCH_CHECK(valid_qtype(qtype), "qtype must be 0..5 (Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q6_K), got ", qtype);
   TORCH_CHECK(x.dim() == 2, "x must be [T, K]");
   const int64_t T = x.size(0), K = x.size(1), N = qs.size(0), nb = K / kBlock;
@@ -61,7 +63,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, s
   auto y = torch::empty({T, N}, x.options().dtype(at::kFloat));
   if (T > 0) {
     const torch::Tensor xf = x.to(at::kFloat).contiguous();
-    quant_matmul(qtype, q, d.data_ptr<float>(), mp, xf.data_ptr<float>(), T, K, N, y.data_ptr<float>());
+    quant_matmul(qtype, q, d.data_ptr<float>(), mp, xf.data_ptr<float>(), T, K, N, y.data_ptr<float>(), int8_activations);
   }
   if (bias) y.add_(bias->to(at::kFloat));
   return float_out || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
@@ -83,7 +85,10 @@ bool has_avx512_path() { return fused_path() == "avx512"; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ dequantized(W)^T for split GGUF / int8 weights (CPU)", py::arg("x"),
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("qtype"), py::arg("bias") = py::none(),
-        py::arg("float_out") = false);
+        py::arg("float_out") = false, py::arg("int8_activations") = false);
+  m.def("int8_activations", [] { return radixmesh::qint8::compiled(); },
+        "whether int8 activations (AVX512-VNNI) were compiled in: quant_linear's int8_activations then "
+        "quantizes x for Q4_1 and Q8_0 weights of up to 8 rows");
   m.def("has_avx512_path", &has_avx512_path, "whether the AVX-512 matmul was compiled in");
   m.def("fused_path", &fused_path, "the fused few-row path compiled in: avx512, avx2 or portable");
   m.def("bf16_tiles", [] { return kBf16Tiles; }, "whether many-row steps on bfloat16 x use bfloat16 tiles");

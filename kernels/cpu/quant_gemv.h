@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "convert.h"
+#include "int8_activations.h"
 #include "parallel.h"
+#include "row_count.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -300,16 +302,7 @@ template <int64_t QT>
 void span(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t R, int64_t K,
           int64_t begin, int64_t end, float* y) {
   if (!has_m(QT)) m = d;  // unread: keeps the row offsets defined
-  switch (R) {
-    case 1: return span_rows<QT, 1>(qs, d, m, x, xsum, K, begin, end, y);
-    case 2: return span_rows<QT, 2>(qs, d, m, x, xsum, K, begin, end, y);
-    case 3: return span_rows<QT, 3>(qs, d, m, x, xsum, K, begin, end, y);
-    case 4: return span_rows<QT, 4>(qs, d, m, x, xsum, K, begin, end, y);
-    case 5: return span_rows<QT, 5>(qs, d, m, x, xsum, K, begin, end, y);
-    case 6: return span_rows<QT, 6>(qs, d, m, x, xsum, K, begin, end, y);
-    case 7: return span_rows<QT, 7>(qs, d, m, x, xsum, K, begin, end, y);
-    default: return span_rows<QT, 8>(qs, d, m, x, xsum, K, begin, end, y);
-  }
+  radixmesh::with_rows(R, [&](auto r) { span_rows<QT, decltype(r)::value>(qs, d, m, x, xsum, K, begin, end, y); });
 }
 #else
 template <int64_t QT>
@@ -334,27 +327,64 @@ inline void block_sums(const float* x, int64_t T, int64_t K, float* xsum) {
     }
 }
 
-// Output rows [begin, end) of x [T, K] @ W^T into out [end - begin, T] (by output row);
-// xsum: block_sums(x) for the formats with a min, unused otherwise.
-template <int64_t QT>
-void compute_rows(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t T,
-                  int64_t K, int64_t begin, int64_t end, float* out) {
-  const int64_t nb = K / kBlock, rows = end - begin;
+// pass(t0, R, o) over x's rows in passes of at most kMaxRows (o [rows, R]), gathered into
+// out [rows, T] by output row.
+template <typename Pass>
+void in_passes(int64_t T, int64_t rows, float* out, const Pass& pass) {
   thread_local std::vector<float> part;
   part.resize(rows * kMaxRows);
   for (int64_t t0 = 0; t0 < T; t0 += kMaxRows) {
     const int64_t R = std::min(kMaxRows, T - t0);
-    float* o = T == R ? out : part.data();  // [rows, R]
-    span<QT>(qs, d, m, x + t0 * K, has_m(QT) ? xsum + t0 * nb : nullptr, R, K, begin, end, o);
+    float* o = T == R ? out : part.data();
+    pass(t0, R, o);
     if (o != out)
       for (int64_t n = 0; n < rows; ++n)
         for (int64_t r = 0; r < R; ++r) out[n * T + t0 + r] = o[n * R + r];
   }
 }
 
+// Output rows [begin, end) of x [T, K] @ W^T into out [end - begin, T] (by output row);
+// xsum: block_sums(x) for the formats with a min, unused otherwise.
+template <int64_t QT>
+void compute_rows(const uint8_t* qs, const float* d, const float* m, const float* x, const float* xsum, int64_t T,
+                  int64_t K, int64_t begin, int64_t end, float* out) {
+  const int64_t nb = K / kBlock;
+  in_passes(T, end - begin, out, [&](int64_t t0, int64_t R, float* o) {
+    span<QT>(qs, d, m, x + t0 * K, has_m(QT) ? xsum + t0 * nb : nullptr, R, K, begin, end, o);
+  });
+}
+
+// The same with int8 activations (int8_activations.h): xq quantized from x [T, K].
+inline void compute_rows_int8(int64_t qtype, const uint8_t* qs, const float* d, const float* m,
+                              const qint8::Int8X& xq, int64_t T, int64_t K, int64_t begin, int64_t end, float* out) {
+#ifdef RADIXMESH_INT8_ACTIVATIONS
+  const int64_t nb = K / kBlock;
+  in_passes(T, end - begin, out, [&](int64_t t0, int64_t R, float* o) {
+    const qint8::Int8X pass{xq.q + t0 * K, xq.dx_pair + t0 * nb * 8, xq.s + t0 * nb};
+    qint8::span(qtype, qs, d, m, pass, R, K, begin, end, o);
+  });
+#else
+  TORCH_CHECK(false, "int8 activations are not compiled in");
+#endif
+}
+
+// xq: x quantized to int8 (its q non-null) where the weight supports it, else float32 x.
 inline void compute_rows(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const float* x,
-                         const float* xsum, int64_t T, int64_t K, int64_t begin, int64_t end, float* out) {
+                         const float* xsum, int64_t T, int64_t K, int64_t begin, int64_t end, float* out,
+                         const qint8::Int8X& xq = {}) {
+  if (xq.q != nullptr) return compute_rows_int8(qtype, qs, d, m, xq, T, K, begin, end, out);
   dispatch(qtype, [&](auto qt) { compute_rows<decltype(qt)::value>(qs, d, m, x, xsum, T, K, begin, end, out); });
+}
+
+// x [T, K] quantized for the int8 path into buffers the caller keeps alive (q [T, K],
+// dx_pair [T, K/32 * 8], s [T, K/32]); returns the view compute_rows takes.
+inline qint8::Int8X quantize_x(const float* x, int64_t T, int64_t K, int8_t* q, float* dx_pair, float* s) {
+#ifdef RADIXMESH_INT8_ACTIVATIONS
+  qint8::quantize(x, T, K, q, dx_pair, s);
+  return {q, dx_pair, s};
+#else
+  return {};
+#endif
 }
 
 // out [rows, T] of output rows [begin, end) -> y [T, N].
@@ -372,16 +402,24 @@ inline int64_t rows_per_chunk(int64_t N) { return radixmesh::chunk_for(N, 8, 16,
 
 template <int64_t QT>
 void run(const uint8_t* qs, const float* d, const float* m, const float* x, int64_t T, int64_t K, int64_t N,
-         float* y /* [T, N] */) {
-  std::vector<float> xsum;
-  if (has_m(QT)) {
+         float* y /* [T, N] */, bool int8_x) {
+  std::vector<float> xsum, dx_pair, s;
+  std::vector<int8_t> q;
+  qint8::Int8X xq{};
+  if (int8_x && qint8::supports(QT, K)) {
+    q.resize(T * K);
+    dx_pair.resize(T * (K / kBlock) * 8);
+    s.resize(T * (K / kBlock));
+    xq = quantize_x(x, T, K, q.data(), dx_pair.data(), s.data());
+  }
+  else if (has_m(QT)) {
     xsum.resize(T * (K / kBlock));
     block_sums(x, T, K, xsum.data());
   }
   radixmesh::parallel_chunks(N, rows_per_chunk(N), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> out;
     out.resize((end - begin) * T);
-    compute_rows<QT>(qs, d, m, x, xsum.data(), T, K, begin, end, out.data());
+    compute_rows(QT, qs, d, m, x, xsum.data(), T, K, begin, end, out.data(), xq);
     scatter_rows(out.data(), T, N, begin, end, y);
   });
 }
@@ -394,21 +432,23 @@ struct MatmulTask {
   const float *d, *m, *x, *xsum;
   float* y;
   int64_t T, K, N, rows;  // rows: output rows per chunk
+  qint8::Int8X xq{};      // x quantized (int8_activations.h), or q null: float32 x
 
   int64_t chunks() const { return (N + rows - 1) / rows; }
   int64_t out_bytes() const { return rows * T * static_cast<int64_t>(sizeof(float)); }
   void compute(int64_t c, void* out) const {
-    compute_rows(qtype, qs, d, m, x, xsum, T, K, c * rows, std::min(N, (c + 1) * rows), static_cast<float*>(out));
+    compute_rows(qtype, qs, d, m, x, xsum, T, K, c * rows, std::min(N, (c + 1) * rows), static_cast<float*>(out), xq);
   }
   void publish(int64_t c, const void* out) const {
     scatter_rows(static_cast<const float*>(out), T, N, c * rows, std::min(N, (c + 1) * rows), y);
   }
 };
 
-// y [T, N] float32 = x [T, K] float32 @ W^T for a split weight (see the file comment), fused.
+// y [T, N] float32 = x [T, K] float32 @ W^T for a split weight (see the file comment), fused;
+// int8_x: x quantized to int8 where the format supports it (int8_activations.h).
 inline void quant_matmul(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const float* x,
-                         int64_t T, int64_t K, int64_t N, float* y) {
-  dispatch(qtype, [&](auto qt) { run<decltype(qt)::value>(qs, d, has_m(qt) ? m : nullptr, x, T, K, N, y); });
+                         int64_t T, int64_t K, int64_t N, float* y, bool int8_x = false) {
+  dispatch(qtype, [&](auto qt) { run<decltype(qt)::value>(qs, d, has_m(qt) ? m : nullptr, x, T, K, N, y, int8_x); });
 }
 
 // ---- many rows: dequantized tiles times a GEMM ----------------------------------------

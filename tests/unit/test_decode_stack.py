@@ -17,17 +17,31 @@ PROMPTS = {"a": [1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 198, 1, 4093, 198], 
 PAGES = {"a": [0, 1, 2], "b": [3, 4, 5]}
 
 
+def _int8_built() -> bool:
+    from kernels import quant_gemv
+    module = quant_gemv.load()
+    return module is not None and module.int8_activations()
+
+
+# (dtype, --quant-activations): float32 activations in both dtypes, int8 (VNNI builds) in bfloat16
+ACTIVATIONS = [("bfloat16", "float32"), ("float32", "float32"),
+               pytest.param("bfloat16", "int8", marks=pytest.mark.skipif(not _int8_built(),
+                                                                         reason="no AVX512-VNNI in this build"))]
+
+
 @pytest.fixture(scope="module")
 def runners(checkpoint):
-    """(dtype, stack, team spin) -> a ModelRunner, built once for the module; tests reset() them."""
-    built: dict[tuple[str, bool, int], ModelRunner] = {}
+    """(dtype, stack, team spin, activations) -> a ModelRunner, built once for the module; tests
+    reset() them."""
+    built: dict[tuple[str, bool, int, str], ModelRunner] = {}
 
-    def get(dtype: str, stack: bool, spin_us: int = 100) -> ModelRunner:
-        if (dtype, stack, spin_us) not in built:
-            built[dtype, stack, spin_us] = ModelRunner(WorkerConfig(
+    def get(dtype: str, stack: bool, spin_us: int = 100, activations: str = "float32") -> ModelRunner:
+        key = (dtype, stack, spin_us, activations)
+        if key not in built:
+            built[key] = ModelRunner(WorkerConfig(
                 dtype=dtype, kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2, decode_stack=stack,
-                step_team_spin_us=spin_us), checkpoint)
-        runner = built[dtype, stack, spin_us]
+                step_team_spin_us=spin_us, quant_activations=activations), checkpoint)
+        runner = built[key]
         runner.reset()
         return runner
     return get
@@ -50,11 +64,13 @@ def _decode(runner: ModelRunner, rids: list[str], steps: int) -> list[torch.Tens
     return out
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_stack_logits_and_kv_are_bit_identical_to_op_by_op(runners, dtype):
-    """Batch 1 and 2 with different lengths, across a page boundary (positions 13..20 and 20..27)."""
-    stacked, plain = runners(dtype, True), runners(dtype, False)
+@pytest.mark.parametrize("dtype,activations", ACTIVATIONS)
+def test_stack_logits_and_kv_are_bit_identical_to_op_by_op(runners, dtype, activations):
+    """Batch 1 and 2 with different lengths, across a page boundary (positions 13..20 and 20..27);
+    with int8 activations too (the stack and the op-by-op linears quantize x alike)."""
+    stacked, plain = runners(dtype, True, activations=activations), runners(dtype, False, activations=activations)
     assert stacked.decode_stack and stacked.model.decode_stack.num_layers == 30
+    assert stacked.model.decode_stack.int8_activations == (activations == "int8")
     assert not plain.decode_stack and plain.model.decode_stack is None
     for rids in (["a"], ["a", "b"]):
         for r in (stacked, plain):
@@ -171,13 +187,13 @@ def test_linears_only_runs_the_step_matmuls_and_checks_rows(runners):
             stack.linears_only(bad)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_verify_item_gives_the_logits_of_decoding_its_tokens_one_by_one(runners, dtype):
+@pytest.mark.parametrize("dtype,activations", ACTIVATIONS)
+def test_a_verify_item_gives_the_logits_of_decoding_its_tokens_one_by_one(runners, dtype, activations):
     """Speculation's verify item [last, d1..d5] runs as one call: six rows sharing the request's
     page-table row at consecutive positions (each attends over the KV the rows before it wrote in
     the same layer). Its logits and KV equal six one-token steps', bit for bit, beside another
-    request's decode."""
-    runner = runners(dtype, True)
+    request's decode: with int8 activations too, each row being quantized alone."""
+    runner = runners(dtype, True, activations=activations)
     steps = _decode(runner, ["a", "b"], 6)  # one by one: a's tokens and logits at each step
     decoded = list(runner.requests["a"].output_ids)
     k_one, v_one = runner.pool.k.clone(), runner.pool.v.clone()

@@ -39,6 +39,7 @@ class CpuBackend:
         self.model: LlamaForCausalLM | None = None  # attach's
         self.quantized_weights = 0  # weights on the checkpoint's quantized blocks
         self.decode_stack = False  # small pure-decode steps as one C++ call
+        self.int8_activations = False  # --quant-activations int8 in effect
         self.cpu_fallbacks: list[str] = []
         self.lead_cpu: LeadCpu | None = None  # --lead-cpu
         self.lead_priority: LeadPriority | None = None  # --lead-nice, with the decode stack
@@ -48,8 +49,9 @@ class CpuBackend:
         if config.device == "cpu":
             keep_freed_memory()
         self.model = model
-        self.quantized_weights = _use_quantized(model, config, checkpoint)
-        self.decode_stack = self.quantized_weights > 0 and _use_decode_stack(model, config)
+        self.int8_activations = _int8_activations(config)
+        self.quantized_weights = _use_quantized(model, config, checkpoint, self.int8_activations)
+        self.decode_stack = self.quantized_weights > 0 and _use_decode_stack(model, config, self.int8_activations)
         self.cpu_fallbacks = warn_cpu_fallbacks(config, prepacked)
         self.lead_cpu = LeadCpu(config.lead_cpu) if config.lead_cpu is not None else None
         self.lead_priority = LeadPriority(config.lead_nice) if self.decode_stack else None
@@ -83,7 +85,8 @@ class CpuBackend:
         return self.attention.forward(layer, q, k, v, variant)
 
 
-def _use_quantized(model: LlamaForCausalLM, config: WorkerConfig, checkpoint: Checkpoint) -> int:
+def _use_quantized(model: LlamaForCausalLM, config: WorkerConfig, checkpoint: Checkpoint,
+                   int8_activations: bool) -> int:
     """--quantization auto: small steps on the file's quantized blocks (Linear.set_quant) where
     they exist, the device is a CPU and the kernel builds → the number of weights that got them.
     none: 0. gguf / int8: the model was built holding only its blocks (weight_format.py) → the
@@ -103,10 +106,30 @@ def _use_quantized(model: LlamaForCausalLM, config: WorkerConfig, checkpoint: Ch
     kernel = quant_gemv.load()
     if kernel is None:
         return 0
+    if int8_activations:
+        kernel = quant_gemv.Int8Activations(kernel)
     return model.use_quantized(checkpoint.quantized, config.quant_max_rows, kernel)
 
 
-def _use_decode_stack(model: LlamaForCausalLM, config: WorkerConfig) -> bool:
+def _int8_activations(config: WorkerConfig) -> bool:
+    """--quant-activations int8, where the build has the VNNI path and the model is not float32."""
+    if config.quant_activations != "int8":
+        return False
+    from kernels import quant_gemv
+    kernel = quant_gemv.load()
+    if kernel is None:
+        return False
+    if not kernel.int8_activations():
+        log.warning("--quant-activations int8: this CPU has no AVX512-VNNI (or the kernel was built without "
+                    "it); the quantized steps keep float32 activations")
+        return False
+    if config.torch_dtype == torch.float32:
+        log.warning("--quant-activations int8: the model runs in float32, the exact mode; activations stay float32")
+        return False
+    return True
+
+
+def _use_decode_stack(model: LlamaForCausalLM, config: WorkerConfig, int8_activations: bool) -> bool:
     """Pure-decode steps on the quantized blocks as one C++ call (LlamaForCausalLM.use_decode_stack),
     where that matches what the op-by-op path would run: fused ops and the native attention kernel.
     A model whose math the stack lacks declines it (LlamaForCausalLM.decode_stack_refusal)."""
@@ -118,4 +141,7 @@ def _use_decode_stack(model: LlamaForCausalLM, config: WorkerConfig) -> bool:
         log.info("one-call decode steps declined for %s (%s): op by op", model.config.name, refusal)
         return False
     from kernels import decode_stack
-    return model.use_decode_stack(decode_stack.load(), config.step_team_spin_us, config.quant_max_rows)
+    if not model.use_decode_stack(decode_stack.load(), config.step_team_spin_us, config.quant_max_rows):
+        return False
+    model.decode_stack.set_int8_activations(int8_activations)  # as the op-by-op linears: both paths agree
+    return True

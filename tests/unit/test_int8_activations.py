@@ -1,0 +1,86 @@
+"""Int8 activations for the few-row quantized matmul (kernels/cpu/int8_activations.h, the
+worker's --quant-activations int8): against a float64 reference of the same rounding, row by row
+independent of the rows beside it, only for the formats it covers, and refused where it does
+not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import quant_gemv
+from kernels.quant_gemv import Int8Activations, QuantWeight
+from services.worker.config import WorkerConfig
+from tests.unit.test_quant_formats import weight
+
+MODULE = quant_gemv.load()
+pytestmark = pytest.mark.skipif(MODULE is None or not MODULE.int8_activations(),
+                                reason="quant_gemv has no int8 activations here (needs AVX512-VNNI)")
+
+
+def quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] as the kernel rounds it, back in float64: per group of 32, dx = max|x| / 127 and
+    q = round-half-even(x * (1 / dx)), both in float32; returns dx * q."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    dx = groups.abs().amax(dim=-1, keepdim=True) / 127.0  # float32, as the kernel divides
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    q = torch.round(groups * inv)  # torch.round: half to even, as cvtps2dq
+    return (dx.double() * q.double()).reshape(x.shape)
+
+
+def reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    return (quantized_x(x) @ w.dequantize().double().T).float()
+
+
+def int8_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    return MODULE.quant_linear(x, w.qs, w.d, w.m, w.code, None, True, True)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_matches_the_float64_reference_of_the_same_rounding(qtype, rows):
+    w = weight(qtype, 40, 128)  # K = 128: two pairs of groups
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :32] = 0.0  # an all-zero group: scale 0, no division by zero
+    got, want = int8_linear(x, w), reference(x, w)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    exact = MODULE.quant_linear(x, w.qs, w.d, w.m, w.code, None, True)  # float32 activations
+    assert not torch.equal(got, exact)  # it did quantize x ...
+    assert float((got - exact).norm() / exact.norm()) < 0.02  # ... to within a rounding of int8
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    w = weight("Q4_1", 36, 192)
+    x = torch.randn(8, 192, generator=torch.Generator().manual_seed(1))
+    together = int8_linear(x, w)
+    for r in range(8):
+        assert torch.equal(int8_linear(x[r:r + 1], w)[0], together[r])
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q6_K"])
+def test_formats_it_does_not_cover_keep_float32_activations(qtype):
+    w = weight(qtype, 16, 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(int8_linear(x, w), MODULE.quant_linear(x, w.qs, w.d, w.m, w.code, None, True))
+
+
+def test_more_rows_than_the_fused_path_take_the_tiles_unchanged():
+    w = weight("Q4_1", 32, 64)
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(int8_linear(x, w), MODULE.quant_linear(x, w.qs, w.d, w.m, w.code, None, True))
+
+
+def test_the_module_wrapper_turns_it_on_for_every_call():
+    w = weight("Q8_0", 24, 64)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    wrapped = Int8Activations(MODULE)
+    assert torch.equal(quant_gemv.quant_linear(x, w, module=wrapped, float_out=True), int8_linear(x, w))
+    assert wrapped.fused_path() == MODULE.fused_path()  # everything else passes through
+
+
+def test_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="exact mode"):
+        WorkerConfig(dtype="float32", quant_activations="int8")
+    with pytest.raises(ValueError, match="--quantization gguf"):
+        WorkerConfig(quantization="gguf", quant_activations="int8")
+    with pytest.raises(ValueError, match="float32 or int8"):
+        WorkerConfig(quant_activations="int4")
