@@ -1,7 +1,7 @@
 """The scheduler's WorkerAdminLink to a ModelRunner in this process (the Engine's).
 
 Calls run on the Engine's step thread, queued behind the plans sent before them, so they
-happen between two steps (lockstep, without a step thread: on the engine thread itself).
+happen between two steps.
 """
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from services.worker.admin import WorkerAdmin
 
 
 class RunnerAdmin:
-    def __init__(self, runner, executor: ThreadPoolExecutor | None) -> None:
+    def __init__(self, runner, executor: ThreadPoolExecutor) -> None:
         self._admin, self._executor = WorkerAdmin(runner), executor
 
     async def call(self, method: str, request) -> apb.ModelState:
-        if self._executor is None:
-            return self._admin.handle(method, request)
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._admin.handle, method, request)

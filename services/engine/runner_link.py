@@ -1,10 +1,9 @@
 """The WorkerLink to a ModelRunner in this process.
 
-Lockstep (no executor): a plan runs on the driver's thread when its result is
-asked for, a plain call. Overlapped (an executor of one thread): plans run in
-order on that step thread as they are sent, so the driver plans the next step
-while this one computes (torch's kernels release the GIL), as the scheduler
-service does over gRPC; the runner fills a decode's LAST_SAMPLED input with the
+Plans run in order on the Engine's step thread (an executor of one thread, the
+thread that built the runner) as they are sent. Overlapped, the driver plans the
+next step while this one computes (torch's kernels release the GIL), as the
+scheduler service does over gRPC; in lockstep it waits for each result first; the runner fills a decode's LAST_SAMPLED input with the
 token it sampled for the request last (services/worker/model_runner.py). A step
 that raises loses the worker: WorkerLost, and the driver's failure policy.
 """
@@ -22,22 +21,19 @@ log = logging.getLogger(__name__)
 
 
 class RunnerLink:
-    def __init__(self, runner, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, runner, executor: ThreadPoolExecutor) -> None:
         """runner: a ModelRunner (its execute(plan) -> StepResult); executor: its step thread."""
         self._runner, self._executor = runner, executor
-        self._queued: deque = deque()  # oldest first: plans (lockstep) or their futures (overlapped)
+        self._queued: deque = deque()  # oldest first: the plans' futures
 
     async def send(self, plan: StepPlan) -> None:
-        if self._executor is None:
-            self._queued.append(plan)
-        else:
-            loop = asyncio.get_running_loop()
-            self._queued.append(loop.run_in_executor(self._executor, self._runner.execute, plan))
+        loop = asyncio.get_running_loop()
+        self._queued.append(loop.run_in_executor(self._executor, self._runner.execute, plan))
 
     async def receive(self, plan: StepPlan, started: float) -> StepResult:
         queued = self._queued.popleft()
         try:
-            return self._runner.execute(queued) if self._executor is None else await queued
+            return await queued
         except Exception as exc:
             log.exception("step %d failed", plan.step_id)
             raise WorkerLost(f"worker error: {exc}") from exc
@@ -52,7 +48,7 @@ class RunnerLink:
     def close(self) -> None:
         """Drop the plans not started yet (one already running ends on its own)."""
         for queued in self._queued:
-            if isinstance(queued, asyncio.Future) and not queued.cancel():  # running or done
+            if not queued.cancel():  # running or done
                 queued.add_done_callback(_forget)
         self._queued.clear()
 

@@ -38,7 +38,15 @@ def load_checkpoint(path: str, quantization: str = "auto") -> Checkpoint:
 
     Raises FileNotFoundError when `path` does not exist (or a directory lacks config.json)
     and ValueError for a file that is not GGUF or holds an unsupported architecture/quant type.
+
+    Loads on a thread of its own, so that the caller's thread starts no OpenMP team that would
+    slow the step thread's (services/worker/omp_team.py).
     """
+    from services.worker.omp_team import on_own_thread
+    return on_own_thread(_load, path, quantization)
+
+
+def _load(path: str, quantization: str) -> Checkpoint:
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist (expected a .gguf file or a HF directory)")
     if os.path.isdir(path):
