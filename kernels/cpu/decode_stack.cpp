@@ -305,8 +305,8 @@ class DecodeStack {
       radixmesh::qint8::Int8X xq{};
       if (int8_x) {
         const int64_t nb = w.K / kBlock;
-        xq = quantize_x(xf, B, w.K, persistent(xq_, B * w.K), persistent(dx_pair_, B * nb * 8),
-                        persistent(xs_, B * nb));
+        xq = radixmesh::qint8::quantize(xf, B, w.K, persistent(xq_, B * w.K), persistent(dx_pair_, B * nb * 8),
+                                        persistent(xs_, B * nb));
       } else if (has_m(w.qtype)) {
         xsum = persistent(xsum_, B * (w.K / kBlock));
         block_sums(xf, B, w.K, xsum);

@@ -47,7 +47,9 @@ struct Int8X {
 };
 
 #ifdef RADIXMESH_INT8_ACTIVATIONS
-inline void quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* dx_pair, float* s) {
+// x [T, K] quantized into buffers the caller keeps alive (q [T, K], dx_pair [T, K/32 * 8],
+// s [T, K/32]); returns the view the matmul takes.
+inline Int8X quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* dx_pair, float* s) {
   const int64_t nb = K / kGroup;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t b = 0; b < nb; ++b) {
@@ -61,6 +63,7 @@ inline void quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* dx_
       s[t * nb + b] = dx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
       _mm256_storeu_ps(dx_pair + (t * nb + b) * 8, _mm256_set1_ps(dx));
     }
+  return {q, dx_pair, s};
 }
 
 // 64 Q4_1 values of groups b, b + 1 as bytes in x's order: 128-bit lanes [b: 0-15, b: 16-31,
@@ -141,6 +144,9 @@ inline void span(int64_t qtype, const uint8_t* qs, const float* d, const float* 
   if (qtype == kQ4_1) span_qt<kQ4_1>(qs, d, m, x, R, K, begin, end, y);
   else span_qt<kQ8_0>(qs, d, d, x, R, K, begin, end, y);  // m unread
 }
+#else
+// Never called: supports() is false in such a build (callers check it first).
+inline Int8X quantize(const float*, int64_t, int64_t, int8_t*, float*, float*) { return {}; }
 #endif  // RADIXMESH_INT8_ACTIVATIONS
 
 }  // namespace radixmesh::qint8

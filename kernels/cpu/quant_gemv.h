@@ -376,17 +376,6 @@ inline void compute_rows(int64_t qtype, const uint8_t* qs, const float* d, const
   dispatch(qtype, [&](auto qt) { compute_rows<decltype(qt)::value>(qs, d, m, x, xsum, T, K, begin, end, out); });
 }
 
-// x [T, K] quantized for the int8 path into buffers the caller keeps alive (q [T, K],
-// dx_pair [T, K/32 * 8], s [T, K/32]); returns the view compute_rows takes.
-inline qint8::Int8X quantize_x(const float* x, int64_t T, int64_t K, int8_t* q, float* dx_pair, float* s) {
-#ifdef RADIXMESH_INT8_ACTIVATIONS
-  qint8::quantize(x, T, K, q, dx_pair, s);
-  return {q, dx_pair, s};
-#else
-  return {};
-#endif
-}
-
 // out [rows, T] of output rows [begin, end) -> y [T, N].
 inline void scatter_rows(const float* out, int64_t T, int64_t N, int64_t begin, int64_t end, float* y) {
   if (T == 1) {
@@ -410,9 +399,8 @@ void run(const uint8_t* qs, const float* d, const float* m, const float* x, int6
     q.resize(T * K);
     dx_pair.resize(T * (K / kBlock) * 8);
     s.resize(T * (K / kBlock));
-    xq = quantize_x(x, T, K, q.data(), dx_pair.data(), s.data());
-  }
-  else if (has_m(QT)) {
+    xq = qint8::quantize(x, T, K, q.data(), dx_pair.data(), s.data());
+  } else if (has_m(QT)) {
     xsum.resize(T * (K / kBlock));
     block_sums(x, T, K, xsum.data());
   }

@@ -117,7 +117,7 @@ class Engine:
                       cache_on: bool):
         """On the step thread, so that its OpenMP team is the process's only one
         (services/worker/omp_team.py): the model, the KV pool and the host tiers are built
-        here, where every step runs. Measured: the offline throughput workload 528 → 646
+        here, where every step runs. Measured: the offline throughput workload 545 → 634
         tok/s on 2 cores (docs/benchmarks.md)."""
         checkpoint = checkpoint or load_checkpoint(path, worker.quantization)  # gguf: no float32 copy of the blocks
         runner = ModelRunner(worker, checkpoint)

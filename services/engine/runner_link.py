@@ -3,8 +3,9 @@
 Plans run in order on the Engine's step thread (an executor of one thread, the
 thread that built the runner) as they are sent. Overlapped, the driver plans the
 next step while this one computes (torch's kernels release the GIL), as the
-scheduler service does over gRPC; in lockstep it waits for each result first; the runner fills a decode's LAST_SAMPLED input with the
-token it sampled for the request last (services/worker/model_runner.py). A step
+scheduler service does over gRPC; in lockstep it waits for each result first.
+The runner fills a decode's LAST_SAMPLED input with the token it sampled for the
+request last (services/worker/model_runner.py). A step
 that raises loses the worker: WorkerLost, and the driver's failure policy.
 """
 from __future__ import annotations
