@@ -1,8 +1,10 @@
 """Int8 activations for the few-row quantized matmul (kernels/cpu/int8_activations.h, the
 worker's --quant-activations int8): against a float64 reference of the same rounding, row by row
 independent of the rows beside it, only for the formats it covers, and refused where it does
-not apply."""
+not apply, and kept float32 where the build has no VNNI."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from services.worker.config import WorkerConfig
 from tests.unit.test_quant_formats import weight
 
 MODULE = quant_gemv.load()
-pytestmark = pytest.mark.skipif(MODULE is None or not MODULE.int8_activations(),
+needs_vnni = pytest.mark.skipif(MODULE is None or not MODULE.int8_activations(),
                                 reason="quant_gemv has no int8 activations here (needs AVX512-VNNI)")
 
 
@@ -35,6 +37,7 @@ def int8_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return MODULE.quant_linear(x, w.qs, w.d, w.m, w.code, None, True, True)
 
 
+@needs_vnni
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_matches_the_float64_reference_of_the_same_rounding(qtype, rows):
@@ -48,6 +51,7 @@ def test_matches_the_float64_reference_of_the_same_rounding(qtype, rows):
     assert float((got - exact).norm() / exact.norm()) < 0.02  # ... to within a rounding of int8
 
 
+@needs_vnni
 def test_a_row_does_not_depend_on_the_rows_beside_it():
     w = weight("Q4_1", 36, 192)
     x = torch.randn(8, 192, generator=torch.Generator().manual_seed(1))
@@ -56,6 +60,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(int8_linear(x[r:r + 1], w)[0], together[r])
 
 
+@needs_vnni
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q6_K"])
 def test_formats_it_does_not_cover_keep_float32_activations(qtype):
     w = weight(qtype, 16, 256)
@@ -63,12 +68,14 @@ def test_formats_it_does_not_cover_keep_float32_activations(qtype):
     assert torch.equal(int8_linear(x, w), MODULE.quant_linear(x, w.qs, w.d, w.m, w.code, None, True))
 
 
+@needs_vnni
 def test_more_rows_than_the_fused_path_take_the_tiles_unchanged():
     w = weight("Q4_1", 32, 64)
     x = torch.randn(12, 64, generator=torch.Generator().manual_seed(3))
     assert torch.equal(int8_linear(x, w), MODULE.quant_linear(x, w.qs, w.d, w.m, w.code, None, True))
 
 
+@needs_vnni
 def test_the_module_wrapper_turns_it_on_for_every_call():
     w = weight("Q8_0", 24, 64)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
@@ -84,3 +91,29 @@ def test_refused_where_it_does_not_apply():
         WorkerConfig(quantization="gguf", quant_activations="int8")
     with pytest.raises(ValueError, match="float32 or int8"):
         WorkerConfig(quant_activations="int4")
+
+
+def test_without_vnni_the_worker_keeps_float32_activations(checkpoint, monkeypatch, caplog):
+    """The fallback, forced: a quant_gemv build without the VNNI path (any CPU without AVX512-VNNI,
+    or RADIXMESH_CPU_ISA=avx2) asked for int8 serves with float32 activations and says so."""
+    from services.worker.model_runner import ModelRunner
+    if MODULE is None:
+        pytest.skip("the quantized-linear kernel is not built here")
+
+    class WithoutVnni:
+        def int8_activations(self) -> bool:
+            return False
+
+        def __getattr__(self, name):
+            return getattr(MODULE, name)
+
+    monkeypatch.setattr(quant_gemv, "load", WithoutVnni)
+    with caplog.at_level(logging.WARNING):
+        runner = ModelRunner(WorkerConfig(kv_cache_bytes=8 << 20, max_requests=2, quant_activations="int8"),
+                             checkpoint)
+    assert not runner.backend.int8_activations
+    assert "no AVX512-VNNI" in caplog.text
+    assert runner.quantized_weights > 0
+    assert not any(isinstance(lin._quant_kernel, Int8Activations) for lin in runner.model.step_linears())
+    if runner.model.decode_stack is not None:
+        assert not runner.model.decode_stack.int8_activations

@@ -23,8 +23,8 @@ def test_load_checkpoint_loads_off_the_callers_thread(monkeypatch, tmp_path):
     monkeypatch.setattr(checkpoint_module, "_load", lambda path, q: seen.append((threading.get_ident(), path, q)))
     checkpoint_module.load_checkpoint("some.gguf", "gguf")
     assert seen and seen[0][0] != threading.get_ident() and seen[0][1:] == ("some.gguf", "gguf")
+    monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match="does not exist"):  # the real loader's errors still reach the caller
-        monkeypatch.undo()
         checkpoint_module.load_checkpoint(str(tmp_path / "missing.gguf"))
 
 
