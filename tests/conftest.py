@@ -12,7 +12,6 @@ loads the default model by itself fails, saying so.
 from __future__ import annotations
 
 import functools
-import gc
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -25,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+
+pytest_plugins = ("tests.rss_watch",)  # peak RSS, printed and held to a budget; memory trimmed between modules
 
 SLOW_DIRS = {"integration", "e2e"}  # the mesh, processes and the real model
 MODEL_FIXTURES = {"checkpoint", "hf_model"}  # the default model's weights, ours and transformers'
@@ -68,15 +69,6 @@ def _fast_tests_load_no_model(request: pytest.FixtureRequest, monkeypatch: pytes
         return load(path, *args, **kwargs)
 
     monkeypatch.setattr(gguf_loader, "load_gguf", guarded)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _collect_garbage_between_modules():
-    """In-process engines keep their KV pools and weights in reference cycles (threads, event loops):
-    collect them as each module ends, or the slow lane's memory piles up module after module (the
-    suite was OOM-killed on 24 GiB)."""
-    yield
-    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from protos.radixmesh.v1 import admin_pb2 as apb
 from services.common.hicache_config import HiCacheConfig
+from services.common.host_memory import return_freed_memory
 from services.common.model_path import resolve_model_path
 from services.common.outputs import FinishReason, RequestOutput
 from services.common.sampling_params import InvalidRequest, SamplingParams
@@ -215,13 +216,23 @@ class Engine:
                 self.abort(rid)
 
     def shutdown(self) -> None:
+        """Stop the engine and give its memory back: the runner's weights, KV pool and native
+        objects are dropped on the step thread, the threads joined, and freed heap pages returned
+        to the OS (tests/integration/test_engine_memory.py holds RSS to it). Idempotent."""
         try:
             self._loop.call_soon_threadsafe(self._task.cancel)
         except RuntimeError:  # shut down already
             pass
         self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            log.error("engine loop did not stop within 30 s; its memory stays held")
+            return
         if self.kvstore is not None:
             self.kvstore.close()
+        runner, self.runner, self._runner_admin = self.runner, None, None
+        if runner is not None:
+            runner.close()  # the step thread is gone (the loop's exit shut its executor down)
+        return_freed_memory()
 
     # --- the engine thread ---------------------------------------------------------------
     def _run_loop(self) -> None:

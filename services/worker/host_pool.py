@@ -22,6 +22,7 @@ import time
 import torch
 
 from services.common.hicache_config import HiCacheConfig
+from services.common.host_memory import zeroed_host_tensor
 from services.step.contract import DEVICE, HOST, STORE, KVCopy, KVTransferStat
 from kernels.kv_fp8 import is_fp8
 from services.worker.kv_pool import KVPool, KVPoolSpec, index_copy_rows
@@ -33,8 +34,9 @@ class HostKVPool:
     def __init__(self, spec: KVPoolSpec, pin: bool = False):
         self.spec = spec
         shape = (spec.num_layers, spec.num_slots, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)
-        self.v = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)
+        # Pinned (CUDA) pages are locked at once; plain host pages cost memory once written.
+        self.k = torch.zeros(shape, dtype=spec.dtype, pin_memory=True) if pin else zeroed_host_tensor(shape, spec.dtype)
+        self.v = torch.zeros(shape, dtype=spec.dtype, pin_memory=True) if pin else zeroed_host_tensor(shape, spec.dtype)
 
 
 def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.host_memory import zeroed_host_tensor
+
 from kernels.kv_fp8 import FP8_KV_SCALES, dequantize_kv, quantize_kv  # noqa: F401 (re-exported)
 from services.worker.model.config import ModelConfig
 
@@ -127,14 +129,21 @@ def _heads_contiguous(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    if torch.device(device).type == "cpu":
+        return zeroed_host_tensor(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVPool:
     def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu", extra_pages: int = 0):
         """extra_pages: pages past spec.num_pages that the scheduler never hands out (the CUDA
         graphs' scratch page for padding rows: services/worker/cuda_graphs.py)."""
         self.spec = spec
         shape = (spec.num_layers, spec.num_slots + extra_pages * spec.page_size, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)  # [L, S, Hkv, D]
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        # [L, S, Hkv, D] each; on the host, pages cost memory only once written (services/common/host_memory.py)
+        self.k = _zeros(shape, spec.dtype, device)
+        self.v = _zeros(shape, spec.dtype, device)
         # An FP8 pool's C++ writer (write_kv), resolved once: write runs every layer of every step.
         self._fp8_writer = _fp8_writer() if spec.is_fp8 and self.k.device.type == "cpu" else None
         # On CUDA every pool's rows go through the Triton write (one launch for K and V, FP8 rotated in it).

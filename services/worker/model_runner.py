@@ -194,6 +194,17 @@ class ModelRunner:
         for rid in list(self.requests):
             self._release(rid)
 
+    def close(self) -> None:
+        """Drop every tensor and native object the runner holds (weights, KV pool, page table,
+        adapters, grammars, drafter, graphs, tiers), so that their memory goes back when this
+        returns, whoever still holds the runner. The runner cannot step afterwards."""
+        self.reset()
+        if self._weight_groups is not None:
+            self._weight_groups.close_all()
+        for name in ("model", "pool", "backend", "page_table", "last_token", "loras", "grammars", "drafter",
+                     "graphs", "kv_transfer", "_weight_groups"):
+            setattr(self, name, None)
+
     # --- the step ------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan, defer: bool = False) -> StepResult:

@@ -1,0 +1,132 @@
+"""The suite's memory, watched: the peak RSS of the pytest process and of its whole process
+tree (the meshes' children included), sampled every half second, printed at the end of the run,
+and checked against a budget, so a leak like issue 32's (engines piling up to 22 GB on a
+24 GiB machine) fails `make test` instead of the machine.
+
+Budgets, in GiB, from the environment: RADIXMESH_TEST_RSS_BUDGET_GIB for the pytest process
+(default 8) and RADIXMESH_TEST_TREE_RSS_BUDGET_GIB for the tree (default 16). A run over budget
+ends with exit status 1 and says which module was running at the peak.
+Each module's end returns freed memory to the OS (gc, then malloc_trim), as Engine.shutdown does.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from services.common.host_memory import return_freed_memory, rss_bytes
+
+GIB = 1 << 30
+INTERVAL_S = 0.5
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of pid (Linux: /proc/<pid>/task/*/children)."""
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids.extend(int(k) for k in f.read().split())
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return kids
+
+
+def tree_rss_bytes(root: int) -> int:
+    """RSS of root and every descendant."""
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += rss_bytes(pid)
+        stack.extend(_children(pid))
+    return total
+
+
+@dataclass
+class Peak:
+    bytes: int = 0
+    module: str = ""
+
+
+class RssWatch:
+    def __init__(self, self_budget: float, tree_budget: float):
+        self.budgets = {"pytest process": self_budget, "process tree": tree_budget}
+        self.peaks = {"pytest process": Peak(), "process tree": Peak()}
+        self.module = "(collection)"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, name="rss-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sample()
+
+    def sample(self) -> None:
+        pid = os.getpid()
+        for name, value in (("pytest process", rss_bytes(pid)), ("process tree", tree_rss_bytes(pid))):
+            if value > self.peaks[name].bytes:
+                self.peaks[name] = Peak(value, self.module)
+
+    def _sample_until_stopped(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            self.sample()
+
+    def report(self) -> tuple[list[str], bool]:
+        """Lines to print, and whether every peak stayed within its budget."""
+        lines, within = [], True
+        for name, peak in self.peaks.items():
+            budget = self.budgets[name]
+            over = peak.bytes > budget * GIB
+            within &= not over
+            lines.append(f"peak RSS, {name}: {peak.bytes / GIB:.2f} GiB (budget {budget:g} GiB{', OVER' if over else ''})"
+                         f" during {peak.module}")
+        return lines, within
+
+
+def _budget(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    watch = RssWatch(_budget("RADIXMESH_TEST_RSS_BUDGET_GIB", 8), _budget("RADIXMESH_TEST_TREE_RSS_BUDGET_GIB", 16))
+    config.stash[_KEY] = watch
+    watch.start()
+
+
+_KEY = pytest.StashKey[RssWatch]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    watch = item.config.stash.get(_KEY, None)
+    if watch is not None:
+        watch.module = item.nodeid.split("::")[0]
+    yield
+    if watch is not None:
+        watch.sample()
+    if nextitem is None or nextitem.path != item.path:  # the module's fixtures are torn down
+        return_freed_memory()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    watch = session.config.stash.get(_KEY, None)
+    if watch is None:
+        return
+    watch.stop()
+    lines, within = watch.report()
+    session.config.stash[_LINES] = lines
+    if not within and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_LINES = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    for line in config.stash.get(_LINES, []):
+        terminalreporter.write_line(line, red="OVER" in line, bold=True)
