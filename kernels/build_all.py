@@ -1,5 +1,10 @@
 """Build every C++ CPU kernel now (`make setup` runs this), so no service or test pays the
-compile on its first request. Exits 0 even when a kernel cannot be built: the torch paths remain."""
+compile on its first request.
+
+Exits 1, printing the compiler's messages, when a kernel fails to build: at run time a worker
+falls back to plain torch and logs it, but a set-up that silently lost a kernel would let its
+tests skip and CI pass without it. `python -m kernels.build_all NAME...` builds only those
+(the names below, e.g. `token_bitmask`)."""
 from __future__ import annotations
 
 import logging
@@ -7,30 +12,54 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 
-from kernels import cpu_isa, decode_stack, fused_cpu, lora_cpu, paged_decode_cpu, quant_gemv, token_bitmask_cpu
+from kernels import cpu_build, cpu_isa, decode_stack, fused_cpu, lora_cpu, paged_decode_cpu, quant_gemv, \
+    token_bitmask_cpu
+
+KERNELS: dict[str, tuple[str, ModuleType]] = {
+    "paged_decode": ("paged decode attention", paged_decode_cpu), "fused_ops": ("fused layer ops", fused_cpu),
+    "quant_gemv": ("quantized linear", quant_gemv), "decode_stack": ("decode stack", decode_stack),
+    "token_bitmask": ("grammar token bitmask", token_bitmask_cpu), "lora": ("multi-LoRA apply", lora_cpu),
+}
+ERROR_LINES = 60  # of each failed build's messages, printed
 
 
-KERNELS = (("paged decode attention", paged_decode_cpu), ("fused layer ops", fused_cpu),
-           ("quantized linear", quant_gemv), ("decode stack", decode_stack),
-           ("grammar token bitmask", token_bitmask_cpu), ("multi-LoRA apply", lora_cpu))
-
-
-def _build(name: str, module) -> str:
+def _build(title: str, module: ModuleType) -> tuple[str, bool]:
     t0 = time.perf_counter()
     built = module.load() is not None
-    return f"{name}: {'built' if built else 'UNAVAILABLE (torch fallback)'} in {time.perf_counter() - t0:.1f} s"
+    return f"{title}: {'built' if built else 'FAILED'} in {time.perf_counter() - t0:.1f} s", built
 
 
-def main() -> int:
+def _failure_messages() -> str:
+    parts = []
+    for name, text in cpu_build.build_errors.items():
+        lines = text.strip().splitlines()
+        parts.append(f"--- {name}: the build's last {min(len(lines), ERROR_LINES)} lines ---\n" +
+                     "\n".join(lines[-ERROR_LINES:]))
+    return "\n".join(parts)
+
+
+def main(argv: list[str]) -> int:
     """Each kernel is one compiler process, so they build side by side, one per core."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    unknown = [name for name in argv if name not in KERNELS]
+    if unknown:
+        print(f"unknown kernel(s) {unknown}; choose from {sorted(KERNELS)}", file=sys.stderr)
+        return 2
+    chosen = [KERNELS[name] for name in (argv or KERNELS)]
+    logging.basicConfig(level=logging.ERROR, format="%(message)s")  # failures are printed below, whole
     print(f"building the CPU kernels for {cpu_isa.describe()}", flush=True)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(KERNELS), os.cpu_count() or 1))) as pool:
-        for line in pool.map(lambda k: _build(*k), KERNELS):
-            print(line, flush=True)
-    return 0
+    with ThreadPoolExecutor(max_workers=max(1, min(len(chosen), os.cpu_count() or 1))) as pool:
+        results = list(pool.map(lambda kernel: _build(*kernel), chosen))
+    for line, _ in results:
+        print(line, flush=True)
+    if all(built for _, built in results):
+        return 0
+    print(_failure_messages(), file=sys.stderr)
+    print("a CPU kernel failed to build (above); the set-up stops here rather than run and test without it",
+          file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -16,6 +16,7 @@ _locks: dict[str, threading.Lock] = {}  # one per kernel: several kernels may bu
 _locks_lock = threading.Lock()
 _built: dict[str, ModuleType | None] = {}
 unavailable: dict[str, str] = {}  # kernel name -> why it could not be built (for the worker's start-up log)
+build_errors: dict[str, str] = {}  # kernel name -> the build's whole error text (the compiler's messages)
 CPU_DIR = os.path.join(os.path.dirname(__file__), "cpu")
 CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]  # plus kernels.cpu_isa.compile_flags(): -march, the CPU's flags
 
@@ -66,6 +67,7 @@ def load_cpu_extension(name: str, source: str) -> ModuleType | None:
                                      extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
             except Exception as exc:  # the torch path still works
                 unavailable[name] = _reason(exc)
+                build_errors[name] = str(exc)
                 log.warning("CPU kernel %s unavailable (%s); using the slower plain-torch path", name,
                             unavailable[name])
         return _built[name]

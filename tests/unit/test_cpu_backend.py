@@ -11,6 +11,8 @@ from pathlib import Path
 
 import gguf
 import pytest
+
+from tests.kernel_builds import built
 import torch
 
 from kernels import decode_stack, fused_cpu, quant_gemv
@@ -27,8 +29,16 @@ from tests.unit.tiny_models import logits_by_position, save_tiny, sequences
 REPO = Path(__file__).resolve().parents[2]
 CPU_MODULES = ("services.worker.cpu_tuning", "services.worker.lead_cpu", "services.worker.fallbacks",
                "services.worker.attention.cpu_backend", "kernels")
-needs_stack = pytest.mark.skipif(decode_stack.load() is None or fused_cpu.load() is None or quant_gemv.load() is None,
-                                 reason="the decode stack, fused ops or quantized GEMV kernel does not build here")
+
+
+@pytest.fixture
+def needs_stack_kernels() -> None:
+    """The decode stack, fused ops and quantized GEMV kernels, built (tests/kernel_builds.py)."""
+    for kernel in (decode_stack, fused_cpu, quant_gemv):
+        built(kernel)
+
+
+needs_stack = pytest.mark.usefixtures("needs_stack_kernels")
 
 
 def _quantized_tiny(tmp_path, name: str) -> Checkpoint:
@@ -105,8 +115,8 @@ def test_the_cpu_backend_declines_the_stack_for_what_it_lacks(tmp_path, caplog, 
         runner = _runner(ckpt, "cpu")
     assert runner.quantized_weights > 0
     assert runner.decode_stack is False and runner.model.decode_stack is None
-    if fused_cpu.load() is not None and decode_stack.load() is not None:
-        assert any("one-call decode steps declined" in r.message and refusal in r.message for r in caplog.records)
+    built(fused_cpu), built(decode_stack)  # the stack was available to decline
+    assert any("one-call decode steps declined" in r.message and refusal in r.message for r in caplog.records)
     assert _equal(_run(runner), _run(_runner(ckpt, "cpu", stack=False)))
 
 

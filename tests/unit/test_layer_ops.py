@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import pytest
+
+from tests.kernel_builds import built
 import torch
 
 from kernels import fused_cpu
 from services.worker.model.layer_ops import FusedCpuLayerOps, TorchLayerOps, create_layer_ops
 
-module = fused_cpu.load()
-pytestmark = pytest.mark.skipif(module is None, reason="no C++ toolchain to build the CPU kernels")
+module = built(fused_cpu)
 REF = TorchLayerOps()
 # float32: a few ulps (summation order, fused multiply-adds); bfloat16: the fused ops
 # round once where the reference rounds after every op, so allow about one bf16 ulp.

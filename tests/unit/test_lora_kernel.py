@@ -4,6 +4,8 @@ segments, base-only rows left untouched, ranks up to the default --max-lora-rank
 from __future__ import annotations
 
 import pytest
+
+from tests.kernel_builds import built
 import torch
 
 from kernels import lora_cpu
@@ -13,8 +15,7 @@ from services.worker.lora.random_adapter import make_random_adapter
 from services.worker.lora.stacked import StackedLora
 from tests.unit.lora_fixtures import lora_runner, run_together, save_tiny_llama
 
-MODULE = lora_cpu.load()
-pytestmark = pytest.mark.skipif(MODULE is None, reason="the CPU LoRA kernel cannot be built here")
+MODULE = built(lora_cpu)
 MAX_RANK = WorkerConfig.max_lora_rank
 
 

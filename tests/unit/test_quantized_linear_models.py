@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gguf
 import pytest
+
+from tests.kernel_builds import built
 import torch
 
 from kernels import quant_gemv
@@ -18,7 +20,7 @@ from services.worker.weights import WeightUpdateError
 from tests.unit.test_weight_update import PAGE, hf_state, same, save_gguf, save_hf, tiny_hf, trace
 from tests.unit.tiny_gguf import write_gguf
 
-pytestmark = pytest.mark.skipif(quant_gemv.load() is None, reason="the quantized-linear kernel does not build here")
+built(quant_gemv)
 
 
 def runner(path: str, quantization: str, dtype: str = "float32", **kw) -> ModelRunner:
