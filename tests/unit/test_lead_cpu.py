@@ -3,6 +3,7 @@ lead thread on its CPU during the step only, the step team's helpers and the oth
 off it, and clear errors for CPUs this process cannot use."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 from services.launcher.children import _die_with_parent
 from services.launcher.up import Mesh, UpConfig
 from services.worker.config import WorkerConfig
+from services.worker import lead_cpu
 from services.worker.lead_cpu import other_cpus
 from services.worker.model_runner import ModelRunner
 from tests.unit.test_decode_stack import _decode
@@ -96,3 +98,20 @@ def test_the_step_runs_at_the_lead_priority_and_gives_it_back(checkpoint, monkey
     assert seen == [-5, -5] and os.getpriority(os.PRIO_PROCESS, tid) == own
     with pytest.raises(ValueError, match="lead-nice"):
         WorkerConfig(lead_nice=5)
+
+
+def test_without_cap_sys_nice_the_lead_priority_is_refused_and_steps_run_as_they_are(monkeypatch, caplog):
+    """The fallback behind the test above, forced: where raising a priority is not permitted (CI
+    containers often lack CAP_SYS_NICE), LeadPriority says so once and `leading` changes nothing."""
+    def refuse(which, who, prio):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(lead_cpu.os, "setpriority", refuse)
+    with caplog.at_level(logging.WARNING, logger=lead_cpu.__name__):
+        priority = lead_cpu.LeadPriority(-5)
+    assert priority.usable is False
+    assert any("needs CAP_SYS_NICE" in r.getMessage() for r in caplog.records)
+    tid = threading.get_native_id()
+    own = os.getpriority(os.PRIO_PROCESS, tid)
+    with priority.leading():  # would raise PermissionError if it tried
+        assert os.getpriority(os.PRIO_PROCESS, tid) == own
