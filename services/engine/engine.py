@@ -338,7 +338,10 @@ class Engine:
         text, finished, reason, matched = "", out.finished, out.finish_reason, out.matched_stop
         ids = out.token_ids
         if ids:
-            visible = [] if finished and reason is FinishReason.STOP and matched in ids[-1:] else ids
+            # A matched stop token is the step's last and is not text; the step's other tokens are
+            # (a speculative or jump-forward step can end in EOS after several of them).
+            stop_token = finished and reason is FinishReason.STOP and isinstance(matched, int) and matched in ids[-1:]
+            visible = ids[:-1] if stop_token else ids
             delta = handle.detok.push(visible)
             text = delta.text
             if delta.stopped and not finished:
