@@ -34,7 +34,7 @@ kernels: $(STAMP)
 setup: $(STAMP) kernels
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -p no:cacheprovider $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-avx2
 
 # The transport-free core, no model load, no mesh (tests marked slow are left out: tests/conftest.py).
@@ -43,7 +43,7 @@ test-fast: setup
 
 test-avx2: setup
 	$(AVX2_ENV) $(PY) -m kernels.build_all
-	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider -k "not lockstep" $(AVX2_TESTS)
+	$(AVX2_ENV) $(PY) -m pytest -q -rs -p no:cacheprovider -k "not lockstep" $(AVX2_TESTS)
 
 serve: setup
 	$(VENV)/bin/radixmesh up --http-port $(HTTP_PORT)

@@ -21,7 +21,10 @@ class WorkerConfig:
     page_size: int = field(default=16, metadata={
         "help": "tokens per KV page (16: a request's KV rows stay contiguous in runs of 16, which the CPU decode "
                 "kernel reads ~20%% faster than rows scattered one token at a time; prefix matches round down to pages)"})
-    kv_cache_bytes: int | None = field(default=3 << 30, metadata={"help": "KV pool byte budget (default 3 GiB: ~70k tokens of SmolLM2 in float32)"})
+    kv_cache_bytes: int | None = field(default=None, metadata={
+        "help": "KV pool byte budget. Default: 3 GiB (~140k tokens of SmolLM2 in bfloat16), or half the memory "
+                "available at start where that is less. On the host the pool's pages take memory only once "
+                "written, so a pool larger than the load needs costs nothing until used"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV pages' storage dtype: auto (the model's dtype) | fp8_e4m3 | fp8_e5m2 (1 byte per element, "
                 "per-layer scale 1.0, widened inside the attention kernels: the same --kv-cache-bytes holds about "

@@ -68,12 +68,14 @@ class KVPoolSpec:
     def from_budget(cls, config: ModelConfig, page_size: int, dtype: torch.dtype,
                     budget_bytes: int | None, mem_fraction: float | None,
                     device: torch.device | str = "cpu") -> "KVPoolSpec":
-        """Size the pool from a byte budget or, when none, a fraction of `device`'s free memory
-        (taken after the weights are loaded); dtype is the storage dtype, so an FP8 pool holds
-        twice a bfloat16 one's tokens."""
+        """Size the pool from a byte budget; when none, from a fraction of `device`'s free memory
+        (taken after the weights are loaded), or by default_budget_bytes without either; dtype is the
+        storage dtype, so an FP8 pool holds twice a bfloat16 one's tokens."""
         probe = cls(1, page_size, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
-        if budget_bytes is None:
-            if mem_fraction is None or not 0 < mem_fraction < 1:
+        if budget_bytes is None and mem_fraction is None:
+            budget_bytes = default_budget_bytes(device)
+        elif budget_bytes is None:
+            if not 0 < mem_fraction < 1:
                 raise ValueError(f"kv mem fraction must be in (0, 1), got {mem_fraction}")
             budget_bytes = int(available_memory_bytes(device) * mem_fraction)
         num_pages = budget_bytes // (probe.bytes_per_token * page_size)
@@ -82,6 +84,15 @@ class KVPoolSpec:
                 f"KV budget of {budget_bytes} bytes holds fewer than 2 pages of {page_size} tokens "
                 f"({probe.bytes_per_token} bytes per token): raise --kv-cache-bytes")
         return cls(num_pages, page_size, probe.num_layers, probe.num_kv_heads, probe.head_dim, dtype)
+
+
+DEFAULT_BUDGET_BYTES = 3 << 30
+
+
+def default_budget_bytes(device: torch.device | str = "cpu") -> int:
+    """The pool's budget when no flag sets one: 3 GiB, or half of the memory available now where
+    that is less, so a small machine keeps room for the weights' work and its other processes."""
+    return min(DEFAULT_BUDGET_BYTES, available_memory_bytes(device) // 2)
 
 
 def available_memory_bytes(device: torch.device | str = "cpu") -> int:

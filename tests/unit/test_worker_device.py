@@ -67,6 +67,33 @@ def test_cuda_free_memory_sizes_a_cuda_pool(monkeypatch) -> None:
     assert spec.num_pages == (4 << 30) // (spec.bytes_per_token * 16)
 
 
+@pytest.mark.parametrize("available,budget", [(24 << 30, 3 << 30), (4 << 30, 2 << 30)])
+def test_the_default_pool_is_3_gib_or_half_the_available_memory(monkeypatch, available, budget) -> None:
+    """No --kv-cache-bytes and no --kv-mem-fraction: 3 GiB, less on a machine with less than 6 GiB free."""
+    monkeypatch.setattr(kv_pool, "available_memory_bytes", lambda device="cpu": available)
+    from services.worker.model.config import ModelConfig
+    mc = ModelConfig(name="toy", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    spec = kv_pool.KVPoolSpec.from_budget(mc, 16, torch.bfloat16, None, None)
+    assert spec.num_pages == budget // (spec.bytes_per_token * 16)
+
+
+def test_a_host_pool_takes_memory_only_for_the_pages_written() -> None:
+    """The pool is an anonymous mapping (services/common/host_memory.py): zeros, resident once written."""
+    from services.common.host_memory import rss_bytes
+    from services.worker.model.config import ModelConfig
+    mc = ModelConfig(name="toy", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    before = rss_bytes()
+    pool = kv_pool.KVPool(kv_pool.KVPoolSpec.from_budget(mc, 16, torch.float32, 1 << 30, None))
+    assert rss_bytes() - before < 64 << 20  # 1 GiB reserved, next to nothing resident
+    assert not pool.k.any() and not pool.v[:, -16:].any()
+    pool.write(3, torch.arange(16), torch.ones(16, 2, 64), torch.ones(16, 2, 64))
+    assert pool.k[3, :16].eq(1).all() and not pool.k[3, 16:32].any()
+    del pool  # the mapping goes with the last tensor viewing it
+    assert rss_bytes() - before < 64 << 20
+
+
 def test_the_layout_stays_put_on_cpu_and_to_device_keeps_values_and_order() -> None:
     layout = BatchLayout.build([3, 1], [0, 5], torch.tensor([[0, 1], [2, 3]]), 4)
     assert layout.to(torch.device("cpu")) is layout
