@@ -7,7 +7,7 @@ submitted at once to the in-process Engine, served three ways in the same run:
   mixed    request i under adapter i mod A (A adapters, all resident: --max-loras A);
   one_torch, mixed_torch  the same on stacked.py's torch paths (LoraManager.set_fused_kernel(False)),
            the baseline of the fused kernel (kernels/lora_cpu.py) that the other two run on.
-The adapters are random PEFT adapters (services/worker/lora/random_adapter.py) of rank R on all
+The adapters are random PEFT adapters (bench/common/random_adapter.py) of rank R on all
 seven target modules. Each mode runs twice, alternating, and the better run counts.
 
 Per step (the better run's): the median forward time of the full-batch decode steps (N rows of
@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.common.random_adapter import make_random_adapter  # noqa: E402
 from services.common.model_path import default_model_path  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
@@ -42,7 +43,6 @@ from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.tokenizer.text_tokenizer import load_tokenizer  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.loader.checkpoint import load_checkpoint  # noqa: E402
-from services.worker.lora.random_adapter import make_random_adapter  # noqa: E402
 
 
 def hf_model_for_shapes(path: str):

@@ -28,10 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.common.quant_blocks import weight  # noqa: E402  (random valid blocks per format)
 from kernels import cpu_isa, quant_gemv  # noqa: E402
 from kernels.quant_formats import FORMATS  # noqa: E402
 from kernels.quant_gemv import QuantWeight  # noqa: E402
-from tests.unit.test_quant_formats import weight  # noqa: E402  (random valid blocks per format)
 
 SHAPES = "576x576,1536x576,576x1536,49152x576"
 ALL_FORMATS = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K,int8"

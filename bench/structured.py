@@ -2,7 +2,7 @@
 how radixmesh's constrained serving compares with llama-server's and vLLM's, in one run.
 
 1. radixmesh (`radixmesh up`): output tokens/s of the JSON-schema workload (the 28 prompts of
-   tests/structured_cases.py, response_format json_schema, greedy) against the same prompts
+   bench/common/structured_cases.py, response_format json_schema, greedy) against the same prompts
    unconstrained, at 1 and 32 concurrent requests; and the share of constrained outputs that
    parse and validate.
 2. jump-forward (in-process Engine): model steps per output token with and without it, one
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 import jsonschema  # noqa: E402
 
 import peers  # noqa: E402
-from tests.structured_cases import MAX_TOKENS, SCHEMA_CASES  # noqa: E402
+from bench.common.structured_cases import MAX_TOKENS, SCHEMA_CASES  # noqa: E402
 
 LONG_KEYS = {"type": "object", "additionalProperties": False,
              "required": ["customer_full_name", "customer_account_identifier", "preferred_contact_method",

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
+from bench.common.random_adapter import make_random_adapter
 from services.common.admin_error import AdminError
 from services.common.hicache_config import HiCacheConfig
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.engine.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
-from services.worker.lora.random_adapter import make_random_adapter
 from tests.integration.reference import assert_matches, greedy_reference
 from tests.integration.test_hicache_engine import StoreServer
 from tests.unit.lora_fixtures import merged
@@ -135,7 +135,7 @@ def test_no_prefix_is_shared_across_adapters_radix_or_kvstore(checkpoint, tokeni
 def test_load_and_unload_at_run_time(checkpoint, tokenizer, adapter_dirs, prompts, references, tmp_path):
     eng = make_engine(checkpoint, tokenizer, {})
     try:
-        with pytest.raises(Exception, match="unknown LoRA adapter 'r16'"):
+        with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'r16'"):
             eng.generate(input_ids=prompts[0], sampling=GREEDY, adapter="r16")
         state = eng.load_lora_adapter("r16", adapter_dirs["r16"])
         assert [a.name for a in state.adapters] == ["r16"] and state.adapters[0].rank == 16

@@ -1,5 +1,5 @@
 """Structured outputs on the real model through the in-process Engine: every JSON-schema case of
-tests/structured_cases.py greedy and sampled (parses, validates with formats checked, ends on
+bench/common/structured_cases.py greedy and sampled (parses, validates with formats checked, ends on
 STOP), the regex / choice / EBNF cases, bad constraints refused at submit with xgrammar's reason,
 the grammar cache shared by equal schemas, and masking that stays in its own row of the batch.
 
@@ -13,13 +13,13 @@ import re
 import jsonschema
 import pytest
 
+from bench.common.structured_cases import CHOICE_CASES, EBNF_CASES, MAX_TOKENS, REGEX_CASES, SCHEMA_CASES
 from services.common.grammar.constraint import EBNF, REGEX, Constraint, choice, json_schema
 from services.common.outputs import FinishReason
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.engine.engine import Engine
 from services.worker.config import WorkerConfig
 from tests.integration.reference import NEAR_TIE
-from tests.structured_cases import CHOICE_CASES, EBNF_CASES, MAX_TOKENS, REGEX_CASES, SCHEMA_CASES
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Helpers the LoRA tests share: a tiny random Llama on disk, a runner serving adapters, steps
 driven with several requests (each under its adapter), and PEFT's merged reference.
 
-Random adapters on disk: services.worker.lora.random_adapter.make_random_adapter (also for
+Random adapters on disk: bench.common.random_adapter.make_random_adapter (also for
 engine- and mesh-level tests on the real model, `hf_model` in tests/conftest.py).
 """
 from __future__ import annotations
@@ -10,11 +10,11 @@ import copy
 
 import torch
 
+from bench.common.random_adapter import make_random_adapter  # noqa: F401  (re-exported for tests)
 from services.common.sampling_params import SamplingParams
 from services.step.contract import NewRequestSpec, StepItem, StepPlan
 from services.worker.config import WorkerConfig
 from services.worker.loader.checkpoint import load_checkpoint
-from services.worker.lora.random_adapter import make_random_adapter  # noqa: F401  (re-exported for tests)
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)

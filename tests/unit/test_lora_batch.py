@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.common.random_adapter import make_random_adapter
 from services.common.sampling_params import SamplingParams
 from services.step.contract import NewRequestSpec, StepItem, StepPlan
-from services.worker.lora.random_adapter import make_random_adapter
 from services.worker.model.linear import Linear
 from tests.unit.lora_fixtures import lora_runner, run_together, save_tiny_llama
 

@@ -8,10 +8,10 @@ import pytest
 from tests.kernel_builds import built
 import torch
 
+from bench.common.random_adapter import make_random_adapter
 from kernels import lora_cpu
 from services.worker.config import WorkerConfig
 from services.worker.lora.batch import LoraContext, group_rows
-from services.worker.lora.random_adapter import make_random_adapter
 from services.worker.lora.stacked import StackedLora
 from tests.unit.lora_fixtures import lora_runner, run_together, save_tiny_llama
 

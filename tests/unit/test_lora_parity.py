@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.lora.random_adapter import make_random_adapter
+from bench.common.random_adapter import make_random_adapter
 from tests.unit.lora_fixtures import assert_matches, lora_runner, merged, run_together, save_tiny_llama
 
 # name → (rank, alpha, target modules or None for all seven, use_rslora)

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.common.random_adapter import make_random_adapter
 from services.common.sampling_params import SamplingParams
 from services.step.contract import NewRequestSpec, StepPlan
 from services.worker.config import WorkerConfig
 from services.worker.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError
-from services.worker.lora.random_adapter import make_random_adapter
 from tests.unit.lora_fixtures import lora_runner, save_tiny_llama
 from tests.unit.tiny_models import save_tiny
 

@@ -121,7 +121,7 @@ def test_mixed_quantized_and_float_fused_parts_are_refused(tmp_path):
 
 def test_lora_adapters_run_on_quantized_only_linears(tmp_path):
     """The adapter's deltas add to the blocks' output as they do to auto's on the same blocks."""
-    from services.worker.lora.random_adapter import make_random_adapter
+    from bench.common.random_adapter import make_random_adapter
     from tests.unit.lora_fixtures import lora_runner, run_together
     hf = tiny_hf(0)
     path = write_gguf(hf, str(tmp_path / "m.gguf"), gguf.GGMLQuantizationType.Q8_0)

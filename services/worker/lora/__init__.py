@@ -13,12 +13,12 @@ The design, one file per concept:
 - batch.py     a step's token rows grouped by slot, computed once and shared by every linear.
 - manager.py   the registry (load / unload / infos), the LRU over --max-loras slots, and the
                step's activation.
-- random_adapter.py  random PEFT adapters on disk for tests and benchmarks.
 
 The model stays a plain nn.Module: a linear carries a hook only while some adapter is loaded,
 so a worker without adapters runs exactly the code it ran before. Per step the runner maps every
 token to its request's slot (base tokens to none); each hooked linear then adds
 `(scale·B)(A x)` for each slot's rows, after whatever path computed the base output (prepacked,
 F.linear or quantized blocks). The one-call C++ decode stack has no hooks: the runner declines
-it for steps with adapter requests.
+it for steps with adapter requests. (Random adapters for the tests and benchmarks:
+bench/common/random_adapter.py.)
 """

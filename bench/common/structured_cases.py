@@ -1,4 +1,4 @@
-"""Structured-output cases shared by the tests: JSON schemas, regexes, choices and EBNF grammars,
+"""Structured-output cases shared by the tests and bench/structured.py: JSON schemas, regexes, choices and EBNF grammars,
 each with a short prompt that hints the answer (the default model is tiny) and a way to check it.
 
 Every string and array is bounded (maxLength / maxItems, or an enum), so no output can run away:
