@@ -212,7 +212,7 @@ async def test_32_concurrent_streams_all_complete(mesh, model, expected):
         return p, text, reason
 
     async def all_of_them():
-        async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=600) as c:
+        async with openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=500) as c:
             return await asyncio.gather(*(one(c, i) for i in range(32)))
 
     results = await all_of_them()

@@ -90,7 +90,7 @@ class Mesh:
         tail = "".join(self.raw_stderr[-30:])
         raise AssertionError(f"no matching log line (launcher exit {self.proc.poll()}); stderr tail:\n{tail}")
 
-    def wait_ready(self, timeout: float = 600) -> "Mesh":
+    def wait_ready(self, timeout: float = 300) -> "Mesh":  # below pytest's own 600 s
         ready = self.wait_log(lambda e: e.get("service") == "launcher" and e.get("msg") == "ready", timeout)
         self.addresses, self.pids = ready["addresses"], {k: int(v) for k, v in ready["pids"].items()}
         return self

@@ -1,4 +1,4 @@
-"""Jump-forward changes no output: every structured case of tests/structured_cases.py, greedy and
+"""Jump-forward changes no output: every structured case of bench/common/structured_cases.py, greedy and
 at one seed, gives the same tokens with jump-forward on and off (float32: the verify items run as
 extends, and only float32 makes logits independent of how tokens were batched), under overlapped
 and lockstep scheduling; and it saves model steps (a verify item carries the forced tokens)."""
@@ -8,12 +8,12 @@ import gc
 
 import pytest
 
+from bench.common.structured_cases import CHOICE_CASES, EBNF_CASES, MAX_TOKENS, REGEX_CASES, SCHEMA_CASES
 from services.common.grammar.constraint import EBNF, REGEX, Constraint, choice, json_schema
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
-from tests.structured_cases import CHOICE_CASES, EBNF_CASES, MAX_TOKENS, REGEX_CASES, SCHEMA_CASES
 
 pytestmark = pytest.mark.slow
 

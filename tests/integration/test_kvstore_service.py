@@ -174,29 +174,42 @@ async def test_serve_kvstore_survives_sigkill_with_its_disk_tier(tmp_path: Path)
 
 
 class _SlowService(KVStoreService):
+    """A store whose Get never answers (until the server stops), and that counts every call it gets."""
+
+    def __init__(self, store: KVStore) -> None:
+        super().__init__(store)
+        self.calls: dict[str, int] = {}
+        self.never = asyncio.Event()
+
     async def Get(self, request, context):  # noqa: N802
-        await asyncio.sleep(2)
+        self.calls["Get"] = self.calls.get("Get", 0) + 1
+        await self.never.wait()
         return await super().Get(request, context)
+
+    async def Exists(self, request, context):  # noqa: N802
+        self.calls["Exists"] = self.calls.get("Exists", 0) + 1
+        return await super().Exists(request, context)
 
 
 async def test_a_slow_store_times_out_into_misses() -> None:
     store = KVStore(StoreConfig(memory_bytes=1 << 20))
     server = grpc.aio.server()
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(_SlowService(store), server)
+    service = _SlowService(store)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    client = KVStoreClient(f"127.0.0.1:{port}", SPEC, timeout_s=0.3, retry_interval_s=5)
+    # a backoff far longer than the test, so "still backing off" never depends on how fast the machine is
+    client = KVStoreClient(f"127.0.0.1:{port}", SPEC, timeout_s=0.3, retry_interval_s=3600)
     try:
         ids, keys, pages = chain(2)
         assert await client.put(keys, pages) == 2
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        assert await client.get(keys) == [None, None]
-        assert loop.time() - t0 < 1.5
+        # the store never answers: only the client's own deadline can end this call (30 s bounds a hang)
+        assert await asyncio.wait_for(client.get(keys), timeout=30) == [None, None]
         assert client.counters.failures == 1
-        t0 = loop.time()
-        assert await client.exists(keys) == 0  # backing off: answered at once
-        assert loop.time() - t0 < 0.1 and client.counters.skipped == 1
+        exists_before = service.calls.get("Exists", 0)
+        # backing off: answered with a miss without a call to the store
+        assert await asyncio.wait_for(client.exists(keys), timeout=30) == 0
+        assert client.counters.skipped == 1 and service.calls.get("Exists", 0) == exists_before
     finally:
         await client.close()
         await server.stop(None)

@@ -182,7 +182,7 @@ def test_bad_input_is_invalid_argument_and_the_mesh_keeps_serving(mesh):
     assert finish_reason(seq["finish"]) == "length" and len(seq["token_ids"]) == 4
 
 
-def wait_idle(mesh: Mesh, timeout: float = 10) -> scheduler_pb2.SchedulerStats:
+def wait_idle(mesh: Mesh, timeout: float = 120) -> scheduler_pb2.SchedulerStats:
     end = time.monotonic() + timeout
     while (s := stats(mesh)).num_running or s.num_waiting:
         assert time.monotonic() < end, s
@@ -200,10 +200,9 @@ def test_cancelled_stream_aborts_and_frees_its_kv(mesh):
     assert running.num_running == 1 and running.kv_pages_used > running.kv_pages_cached
     call.cancel()
     assert all(ev.WhichOneof("event") == "chunk" for ev in got)
-    start = time.monotonic()
     after = wait_idle(mesh)
-    assert time.monotonic() - start < 5
-    assert after.aborted == before.aborted + 1
+    # ended by the abort, not by running to its 300 tokens
+    assert after.aborted == before.aborted + 1 and after.finished == before.finished, after
     assert after.kv_pages_used == after.kv_pages_cached  # nothing private left: back to the baseline
     assert mesh.scheduler().FlushCache(scheduler_pb2.FlushCacheRequest(), timeout=10).flushed
     assert stats(mesh).kv_pages_used == 0

@@ -200,7 +200,7 @@ def delta(after: dict, before: dict, service: str, name: str, **labels) -> float
 
 def settled(mesh: Mesh) -> dict[str, dict]:
     """Scrapes once nothing runs and the worker has run every step the scheduler counted."""
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while True:
         s = scrape_all(mesh)
         running = total(s["scheduler"], "radixmesh:num_requests_running")

@@ -162,8 +162,10 @@ def test_metrics_ports_are_consecutive_in_start_order_and_bounded():
     assert list(fleet.values()) == list(range(9000, 9010))
     with pytest.raises(ValueError, match="no room for 4 ports"):
         metrics_ports(one, 65533)
-    for bad in ({"metrics_port": 70000}, {"restart_max_tries": 0}, {"restart_backoff_s": -1.0}):
-        with pytest.raises(ValueError):
+    for bad, message in (({"metrics_port": 70000}, r"--metrics-port must be in \[0, 65535\], got 70000"),
+                         ({"restart_max_tries": 0}, r"--restart-max-tries must be >= 1 .* got 0 and"),
+                         ({"restart_backoff_s": -1.0}, r"--restart-backoff-s >= 0, got \d+ and -1.0")):
+        with pytest.raises(ValueError, match=message):
             UpConfig(**bad)
 
 

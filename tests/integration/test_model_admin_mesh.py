@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 import torch
 
-from services.worker.lora.random_adapter import make_random_adapter
+from bench.common.random_adapter import make_random_adapter
 from tests.integration.mesh_harness import SMALL_MESH, Mesh, gateway_url_and_metrics
 from tests.integration.reference import assert_matches, greedy_reference
 from tests.unit.lora_fixtures import merged
@@ -75,7 +75,7 @@ def call(mesh: Mesh, path: str, body: dict | None = None, key: str | None = None
                                  headers={"Content-Type": "application/json",
                                           **({"Authorization": f"Bearer {key}"} if key else {})})
     try:
-        with urllib.request.urlopen(req, timeout=600) as r:
+        with urllib.request.urlopen(req, timeout=500) as r:
             return r.status, json.load(r)
     except urllib.error.HTTPError as e:
         return e.code, json.load(e)
@@ -139,7 +139,7 @@ def test_weight_update_from_disk_retracts_flushes_and_bumps_the_version(mesh, hf
     long_one = threading.Thread(target=lambda: running.update(generate(mesh, other, n=200)))
     long_one.start()  # running while the update comes: retracted, re-run on the new weights
     status, state = call(mesh, "/update_weights_from_disk", {"model_path": path, "running": "retract"}, key=ADMIN)
-    long_one.join(timeout=600)
+    long_one.join(timeout=500)
     assert status == 200 and state["weights_version"] == "1", state
     report = state["update"]
     assert report["path"] == "disk" and int(report["bytes"]) > 100e6 and int(report["flushed_pages"]) > 0

@@ -149,11 +149,12 @@ def test_lifecycle_health_reflection_and_drain(toy: Toy) -> None:
 
 
 def _long_stream(toy: Toy) -> tuple[grpc.Channel, Any]:
-    """A Generate stream that would take ~10 s, once the toy is serving."""
+    """A Generate stream that would take hours (100,000 chunks, 0.1 s apart), once the toy is serving:
+    it ends early only when the toy cuts it off (or at the call's 120 s deadline: DEADLINE_EXCEEDED)."""
     channel = grpc.insecure_channel(toy.address)
     _wait_health(channel, SERVING)
     call = scheduler_pb2_grpc.SchedulerStub(channel).Generate(scheduler_pb2.GenerateRequest(
-        rid="long", sampling=common_pb2.SamplingParams(max_new_tokens=100)), timeout=60)
+        rid="long", sampling=common_pb2.SamplingParams(max_new_tokens=100_000)), timeout=120)
     next(call)
     return channel, call
 
@@ -163,18 +164,17 @@ def test_stragglers_are_cancelled_at_the_deadline_or_on_a_second_signal(second_s
     toy = Toy("--drain-timeout-s", "30" if second_signal else "1")
     try:
         channel, call = _long_stream(toy)
-        start = time.monotonic()
         toy.proc.send_signal(signal.SIGTERM)
         if second_signal:
             _wait_health(channel, NOT_SERVING, timeout=10)
             toy.proc.send_signal(signal.SIGTERM)
         with pytest.raises(grpc.RpcError) as ended:
             list(call)
-        assert ended.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
-        assert toy.proc.wait(timeout=20) == 0
-        assert time.monotonic() - start < 8  # well before the stream's own ~10 s
+        # cut off by the toy (not the call's own deadline), long before the stream's end
+        assert ended.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), ended.value
+        assert toy.proc.wait(timeout=60) == 0
         reason = "second signal: stopping now" if second_signal else "drain deadline passed"
-        toy.wait_log(lambda e: e.get("msg") == reason, timeout=5)
+        toy.wait_log(lambda e: e.get("msg") == reason, timeout=30)
         channel.close()
     finally:
         toy.kill()

@@ -65,7 +65,7 @@ def staggered(e: Engine, ids: list[list[int]], sampling: SamplingParams) -> list
     for i, p in enumerate(ids):
         e.submit(p, sampling, sink_for(i))
         assert started[i].wait(timeout=300)
-    assert all(d.wait(timeout=600) for d in done)
+    assert all(d.wait(timeout=500) for d in done)
     return outs
 
 
@@ -195,7 +195,7 @@ def test_retraction_and_an_abort_mid_speculation_leave_no_kv_behind(checkpoint, 
         for i in range(4):
             e.submit(ids[i], GREEDY, sink_for(i))
         e.submit(victim, GREEDY, sink_for(4))
-        assert all(d.wait(timeout=600) for d in done)
+        assert all(d.wait(timeout=500) for d in done)
         assert [outs[i] for i in range(4)] == want["greedy"][:4]
         s = e.scheduler.stats
         assert s.retracted > 0 and s.spec_verify_items > 0 and s.aborted == 1

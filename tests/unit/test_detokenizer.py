@@ -293,7 +293,7 @@ def test_flush_emits_incomplete_utf8_as_decoded() -> None:
     assert all(FFFD not in d.text for d in deltas)
     assert FFFD in tail and joined(deltas) + tail == tok.decode(ids) == detok.text
     assert detok.flush() == ""
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"push\(\) after flush\(\): the stream has ended"):
         detok.push([1])
 
 

@@ -183,9 +183,10 @@ def test_the_environment_gives_keys_only_when_no_flag_does(monkeypatch, tmp_path
     (["--admin-api-key-file", "/nonexistent/keys"], "--admin-api-key-file: cannot read /nonexistent/keys"),
 ])
 def test_bad_keys_are_usage_errors_that_never_show_the_key(argv, message, capsys):
-    with pytest.raises(SystemExit):
-        from services.common.config import parse_config
+    from services.common.config import parse_config
+    with pytest.raises(SystemExit) as exit_:
         parse_config(GatewayConfig, argv)
+    assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "quite long" not in err and "short" not in err.replace("got 5", "")
 

@@ -156,7 +156,7 @@ def test_cache_evicts_the_least_recently_used_at_max_entries():
 
 
 def test_cache_size_must_be_positive():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="grammar cache size must be >= 1, got 0"):
         GrammarCache(FakeBackend, max_entries=0)
 
 

@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 
+from bench.common.quant_blocks import weight
 from kernels import quant_gemv
 from kernels.quant_gemv import Int8Activations, QuantWeight
 from services.worker.config import WorkerConfig
-from tests.unit.test_quant_formats import weight
 
 MODULE = quant_gemv.load()
 needs_vnni = pytest.mark.skipif(MODULE is None or not MODULE.int8_activations(),

@@ -123,23 +123,25 @@ def _read(r: Rendered) -> None:
     """Reading the manifests (inspect) is the check: flags parsed, ConfigMaps found."""
 
 
-BREAKAGES: list[tuple[Callable[[list[dict]], None], Callable[[Rendered], None]]] = [
-    (misspell_a_field, check_schemas),
-    (probe_another_port, check_probes),
-    (cut_the_grace_period, check_grace_covers_drain),
-    (give_the_router_a_static_list, check_router_discovers_engine_by_dns),
-    (scale_on_another_metric, check_hpa),
-    (select_no_pods, check_pdbs),
-    (drop_a_configmap, _read),
-    (pass_an_unknown_flag, _read)]
+# (the breakage, the check that must catch it, what that check must say: the breakage, not something else)
+BREAKAGES: list[tuple[Callable[[list[dict]], None], Callable[[Rendered], None], str]] = [
+    (misspell_a_field, check_schemas, "'terminationGracePeriod' was unexpected"),
+    (probe_another_port, check_probes, "container worker: readinessProbe .* is not gRPC on 50053"),
+    (cut_the_grace_period, check_grace_covers_drain, "terminationGracePeriodSeconds 30 <= preStop \\+ drain"),
+    (give_the_router_a_static_list, check_router_discovers_engine_by_dns, "container router: no --replica-dns"),
+    (scale_on_another_metric, check_hpa, "HPA on radixmesh_waiting"),
+    (select_no_pods, check_pdbs, "PodDisruptionBudget radixmesh-engine selects no pods"),
+    (drop_a_configmap, _read, "no ConfigMap radixmesh-kvstore-flags"),
+    (pass_an_unknown_flag, _read, "unrecognized arguments: --kv-cache-bytes 1")]
 
 
-@pytest.mark.parametrize(("breaking", "check"), BREAKAGES, ids=[b.__name__ for b, _ in BREAKAGES])
-def test_a_broken_manifest_fails(breaking: Callable[[list[dict]], None], check: Callable[[Rendered], None]) -> None:
+@pytest.mark.parametrize(("breaking", "check", "message"), BREAKAGES, ids=[b.__name__ for b, _, _ in BREAKAGES])
+def test_a_broken_manifest_fails(breaking: Callable[[list[dict]], None], check: Callable[[Rendered], None],
+                                 message: str) -> None:
     objects = copy.deepcopy(_rendered("base"))
     check(inspect(copy.deepcopy(objects)))  # fine before
     breaking(objects)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=message):
         check(inspect(objects))
 
 

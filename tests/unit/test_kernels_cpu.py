@@ -62,7 +62,7 @@ def test_bf16_queries_strided_rows_and_kv_write(kernel, heads, kv_heads, head_di
 def test_rejects_bad_shapes(kernel):
     q = torch.randn(2, 4, 64)
     k = torch.randn(10, 3, 64)  # 4 heads are not a multiple of 3 KV heads
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="shape mismatch"):
         paged_decode_cpu.paged_decode_attention(q, k, k, torch.zeros(2, 5, dtype=torch.long),
                                                 torch.ones(2, dtype=torch.long), 0.1)
     with pytest.raises(RuntimeError, match="kv_lens"):

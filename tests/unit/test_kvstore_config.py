@@ -11,14 +11,15 @@ from services.kvstore.metrics import read_metrics
 from services.kvstore.store import KVStore, StoreConfig
 
 
-def test_flags_and_defaults(tmp_path: Path) -> None:
+def test_flags_and_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     c = parse_config(KVStoreConfig, [])
     assert c.common.listen == DEFAULT_LISTEN and c.store == StoreConfig(1 << 30, None, 8 << 30)
     c = parse_config(KVStoreConfig, ["--kvstore-memory-bytes", "10", "--kvstore-disk-dir", str(tmp_path),
                                      "--kvstore-disk-bytes", "20", "--listen", "127.0.0.1:0"])
     assert c.store == StoreConfig(10, str(tmp_path), 20)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         parse_config(KVStoreConfig, ["--kvstore-memory-bytes", "-1"])
+    assert exit_.value.code == 2 and "--kvstore-memory-bytes must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_metrics_read_live_stats() -> None:

@@ -50,7 +50,7 @@ def test_tensor_round_trip_is_bit_exact(tmp_path: Path, dtype: torch.dtype, memo
 
 
 def test_codec_rejects_wrong_shapes_and_lengths() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"page must be .* torch.bfloat16, got .* torch.float32"):
         page_codec.encode(torch.zeros(SPEC.shape, dtype=torch.float32), SPEC)
     assert page_codec.decode(b"\0" * (PAGE - 1), SPEC) is None
 

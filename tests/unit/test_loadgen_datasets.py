@@ -86,12 +86,20 @@ def test_poisson_arrivals_have_the_asked_mean_rate_and_are_seeded():
 
 def test_config_validation_and_slo_parsing():
     assert parse_slo("ttft:500,tpot:50") == {"ttft": 500.0, "tpot": 50.0} and parse_slo(None) == {}
-    for bad in ("ttft=5", "foo:5", "ttft:x", "ttft:-1"):
-        with pytest.raises(ValueError):
+    for bad, message in (("ttft=5", "--slo takes METRIC:MS pairs .* got 'ttft=5'"),
+                         ("foo:5", "--slo takes METRIC:MS pairs .* got 'foo:5'"),
+                         ("ttft:x", "--slo ttft: 'x' is not a number of milliseconds"),
+                         ("ttft:-1", "--slo ttft must be > 0 ms, got -1")):
+        with pytest.raises(ValueError, match=message):
             parse_slo(bad)
-    for kw in ({"range_ratio": 0.0}, {"request_rate": 0.0}, {"max_concurrency": 0}, {"num_prompts": 0},
-               {"extra_body": "[1]"}, {"base_url": "localhost:8000"}, {"slo": "tpot"}):
-        with pytest.raises(ValueError):
+    for kw, message in (({"range_ratio": 0.0}, r"--range-ratio must be in \(0, 1\], got 0.0"),
+                        ({"request_rate": 0.0}, "--request-rate must be > 0"),
+                        ({"max_concurrency": 0}, "--max-concurrency must be >= 1 or none, got 0"),
+                        ({"num_prompts": 0}, "--num-prompts must be >= 1, got 0"),
+                        ({"extra_body": "[1]"}, r"--extra-body must be a JSON object, got '\[1\]'"),
+                        ({"base_url": "localhost:8000"}, "--base-url must start with http:// or https://"),
+                        ({"slo": "tpot"}, "--slo takes METRIC:MS pairs .* got 'tpot'")):
+        with pytest.raises(ValueError, match=message):
             cfg(**kw)
     assert cfg(extra_body='{"min_tokens": 4}').extra == {"min_tokens": 4}
 
@@ -103,5 +111,6 @@ def test_flags_come_from_the_config(capsys):
     assert (c.dataset, c.request_rate, c.max_concurrency, c.ignore_eos, c.progress) == \
         ("multi-turn", 2.5, 8, True, False)
     assert math.isinf(parse_config(BenchConfig, []).request_rate)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         parse_config(BenchConfig, ["--slo", "bogus:1"])
+    assert exit_.value.code == 2 and "--slo takes METRIC:MS pairs" in capsys.readouterr().err

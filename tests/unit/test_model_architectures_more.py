@@ -125,7 +125,7 @@ def test_radixmesh_generate_prints_transformers_greedy_tokens(tmp_path, name):
     prompt = " ".join(f"t{i}" for i in prompt_ids)
     cmd = [sys.executable, "-m", "services.cli", "generate", "--model", path, "--dtype", "float32",
            "--kv-cache-bytes", str(8 << 20), "--max-new-tokens", str(n_new), "--temperature", "0", "--json", prompt]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     ours = [int(m) for m in re.findall(r"t(\d+)", out["text"])]

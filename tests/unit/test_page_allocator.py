@@ -76,13 +76,13 @@ def test_unknown_page_raises(page: int) -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="page_size must be >= 1 token, got 0"):
         PageAllocator(4, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_pages must be >= 0, got -1"):
         PageAllocator(-1, 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"cannot allocate a negative number of pages \(-1\)"):
         PageAllocator(4, 1).alloc(-1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n_tokens must be >= 0, got -1"):
         PageAllocator(4, 1).pages_for_tokens(-1)
 
 

@@ -38,13 +38,13 @@ def test_a_page_key_depends_on_everything_before_it() -> None:
 
 
 def test_bad_inputs() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
         dataclasses.replace(NS, page_size=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="model identity must not be empty"):
         dataclasses.replace(NS, model="")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="token ids must fit in int32"):
         PageHasher(NS).keys([2**31] * 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="parent key must be 32 bytes, got 5"):
         chain_keys(b"short", [1, 2, 3, 4], 4)
 
 

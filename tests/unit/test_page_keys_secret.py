@@ -50,7 +50,7 @@ def test_keyed_chains_extend_incrementally() -> None:
 
 
 def test_empty_secret_is_refused() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="the page-key secret must not be empty"):
         PageHasher(NS, b"")
 
 

@@ -14,15 +14,18 @@ peers = sys.modules["peers"] = importlib.util.module_from_spec(spec)  # dataclas
 spec.loader.exec_module(peers)
 
 
-def test_arguments_default_to_everything_and_reject_unknown_names():
+def test_arguments_default_to_everything_and_reject_unknown_names(capsys):
     a = peers.parse_args([])
     assert a.systems.split(",") == ["radixmesh", "llama-server", "vllm", "hf"] and not a.quick
     assert (a.threads, a.flash_attn, a.hf_batch, a.build_jobs, a.skip_limits) == (2, "on,off", 16, 2, False)
     assert peers.parse_args(["--quick", "--systems", "radixmesh", "--workloads", "single"]).quick
     assert peers.parse_args(["--peers", "radixmesh,llama,vllm"]).systems == "radixmesh,llama-server,vllm"
-    for bad in (["--systems", "sglang"], ["--workloads", "huge"], ["--flash-attn", "maybe"]):
-        with pytest.raises(SystemExit):
+    for bad, message in ((["--systems", "sglang"], "--systems: unknown ['sglang']"),
+                         (["--workloads", "huge"], "--workloads: unknown ['huge']"),
+                         (["--flash-attn", "maybe"], "--flash-attn takes on, off, auto")):
+        with pytest.raises(SystemExit) as exit_:
             peers.parse_args(bad)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_full_workloads_are_the_issues():

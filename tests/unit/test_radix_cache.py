@@ -133,7 +133,7 @@ def test_locked_nodes_are_not_evicted() -> None:
     c.check_invariants()
     c.dec_lock(m.node)
     assert (c.locked_pages, c.evictable_pages) == (0, 3)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"dec_lock on an unlocked node \(lock_ref 0\)"):
         c.dec_lock(m.node)
     c.inc_lock(c._roots[""])  # the root: no-op, as for an empty match
     c.dec_lock(c._roots[""])
@@ -147,7 +147,7 @@ def test_reset_requires_no_locks_then_frees_everything() -> None:
     serve(c, [4], "x")
     m = c.match_prefix([1, 2])
     c.inc_lock(m.node)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"reset\(\) while requests hold locks"):
         c.reset()
     assert c.cached_pages == 4
     c.dec_lock(m.node)
@@ -166,10 +166,10 @@ def test_disabled_cache_matches_nothing_and_takes_pages_it_frees() -> None:
 
 
 def test_bad_arguments_and_corruption_are_reported() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="page_size 4 differs from the allocator's page_size 2"):
         RadixCache(PageAllocator(4, 2), page_size=4)
     a, c = make(page_size=2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="1 pages cannot hold 4 tokens at page_size 2"):
         c.insert([1, 2, 3, 4], [0])
     serve(c, [1, 2])
     a.free([0])  # behind the tree's back
@@ -290,7 +290,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         if self.cache.locked_pages:
-            with pytest.raises(RuntimeError):
+            with pytest.raises(RuntimeError, match=r"reset\(\) while requests hold locks"):
                 self.cache.reset()
             return
         self.cache.reset()

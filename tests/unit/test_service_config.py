@@ -68,13 +68,14 @@ def test_invalid_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> 
     assert "--listen must be HOST:PORT" in capsys.readouterr().err
 
 
-def test_required_field_and_flag_collisions() -> None:
+def test_required_field_and_flag_collisions(capsys: pytest.CaptureFixture[str]) -> None:
     @dataclass(frozen=True)
     class Needs:
         model: str
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         parse_config(Needs, [])
+    assert exit_.value.code == 2 and "the following arguments are required: --model" in capsys.readouterr().err
     assert parse_config(Needs, ["--model", "x"]) == Needs("x")
 
     @dataclass(frozen=True)

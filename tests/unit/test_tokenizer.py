@@ -177,7 +177,7 @@ def test_missing_template_and_paths_are_clear_errors(tokenizer: TextTokenizer, t
     bare = TextTokenizer(tokenizer.raw)
     with pytest.raises(ValueError, match="no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "x"}])
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="missing.gguf' does not exist"):
         load_tokenizer(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_tokenizer(str(tmp_path))

@@ -35,11 +35,12 @@ def gateway_config(*argv: str) -> GatewayConfig:
     return config_from_args(GatewayConfig, parser.parse_args(list(argv)))
 
 
-def test_the_flag_takes_auto_or_a_known_format():
+def test_the_flag_takes_auto_or_a_known_format(capsys):
     assert gateway_config().tool_call_parser == "auto"
     assert gateway_config("--tool-call-parser", "mistral").tool_call_parser == "mistral"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         gateway_config("--tool-call-parser", "pythonic")
+    assert exit_.value.code == 2 and "--tool-call-parser: invalid choice: 'pythonic'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="one of auto, hermes, llama3_json, mistral"):
         GatewayConfig(tool_call_parser="pythonic")
 

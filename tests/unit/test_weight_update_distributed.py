@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ port, group, path, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4
 items = list(load_file(path).items())
 sync = WeightBroadcaster("127.0.0.1", port, world_size=2, group_name=group, timeout_s=30)
 if mode == "hang":
-    time.sleep(60)
+    time.sleep(3600)  # killed by the test
 if mode == "die":
     sync.broadcast(items[:len(items) // 2])
     os._exit(1)
@@ -94,10 +93,10 @@ def test_broadcast_serves_like_a_fresh_runner(weights):
 def test_trainer_death_mid_broadcast_keeps_the_old_weights_then_a_new_group_works(weights):
     r, before, path, ref = weights
     state = snapshot(r)
-    t0 = time.monotonic()
-    with pytest.raises(WeightUpdateError, match="trainer died"):
+    # ended by the closed sockets of the dead trainer (gloo: closed / reset by peer), not by the group's timeout
+    with pytest.raises(WeightUpdateError, match="trainer died") as died:
         receive(r, path, "rl", "die")
-    assert time.monotonic() - t0 < 30
+    assert "timed out" not in str(died.value).lower(), died.value
     assert_unchanged(r, state, before)
     with pytest.raises(WeightUpdateError, match="no weight-update group"):  # the broken group is gone
         r.update_weights_from_distributed([], [], [], "rl")
@@ -108,10 +107,9 @@ def test_trainer_death_mid_broadcast_keeps_the_old_weights_then_a_new_group_work
 def test_a_silent_trainer_fails_the_update_after_the_timeout(weights):
     r, before, path, _ = weights
     state = snapshot(r)
-    t0 = time.monotonic()
-    with pytest.raises(WeightUpdateError, match="stopped sending"):
+    # the trainer sleeps on (until receive kills it): the group's own 2 s timeout ended the update
+    with pytest.raises(WeightUpdateError, match="stopped sending within 2 s.*Timed out waiting 2000ms"):
         receive(r, path, "rl", "hang", timeout_s=2.0)
-    assert time.monotonic() - t0 < 20
     assert_unchanged(r, state, before)
 
 
@@ -129,9 +127,8 @@ def test_refused_broadcast_keeps_the_old_weights_and_the_trainer_completes(tmp_p
 
 def test_joining_without_a_trainer_times_out(weights):
     r = weights[0]
-    t0 = time.monotonic()
-    with pytest.raises(WeightUpdateError, match="joining weight-update group"):
+    # no trainer ever listens: the join's own 1 s timeout ends it
+    with pytest.raises(WeightUpdateError, match="joining weight-update group 'nobody'.*timed out after 1000ms"):
         r.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "nobody", "gloo", 1.0)
-    assert time.monotonic() - t0 < 15
     with pytest.raises(WeightUpdateError, match="rank 0 is the trainer"):
         r.init_weights_update_group("127.0.0.1", free_port(), 0, 2, "g", "gloo", 1.0)
