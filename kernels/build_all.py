@@ -40,8 +40,9 @@ def _failure_messages() -> str:
     return "\n".join(parts)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Each kernel is one compiler process, so they build side by side, one per core."""
+    argv = sys.argv[1:] if argv is None else argv
     unknown = [name for name in argv if name not in KERNELS]
     if unknown:
         print(f"unknown kernel(s) {unknown}; choose from {sorted(KERNELS)}", file=sys.stderr)
@@ -62,4 +63,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

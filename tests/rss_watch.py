@@ -55,6 +55,7 @@ class RssWatch:
         self.budgets = {"pytest process": self_budget, "process tree": tree_budget}
         self.peaks = {"pytest process": Peak(), "process tree": Peak()}
         self.module = "(collection)"
+        self.module_peaks: dict[str, int] = {}  # the pytest process's peak while each module ran
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, name="rss-watch", daemon=True)
 
@@ -68,7 +69,9 @@ class RssWatch:
 
     def sample(self) -> None:
         pid = os.getpid()
-        for name, value in (("pytest process", rss_bytes(pid)), ("process tree", tree_rss_bytes(pid))):
+        own = rss_bytes(pid)
+        self.module_peaks[self.module] = max(own, self.module_peaks.get(self.module, 0))
+        for name, value in (("pytest process", own), ("process tree", tree_rss_bytes(pid))):
             if value > self.peaks[name].bytes:
                 self.peaks[name] = Peak(value, self.module)
 
@@ -85,6 +88,8 @@ class RssWatch:
             within &= not over
             lines.append(f"peak RSS, {name}: {peak.bytes / GIB:.2f} GiB (budget {budget:g} GiB{', OVER' if over else ''})"
                          f" during {peak.module}")
+        top = sorted(self.module_peaks.items(), key=lambda kv: -kv[1])[:3]
+        lines.append("largest modules (pytest process): " + ", ".join(f"{m} {b / GIB:.2f} GiB" for m, b in top))
         return lines, within
 
 

@@ -31,20 +31,27 @@ ACTIVATIONS = [("bfloat16", "float32"), ("float32", "float32"),
 
 @pytest.fixture(scope="module")
 def runners(checkpoint):
-    """(dtype, stack, team spin, activations) -> a ModelRunner, built once for the module; tests
-    reset() them."""
+    """(dtype, stack, team spin, activations) -> a ModelRunner, reused while it is one of the two
+    asked for last (a test compares two at most); an older one is closed, so that the module holds
+    two models' memory, not one per combination (it peaked at 8.5 GB). Tests reset() them."""
     built: dict[tuple[str, bool, int, str], ModelRunner] = {}
 
     def get(dtype: str, stack: bool, spin_us: int = 100, activations: str = "float32") -> ModelRunner:
         key = (dtype, stack, spin_us, activations)
-        if key not in built:
+        if key in built:
+            built[key] = built.pop(key)  # the most recently asked for last
+        else:
+            while len(built) >= 2:
+                built.pop(next(iter(built))).close()
             built[key] = ModelRunner(WorkerConfig(
                 dtype=dtype, kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2, decode_stack=stack,
                 step_team_spin_us=spin_us, quant_activations=activations), checkpoint)
         runner = built[key]
         runner.reset()
         return runner
-    return get
+    yield get
+    for runner in built.values():
+        runner.close()
 
 
 def _decode(runner: ModelRunner, rids: list[str], steps: int) -> list[torch.Tensor]:
