@@ -67,11 +67,12 @@ class RssWatch:
         self._thread.join(timeout=5)
         self.sample()
 
-    def sample(self) -> None:
+    def sample(self, tree: bool = True) -> None:
+        """The pytest process's RSS, and with `tree` its whole tree's (a walk over /proc)."""
         pid = os.getpid()
         own = rss_bytes(pid)
         self.module_peaks[self.module] = max(own, self.module_peaks.get(self.module, 0))
-        for name, value in (("pytest process", own), ("process tree", tree_rss_bytes(pid))):
+        for name, value in (("pytest process", own), ("process tree", tree_rss_bytes(pid) if tree else 0)):
             if value > self.peaks[name].bytes:
                 self.peaks[name] = Peak(value, self.module)
 
@@ -113,7 +114,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         watch.module = item.nodeid.split("::")[0]
     yield
     if watch is not None:
-        watch.sample()
+        watch.sample(tree=False)  # cheap: the background thread walks the tree
     if nextitem is None or nextitem.path != item.path:  # the module's fixtures are torn down
         return_freed_memory()
 

@@ -108,6 +108,7 @@ async def test_half_a_header_is_cut_off_even_when_it_trickles(serve):
     assert await closed_after(reader) == b"" and gw.guard.timed_out == 1
 
 
+@pytest.mark.slow  # waits out real idle timeouts
 async def test_a_kept_alive_connection_lives_until_its_idle_timeout_and_each_head_has_its_deadline(serve):
     # between requests no head deadline runs (idle is not late); the next request's first byte starts one
     gw = await serve(header_timeout_s=0.3, idle_timeout_s=600)
@@ -172,6 +173,7 @@ async def test_no_cap_lets_a_client_hold_many(serve):
 
 # --- as `radixmesh serve gateway` runs it -------------------------------------------------------
 
+@pytest.mark.slow  # a served gateway process
 def test_the_served_gateway_closes_silent_and_idle_connections():
     # socket timeouts (30 s) only bound a hang; what closed each connection, the gateway's log tells
     gw = GatewayProcess(1, "--header-timeout-s", "2", "--idle-timeout-s", "3", "--max-connections-per-client", "3")

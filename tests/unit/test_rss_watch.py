@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from services.common.host_memory import rss_bytes
 from tests.rss_watch import tree_rss_bytes
 
@@ -30,6 +32,7 @@ def _run(tmp_path, budget_gib: float) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a pytest run in a child process
 def test_a_run_over_its_budget_fails_and_names_the_module(tmp_path):
     run = _run(tmp_path, budget_gib=0.2)
     assert run.returncode == 1, run.stdout + run.stderr
@@ -37,6 +40,7 @@ def test_a_run_over_its_budget_fails_and_names_the_module(tmp_path):
     assert "peak RSS, pytest process" in run.stdout and "OVER" in run.stdout and "test_holds.py" in run.stdout
 
 
+@pytest.mark.slow  # a pytest run in a child process
 def test_a_run_within_its_budget_passes_and_prints_its_peak(tmp_path):
     run = _run(tmp_path, budget_gib=64)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -254,6 +254,7 @@ def test_cpu_tensors_need_the_interpreter():
             ea.extend_attention(**_extend_args())
 
 
+@pytest.mark.slow  # an ahead-of-time sm_90 compile: seconds each
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("qtype, kvtype", [("*bf16", "*bf16"), ("*fp32", "*fp32"), ("*bf16", "*fp8e4nv"),
                                            ("*fp16", "*fp8e5")])

@@ -155,6 +155,7 @@ def test_the_interpreter_is_chosen_per_call():
     assert triton.knobs.runtime.interpret  # decorating the compiled kernel left the knob alone
 
 
+@pytest.mark.slow  # an ahead-of-time sm_90 compile: seconds each
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("dtype", ["*fp32", "*bf16", "*fp16"])
 def test_compiles_for_the_gpu(dtype, tmp_path):

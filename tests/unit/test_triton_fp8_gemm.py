@@ -153,6 +153,7 @@ def test_cpu_tensors_need_the_interpreter():
             fp8_linear(**_good())
 
 
+@pytest.mark.slow  # an ahead-of-time sm_90 compile: seconds each
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("dtype, precision, m", [("*bf16", "tf32", 1), ("*fp16", "tf32", 64), ("*fp32", "ieee", 4096)])
 def test_compiles_for_the_gpu(dtype, precision, m, tmp_path):

@@ -191,6 +191,7 @@ def test_cpu_tensors_need_the_interpreter():
             kv_write.write_kv_(**_good())
 
 
+@pytest.mark.slow  # an ahead-of-time sm_90 compile: seconds each
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("pool, src, d", [("*u8", "*bf16", 128), ("*u8", "*fp32", 96), ("*bf16", "*fp32", 64)],
                          ids=["e4m3-bf16-d128", "e5m2-f32-d96", "bf16-pool"])

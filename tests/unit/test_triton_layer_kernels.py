@@ -272,6 +272,7 @@ def test_cpu_tensors_need_the_interpreter():
                 call()
 
 
+@pytest.mark.slow  # an ahead-of-time sm_90 compile: seconds each
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 def test_compiles_for_the_gpu(dtype, tmp_path):

@@ -168,6 +168,7 @@ def test_the_check_catches_a_broken_kernel():
         assert not torch.allclose(wrong, good, **TOL[torch.float32])
 
 
+@pytest.mark.slow  # an ahead-of-time sm_90 compile: seconds each
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("dtype, precision", [("*bf16", "tf32"), ("*fp32", "ieee")])
 def test_compiles_for_the_gpu(dtype, precision, tmp_path):

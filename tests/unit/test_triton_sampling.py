@@ -116,6 +116,7 @@ def test_edge_rows_equal_the_reference():
     assert torch.equal(wide[:, :3], torch.zeros(9, 3)) and torch.equal(wide[:, 3 + V:], torch.zeros(9, 5))
 
 
+@pytest.mark.slow  # a chi-square over ~1000 interpreted draws
 @pytest.mark.parametrize("kwargs, n", [(dict(top_k=4, top_p=0.8), 800), (dict(top_p=0.9, min_p=0.1), 1000)])
 def test_draws_follow_the_renormalised_kept_probabilities(kwargs, n):
     """n sample indices of one row in one launch (the interpreter takes ~5-30 ms a row): the counts
@@ -195,6 +196,7 @@ def test_bad_noise_out_and_cpu_tensors_without_the_interpreter():
             ks.sample_from_probs(**_good())
 
 
+@pytest.mark.slow  # an ahead-of-time sm_90 compile: seconds each
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("write_noise", [False, True])
 def test_compiles_for_the_gpu(write_noise, tmp_path):

@@ -18,7 +18,7 @@ from services.worker.weights import WeightUpdateError
 from tests.unit.test_weight_update import (assert_serves_like, assert_unchanged, hf_state, runner, save_gguf,
                                            save_hf, snapshot, trace)
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # real process groups over gloo
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

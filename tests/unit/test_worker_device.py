@@ -87,9 +87,11 @@ def test_a_host_pool_takes_memory_only_for_the_pages_written() -> None:
     before = rss_bytes()
     pool = kv_pool.KVPool(kv_pool.KVPoolSpec.from_budget(mc, 16, torch.float32, 1 << 30, None))
     assert rss_bytes() - before < 64 << 20  # 1 GiB reserved, next to nothing resident
-    assert not pool.k.any() and not pool.v[:, -16:].any()
+    assert not pool.k[0, :64].any() and not pool.v[-1, -64:].any()  # zeros, as torch.zeros gave
     pool.write(3, torch.arange(16), torch.ones(16, 2, 64), torch.ones(16, 2, 64))
     assert pool.k[3, :16].eq(1).all() and not pool.k[3, 16:32].any()
+    pool.k[1].fill_(2.0)  # one layer's K written: a quarter of the K half, 128 MiB resident
+    assert rss_bytes() - before > 100 << 20
     del pool  # the mapping goes with the last tensor viewing it
     assert rss_bytes() - before < 64 << 20
 
