@@ -15,33 +15,23 @@ import os
 import threading
 from dataclasses import dataclass
 
+import psutil
 import pytest
 
-from services.common.host_memory import return_freed_memory, rss_bytes
+from services.common.host_memory import return_freed_memory
 
 GIB = 1 << 30
 INTERVAL_S = 0.5
 
 
-def _children(pid: int) -> list[int]:
-    """Direct children of pid (Linux: /proc/<pid>/task/*/children)."""
-    kids: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                kids.extend(int(k) for k in f.read().split())
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return kids
-
-
-def tree_rss_bytes(root: int) -> int:
-    """RSS of root and every descendant."""
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        total += rss_bytes(pid)
-        stack.extend(_children(pid))
+def tree_rss_bytes(root: psutil.Process) -> int:
+    """RSS of root and every descendant (a child that exits meanwhile counts 0)."""
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            pass
     return total
 
 
@@ -56,6 +46,7 @@ class RssWatch:
         self.budgets = {"pytest process": self_budget, "process tree": tree_budget}
         self.peaks = {"pytest process": Peak(), "process tree": Peak()}
         self.module = "(collection)"
+        self._process = psutil.Process()
         self.module_peaks: dict[str, int] = {}  # the pytest process's peak while each module ran
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, name="rss-watch", daemon=True)
@@ -70,10 +61,9 @@ class RssWatch:
 
     def sample(self, tree: bool = True) -> None:
         """The pytest process's RSS, and with `tree` its whole tree's (a walk over /proc)."""
-        pid = os.getpid()
-        own = rss_bytes(pid)
+        own = self._process.memory_info().rss
         self.module_peaks[self.module] = max(own, self.module_peaks.get(self.module, 0))
-        for name, value in (("pytest process", own), ("process tree", tree_rss_bytes(pid) if tree else 0)):
+        for name, value in (("pytest process", own), ("process tree", tree_rss_bytes(self._process) if tree else 0)):
             if value > self.peaks[name].bytes:
                 self.peaks[name] = Peak(value, self.module)
 

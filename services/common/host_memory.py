@@ -24,8 +24,7 @@ import torch
 
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous CPU tensor of zeros whose pages are mapped on first write (no RSS until then)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -51,15 +50,3 @@ def return_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
-
-
-def rss_bytes(pid: int | str = "self") -> int:
-    """Resident set size of a process (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return 0

@@ -216,9 +216,9 @@ class Engine:
                 self.abort(rid)
 
     def shutdown(self) -> None:
-        """Stop the engine and give its memory back: the runner's weights, KV pool and native
-        objects are dropped on the step thread, the threads joined, and freed heap pages returned
-        to the OS (tests/integration/test_engine_memory.py holds RSS to it). Idempotent."""
+        """Stop the engine and give its memory back: the threads are joined, then the runner drops
+        its weights, KV pool and native objects and freed heap pages go back to the OS
+        (tests/integration/test_engine_memory.py holds RSS to it). Idempotent."""
         try:
             self._loop.call_soon_threadsafe(self._task.cancel)
         except RuntimeError:  # shut down already

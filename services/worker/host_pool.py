@@ -22,10 +22,9 @@ import time
 import torch
 
 from services.common.hicache_config import HiCacheConfig
-from services.common.host_memory import zeroed_host_tensor
 from services.step.contract import DEVICE, HOST, STORE, KVCopy, KVTransferStat
 from kernels.kv_fp8 import is_fp8
-from services.worker.kv_pool import KVPool, KVPoolSpec, index_copy_rows
+from services.worker.kv_pool import KVPool, KVPoolSpec, index_copy_rows, pool_zeros
 
 
 class HostKVPool:
@@ -34,9 +33,8 @@ class HostKVPool:
     def __init__(self, spec: KVPoolSpec, pin: bool = False):
         self.spec = spec
         shape = (spec.num_layers, spec.num_slots, spec.num_kv_heads, spec.head_dim)
-        # Pinned (CUDA) pages are locked at once; plain host pages cost memory once written.
-        self.k = torch.zeros(shape, dtype=spec.dtype, pin_memory=True) if pin else zeroed_host_tensor(shape, spec.dtype)
-        self.v = torch.zeros(shape, dtype=spec.dtype, pin_memory=True) if pin else zeroed_host_tensor(shape, spec.dtype)
+        self.k = pool_zeros(shape, spec.dtype, pin=pin)
+        self.v = pool_zeros(shape, spec.dtype, pin=pin)
 
 
 def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:

@@ -140,10 +140,13 @@ def _heads_contiguous(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    if torch.device(device).type == "cpu":
-        return zeroed_host_tensor(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+               pin: bool = False) -> torch.Tensor:
+    """A pool's zeroed storage: on a device, or pinned host memory (locked at once), or plain host
+    memory that costs RSS only once written (services/common/host_memory.py)."""
+    if pin or torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    return zeroed_host_tensor(shape, dtype)
 
 
 class KVPool:
@@ -152,9 +155,8 @@ class KVPool:
         graphs' scratch page for padding rows: services/worker/cuda_graphs.py)."""
         self.spec = spec
         shape = (spec.num_layers, spec.num_slots + extra_pages * spec.page_size, spec.num_kv_heads, spec.head_dim)
-        # [L, S, Hkv, D] each; on the host, pages cost memory only once written (services/common/host_memory.py)
-        self.k = _zeros(shape, spec.dtype, device)
-        self.v = _zeros(shape, spec.dtype, device)
+        self.k = pool_zeros(shape, spec.dtype, device)  # [L, S, Hkv, D]
+        self.v = pool_zeros(shape, spec.dtype, device)
         # An FP8 pool's C++ writer (write_kv), resolved once: write runs every layer of every step.
         self._fp8_writer = _fp8_writer() if spec.is_fp8 and self.k.device.type == "cpu" else None
         # On CUDA every pool's rows go through the Triton write (one launch for K and V, FP8 rotated in it).

@@ -18,21 +18,22 @@ CYCLES = 3
 
 SCRIPT = textwrap.dedent(f"""
     import gc, json
-    from services.common.host_memory import rss_bytes
+    import psutil
     from services.common.sampling_params import SamplingParams
     from services.engine.engine import Engine
 
+    process = psutil.Process()
     rows = []
     for cycle in range({CYCLES} + 1):
         engine = Engine()  # default flags, as a user starts one
-        loaded = rss_bytes()
+        loaded = process.memory_info().rss
         pool_bytes = engine.runner.kv_spec.total_bytes
         out = engine.generate("The capital of France is", SamplingParams(max_new_tokens=8, temperature=0))
         assert out.token_ids, out
         engine.shutdown()
         assert engine.runner is None
         del engine
-        rows.append({{"loaded": loaded, "pool": pool_bytes, "after": rss_bytes()}})
+        rows.append({{"loaded": loaded, "pool": pool_bytes, "after": process.memory_info().rss}})
     print(json.dumps(rows))
 """)
 

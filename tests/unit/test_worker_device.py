@@ -80,20 +80,21 @@ def test_the_default_pool_is_3_gib_or_half_the_available_memory(monkeypatch, ava
 
 def test_a_host_pool_takes_memory_only_for_the_pages_written() -> None:
     """The pool is an anonymous mapping (services/common/host_memory.py): zeros, resident once written."""
-    from services.common.host_memory import rss_bytes
+    import psutil
+    process = psutil.Process()
     from services.worker.model.config import ModelConfig
     mc = ModelConfig(name="toy", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    before = rss_bytes()
+    before = process.memory_info().rss
     pool = kv_pool.KVPool(kv_pool.KVPoolSpec.from_budget(mc, 16, torch.float32, 1 << 30, None))
-    assert rss_bytes() - before < 64 << 20  # 1 GiB reserved, next to nothing resident
+    assert process.memory_info().rss - before < 64 << 20  # 1 GiB reserved, next to nothing resident
     assert not pool.k[0, :64].any() and not pool.v[-1, -64:].any()  # zeros, as torch.zeros gave
     pool.write(3, torch.arange(16), torch.ones(16, 2, 64), torch.ones(16, 2, 64))
     assert pool.k[3, :16].eq(1).all() and not pool.k[3, 16:32].any()
     pool.k[1].fill_(2.0)  # one layer's K written: a quarter of the K half, 128 MiB resident
-    assert rss_bytes() - before > 100 << 20
+    assert process.memory_info().rss - before > 100 << 20
     del pool  # the mapping goes with the last tensor viewing it
-    assert rss_bytes() - before < 64 << 20
+    assert process.memory_info().rss - before < 64 << 20
 
 
 def test_the_layout_stays_put_on_cpu_and_to_device_keeps_values_and_order() -> None:
