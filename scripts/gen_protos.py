@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Regenerate the Python code of the radixmesh.v1 protos, or check it is fresh.
+"""Regenerate the Python code of the radixmesh protos (every version: v1, v2), or check it is fresh.
 
-    .venv/bin/python scripts/gen_protos.py           # rewrite protos/radixmesh/v1/*_pb2*.py[i]
+    .venv/bin/python scripts/gen_protos.py           # rewrite protos/radixmesh/v*/*_pb2*.py[i]
     .venv/bin/python scripts/gen_protos.py --check   # exit 1 naming stale files, write nothing
 
 Layout choice: protoc runs with `-I protos`, so every .proto is known by its
@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "protos"  # the -I root: .proto names are relative to it
-PACKAGE_DIR = PROTO_ROOT / "radixmesh" / "v1"
+PACKAGE_ROOT = PROTO_ROOT / "radixmesh"  # one folder per contract version: v1, v2, ...
 PY_PREFIX = "protos."  # what the generated modules' import path gains
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
@@ -37,11 +37,15 @@ GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 # statements and the builder's module-name argument are touched, never the
 # serialized descriptor or the RPC paths ("/radixmesh.v1.Worker/Step").
 _REWRITES = [
-    (re.compile(r"^from radixmesh\.v1 import ", re.M), f"from {PY_PREFIX}radixmesh.v1 import "),
-    (re.compile(r"^import radixmesh\.v1\.", re.M), f"import {PY_PREFIX}radixmesh.v1."),
-    (re.compile(r"^(_builder\.BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')radixmesh\.v1\.", re.M),
-     rf"\1{PY_PREFIX}radixmesh.v1."),
+    (re.compile(r"^from radixmesh\.(v\d+) import ", re.M), rf"from {PY_PREFIX}radixmesh.\1 import "),
+    (re.compile(r"^import radixmesh\.(v\d+)\.", re.M), rf"import {PY_PREFIX}radixmesh.\1."),
+    (re.compile(r"^(_builder\.BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')radixmesh\.(v\d+)\.", re.M),
+     rf"\1{PY_PREFIX}radixmesh.\2."),
 ]
+
+
+def version_dirs() -> list[Path]:
+    return sorted(p for p in PACKAGE_ROOT.iterdir() if p.is_dir() and re.fullmatch(r"v\d+", p.name))
 
 
 def _is_generated(path: Path) -> bool:
@@ -49,17 +53,18 @@ def _is_generated(path: Path) -> bool:
 
 
 def generate(out_root: Path) -> dict[str, bytes]:
-    """Run protoc over protos/radixmesh/v1/*.proto into out_root.
+    """Run protoc over protos/radixmesh/v*/*.proto into out_root.
 
-    Returns {file name: post-processed content} for every generated file.
+    Returns {path relative to protos/radixmesh (v1/x_pb2.py): post-processed content} for every
+    generated file.
     Raises RuntimeError with protoc's exit status when compilation fails
     (protoc has already printed the reason to stderr).
     """
     from grpc_tools import protoc  # imported here so --help works without grpcio-tools
 
-    protos = sorted(PACKAGE_DIR.glob("*.proto"))
+    protos = sorted(p for d in version_dirs() for p in d.glob("*.proto"))
     if not protos:
-        raise RuntimeError(f"no .proto files under {PACKAGE_DIR}")
+        raise RuntimeError(f"no .proto files under {PACKAGE_ROOT}")
     well_known = importlib.resources.files("grpc_tools") / "_proto"  # google/protobuf/*.proto
     args = [
         "grpc_tools.protoc",
@@ -75,14 +80,19 @@ def generate(out_root: Path) -> dict[str, bytes]:
     if status != 0:
         raise RuntimeError(f"protoc failed with exit status {status}")
     files: dict[str, bytes] = {}
-    for path in sorted((out_root / "radixmesh" / "v1").iterdir()):
-        if not _is_generated(path):
-            continue
-        text = path.read_text(encoding="utf-8")
-        for pattern, repl in _REWRITES:
-            text = pattern.sub(repl, text)
-        files[path.name] = text.encode("utf-8")
+    for version in version_dirs():
+        for path in sorted((out_root / "radixmesh" / version.name).iterdir()):
+            if not _is_generated(path):
+                continue
+            text = path.read_text(encoding="utf-8")
+            for pattern, repl in _REWRITES:
+                text = pattern.sub(repl, text)
+            files[f"{version.name}/{path.name}"] = text.encode("utf-8")
     return files
+
+
+def _committed() -> list[Path]:
+    return sorted(p for d in version_dirs() for p in d.iterdir() if _is_generated(p))
 
 
 def stale_files(fresh: dict[str, bytes]) -> list[str]:
@@ -90,23 +100,23 @@ def stale_files(fresh: dict[str, bytes]) -> list[str]:
     are missing, or are generated leftovers of a deleted .proto."""
     stale = []
     for name, content in fresh.items():
-        target = PACKAGE_DIR / name
+        target = PACKAGE_ROOT / name
         if not target.exists() or target.read_bytes() != content:
             stale.append(str(target.relative_to(REPO)))
-    for path in sorted(PACKAGE_DIR.iterdir()):
-        if _is_generated(path) and path.name not in fresh:
+    for path in _committed():
+        if str(path.relative_to(PACKAGE_ROOT)) not in fresh:
             stale.append(str(path.relative_to(REPO)))
     return sorted(stale)
 
 
 def write(fresh: dict[str, bytes]) -> list[str]:
-    """Make PACKAGE_DIR hold exactly `fresh`; returns the names it changed."""
+    """Make the version folders hold exactly `fresh`; returns the names it changed."""
     changed = stale_files(fresh)
-    for path in PACKAGE_DIR.iterdir():
-        if _is_generated(path) and path.name not in fresh:
+    for path in _committed():
+        if str(path.relative_to(PACKAGE_ROOT)) not in fresh:
             path.unlink()
     for name, content in fresh.items():
-        target = PACKAGE_DIR / name
+        target = PACKAGE_ROOT / name
         if not target.exists() or target.read_bytes() != content:
             target.write_bytes(content)
     return changed
@@ -136,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     changed = write(fresh)
     print(f"gen_protos: wrote {len(fresh)} files ({len(changed)} changed) into "
-          f"{PACKAGE_DIR.relative_to(REPO)}")
+          f"{PACKAGE_ROOT.relative_to(REPO)}")
     return 0
 
 

@@ -1,6 +1,8 @@
-"""The detokenizer service: the Detokenize stream over IncrementalDetokenizer.
+"""The detokenizer service. radixmesh.v2 (TextsServicer): the scheduler's outputs relayed to
+the tokenizers with their text, one message per step (services/detokenizer/relay.py).
+radixmesh.v1 (DetokenizerService): the Detokenize stream over IncrementalDetokenizer, still served.
 
-One stream per generation request, one IncrementalDetokenizer per sequence
+v1: one stream per generation request, one IncrementalDetokenizer per sequence
 index, created from the options of the index's first message. Exactly one
 response answers each request message, in order, so a client can pair them
 without ids. Decoding is a few microseconds of CPU per token, done on the
@@ -11,6 +13,7 @@ no span per message), and Prometheus counters and a per-message time histogram.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import AsyncIterator
@@ -20,9 +23,13 @@ from prometheus_client import CollectorRegistry
 
 from protos.radixmesh.v1 import detokenizer_pb2 as pb
 from protos.radixmesh.v1 import detokenizer_pb2_grpc
+from protos.radixmesh.v2 import detokenizer_pb2 as pb2
+from protos.radixmesh.v2 import detokenizer_pb2_grpc as detokenizer2_grpc
 from services.common import metrics as m
 from services.common import tracing
+from services.common.server import Readiness
 from services.detokenizer.incremental import IncrementalDetokenizer
+from services.detokenizer.relay import OutputRelay
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +107,26 @@ class _Answer:
 
     def __init__(self, response: pb.DetokenizeResponse, tokens: int) -> None:
         self.response, self.tokens = response, tokens
+
+
+class TextsServicer(detokenizer2_grpc.DetokenizerServicer):
+    """radixmesh.v2.Detokenizer: each tokenizer's Texts stream, fed by an OutputRelay that follows
+    the scheduler's Outputs (started by start(); `readiness` says whether it reads them)."""
+
+    def __init__(self, service: DetokenizerService, readiness: Readiness) -> None:
+        self.service, self.readiness = service, readiness
+        self.relay: OutputRelay | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self, scheduler_addr: str) -> None:
+        tokens = self.service._tokens.labels(self.service.model_name)
+        self.relay = OutputRelay(self.service.tokenizer, self.readiness, tokens.inc)
+        self._task = asyncio.get_running_loop().create_task(self.relay.follow(scheduler_addr), name="outputs-relay")
+
+    async def Texts(self, request: pb2.TextsRequest, context: grpc.aio.ServicerContext):
+        if self.relay is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the detokenizer is still loading its tokenizer")
+        if not request.subscriber:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "subscriber is required")
+        async for batch in self.relay.texts(request.subscriber, context):
+            yield batch

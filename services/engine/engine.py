@@ -16,33 +16,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import random
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from protos.radixmesh.v1 import admin_pb2 as apb
 from services.common.hicache_config import HiCacheConfig
 from services.common.host_memory import return_freed_memory
 from services.common.model_path import resolve_model_path
 from services.common.outputs import FinishReason, RequestOutput
+from services.common.request_limits import check_request_limits
 from services.common.sampling_params import InvalidRequest, SamplingParams
-from services.detokenizer.incremental import IncrementalDetokenizer
+from services.common.text_options import TextOptions
+from services.detokenizer.sequence_text import SequenceText
 from services.engine.runner_admin import RunnerAdmin
 from services.engine.runner_link import RunnerLink
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import carry_counters
+from services.scheduler.core_factory import build_core, fit_config
 from services.scheduler.driver import DriverHooks, StepDriver
 from services.scheduler.model_admin import ModelAdmin
+from services.scheduler.open_requests import OpenRequests
 from services.scheduler.outputs import QueueFull
-from services.scheduler.scheduler import ModelLimits, Scheduler
+from services.scheduler.scheduler import Scheduler
 from services.tokenizer.text_tokenizer import TextTokenizer, load_tokenizer
 from services.worker.config import WorkerConfig
-from services.worker.loader.checkpoint import Checkpoint, load_checkpoint
-from services.worker.admin import adapter_infos
 from services.worker.host_pool import attach_tiers
+from services.worker.info import worker_info
+from services.worker.loader.checkpoint import Checkpoint, load_checkpoint
 from services.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -58,12 +61,14 @@ class EngineConfig:
 
 @dataclass
 class _Handle:
+    """A submitted request until the engine thread queues it: then its owner in OpenRequests."""
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
     sink: Callable[[RequestOutput], None]
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
+    texts: list[SequenceText]  # one per sequence
+    namespace: str = ""
+    adapter: str = ""
 
 
 class Engine:
@@ -78,30 +83,26 @@ class Engine:
         path = None if checkpoint and tokenizer else resolve_model_path(model or worker.model)
         self.tokenizer: TextTokenizer = tokenizer or load_tokenizer(path)
         sched_cfg = scheduler or SchedulerConfig(max_running_requests=worker.max_requests)
-        if sched_cfg.max_running_requests > worker.max_requests:
-            raise ValueError("scheduler max_running_requests exceeds the worker's page-table rows")
         hicache = hicache or HiCacheConfig()
         # The step thread builds the model and runs every step (_build_runner).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         try:
-            self.runner, self.kvstore, tiers = self._executor.submit(
+            self.runner, self.kvstore, self._tiers = self._executor.submit(
                 self._build_runner, worker, checkpoint, path, hicache, not sched_cfg.disable_radix_cache).result()
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
-        mc, spec = self.runner.model_config, self.runner.kv_spec
-        eos = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        self.limits = ModelLimits(spec.num_pages, spec.page_size, mc.max_position_embeddings, mc.vocab_size, eos,
-                                  max_draft_tokens=self.runner.max_draft_tokens,
-                                  verify_max_rows=self.runner.verify_rows, max_loras=self.runner.max_loras,
-                                  **tiers)
-        self._sched_config, self._hicache = sched_cfg, hicache
-        self.scheduler = Scheduler(sched_cfg, self.limits, hicache, self.kvstore,
-                                   {a.name: a.identity for a in adapter_infos(self.runner)})
+        mc = self.runner.model_config
+        self._eos = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        # The scheduler is built as the scheduler service builds it, from the worker's description
+        # of itself (services/scheduler/core_factory.py).
+        self._sched_config, self._hicache = fit_config(sched_cfg, self._worker_info()), hicache
+        self.scheduler = build_core(self._sched_config, self._worker_info(), hicache, self.kvstore)
         self.model_name = mc.name
-        self.overlap = not sched_cfg.disable_overlap_schedule
+        self.overlap = not self._sched_config.disable_overlap_schedule
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._handles: dict[str, _Handle] = {}
+        self._requests = OpenRequests()
+        self._early: list[tuple[str, str]] = []  # (core rid, matched stop string) to end between steps
         self._loop = asyncio.new_event_loop()
         self._wake = asyncio.Event()
         hooks = DriverHooks(self._recover, between_steps=self._drain_inbox, deliver=self._deliver)
@@ -138,18 +139,33 @@ class Engine:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
+    @property
+    def limits(self):
+        """The model's and the KV pool's limits (services/scheduler/scheduler.ModelLimits)."""
+        return self.scheduler.limits
+
+    def _worker_info(self):
+        """The runner as a worker describes itself to its scheduler (its weights and adapters now)."""
+        return worker_info(self.runner, self._eos, self._tiers, self._hicache_addr())
+
+    def _hicache_addr(self) -> str | None:
+        return getattr(getattr(self, "_hicache", None), "kvstore_addr", None)
+
     def submit(self, ids: list[int], sampling: SamplingParams, sink: Callable[[RequestOutput], None],
-               rid: str | None = None, namespace: str = "", adapter: str = "") -> str:
-        """Queue a request (under LoRA `adapter`, "" = the base model); `sink` receives its chunks
-        from the engine thread. Raises InvalidRequest or QueueFull at once, before anything is queued."""
+               rid: str | None = None, namespace: str = "", adapter: str = "", n: int = 1,
+               skip_special_tokens: bool = True, include_stop_str_in_output: bool = False) -> str:
+        """Queue a request of `n` sequences (under LoRA `adapter`, "" = the base model); `sink`
+        receives their outputs (RequestOutput.index: the sequence) from the engine thread, with
+        their text. Raises InvalidRequest or QueueFull at once, before anything is queued."""
+        rid = rid or uuid.uuid4().hex
+        check_request_limits(sampling, n, rid)
         self.scheduler.validate(ids, sampling)
         self.scheduler.cache_namespace(namespace, adapter)
-        self.scheduler.check_capacity(len(ids))
-        rid = rid or uuid.uuid4().hex
-        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=list(sampling.stop),
-                                       min_tokens=sampling.min_new_tokens)
-        self._inbox.put(("submit", _Handle(rid, ids, sampling, sink, detok), seed, namespace, adapter))
+        self.scheduler.check_capacity(len(ids) * n)
+        options = TextOptions.for_prompt(ids, sampling.stop, sampling.min_new_tokens, skip_special_tokens,
+                                         include_stop_str_in_output)
+        texts = [SequenceText(self.tokenizer, options, self.tokenizer.token_text) for _ in range(n)]
+        self._inbox.put(("submit", _Handle(rid, ids, sampling, sink, texts, namespace, adapter)))
         self._notify()
         return rid
 
@@ -168,15 +184,26 @@ class Engine:
                  messages: list[dict] | None = None, input_ids: list[int] | None = None,
                  timeout: float | None = None, adapter: str = "") -> RequestOutput:
         """Blocking: the whole completion."""
+        return self.generate_n(prompt, sampling, 1, messages=messages, input_ids=input_ids, timeout=timeout,
+                               adapter=adapter)[0]
+
+    def generate_n(self, prompt: str | None = None, sampling: SamplingParams | None = None, n: int = 1, *,
+                   messages: list[dict] | None = None, input_ids: list[int] | None = None,
+                   timeout: float | None = None, adapter: str = "", **text_flags) -> list[RequestOutput]:
+        """Blocking: the `n` sequences of one request, by index (seeds seed, seed+1, ...).
+        text_flags: skip_special_tokens, include_stop_str_in_output."""
         q: queue.SimpleQueue = queue.SimpleQueue()
         ids = self.prompt_ids(prompt, messages, input_ids)
-        self.submit(ids, sampling or SamplingParams(), q.put, adapter=adapter)
-        chunks = []
-        while True:
-            chunk = q.get(timeout=timeout)
-            chunks.append(chunk)
-            if chunk.finished:
-                return RequestOutput.joined(chunks)
+        self.submit(ids, sampling or SamplingParams(), q.put, adapter=adapter, n=n, **text_flags)
+        outputs: dict[int, list[RequestOutput]] = {i: [] for i in range(n)}
+        open_ = n
+        while open_:
+            out = q.get(timeout=timeout)
+            outputs[out.index].append(out)
+            if out.finish_reason is FinishReason.ERROR:
+                return [RequestOutput.joined(outputs[out.index])] * n
+            open_ -= out.finished
+        return [RequestOutput.joined(outputs[i]) for i in range(n)]
 
     def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                        adapters: list[str] | None = None) -> list[RequestOutput]:
@@ -198,21 +225,22 @@ class Engine:
 
     async def stream(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
                      messages: list[dict] | None = None, input_ids: list[int] | None = None,
-                     rid: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Async streaming; cancelling the consumer aborts the request."""
+                     rid: str | None = None, n: int = 1, **text_flags) -> AsyncIterator[RequestOutput]:
+        """Async streaming of the request's outputs (every sequence's, by `index`, until each has
+        finished); cancelling the consumer aborts the request."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         ids = self.prompt_ids(prompt, messages, input_ids)
         rid = self.submit(ids, sampling or SamplingParams(), lambda c: loop.call_soon_threadsafe(q.put_nowait, c),
-                          rid=rid)
-        finished = False
+                          rid=rid, n=n, **text_flags)
+        open_ = n
         try:
-            while not finished:
+            while open_:
                 chunk = await q.get()
-                finished = chunk.finished
+                open_ = 0 if chunk.finish_reason is FinishReason.ERROR else open_ - chunk.finished
                 yield chunk
         finally:
-            if not finished:
+            if open_:
                 self.abort(rid)
 
     def shutdown(self) -> None:
@@ -251,30 +279,34 @@ class Engine:
         every request."""
         # after the step running now, if any
         await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.reset)
-        old = self.scheduler  # its weights version and adapters are the runner's still
-        core = Scheduler(self._sched_config, old.limits, self._hicache, self.kvstore, old.adapters)
+        core = build_core(self._sched_config, self._worker_info(), self._hicache, self.kvstore)
         carry_counters(self.scheduler.stats, core.stats)
         self.scheduler = core
-        failed, self._handles = self._handles, {}
-        for handle in failed.values():
-            self._send(handle, RequestOutput(handle.rid, finished=True, finish_reason=FinishReason.ERROR, error=reason))
+        failed, self._requests, self._early = self._requests, OpenRequests(), []
+        for req in failed.requests.values():
+            self._send(req.owner, RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ERROR, error=reason))
         return core, RunnerLink(self.runner, self._executor)
 
     def _drain_inbox(self, core: Scheduler) -> None:
+        """Between steps: stop strings found since the last step end their sequences, then new
+        requests and aborts in the order they came."""
+        early, self._early = self._early, []
+        for crid, matched in early:
+            core.finish_early(crid, FinishReason.STOP, matched)
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if msg[0] == "abort":
-                core.abort(msg[1])
+                for crid in self._requests.end(msg[1]):
+                    core.abort(crid)
                 continue
-            _, handle, seed, namespace, adapter = msg
+            h: _Handle = msg[1]
             try:
-                core.submit(handle.rid, handle.prompt_ids, handle.sampling, seed, namespace, adapter)
-                self._handles[handle.rid] = handle
+                self._requests.submit(core, h.rid, h.prompt_ids, h.sampling, len(h.texts), h.namespace, h.adapter, h)
             except (InvalidRequest, QueueFull) as exc:
-                self._send(handle, RequestOutput(handle.rid, finished=True, finish_reason=FinishReason.ERROR, error=str(exc)))
+                self._send(h, RequestOutput(h.rid, finished=True, finish_reason=FinishReason.ERROR, error=str(exc)))
 
     # --- model administration (services/scheduler/model_admin.py) --------------------------
     def admin_call(self, call, timeout: float | None = None):
@@ -316,41 +348,21 @@ class Engine:
             self.kvstore.flush()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            handle = self._handles.get(out.rid)
-            if handle is None:
+        """Each output through its sequence's SequenceText (the detokenizer service's code), to its sink."""
+        for req, out in self._requests.route(outputs):
+            handle: _Handle = req.owner
+            if out.finish_reason is FinishReason.ERROR:
+                self._send(handle, out)
                 continue
-            chunk = self._to_chunk(handle, out)
-            if chunk.finished:
-                del self._handles[out.rid]
-            self._send(handle, chunk)
+            out, stopped_here = handle.texts[out.index].apply(out)
+            if stopped_here:  # a stop string the scheduler has not seen: end it between steps
+                self._early.extend((crid, out.matched_stop) for crid in self._requests.end(req.rid, out.index))
+            self._send(handle, out)
 
     def _send(self, handle: _Handle, chunk: RequestOutput) -> None:
         try:
             handle.sink(chunk)
         except Exception:  # a consumer that is gone (its event loop closed) loses its request
             log.warning("request %s: its consumer failed; aborting it", handle.rid, exc_info=True)
-            self._handles.pop(handle.rid, None)
-            if not chunk.finished:
-                self.scheduler.abort(handle.rid)
-
-    def _to_chunk(self, handle: _Handle, out: RequestOutput) -> RequestOutput:
-        text, finished, reason, matched = "", out.finished, out.finish_reason, out.matched_stop
-        ids = out.token_ids
-        if ids:
-            # A matched stop token is the step's last and is not text; the step's other tokens are
-            # (a speculative or jump-forward step can end in EOS after several of them).
-            stop_token = finished and reason is FinishReason.STOP and isinstance(matched, int) and matched in ids[-1:]
-            visible = ids[:-1] if stop_token else ids
-            delta = handle.detok.push(visible)
-            text = delta.text
-            if delta.stopped and not finished:
-                self.scheduler.finish_early(out.rid, FinishReason.STOP, delta.matched_stop)
-                finished, reason, matched = True, FinishReason.STOP, delta.matched_stop
-            elif delta.stopped:
-                reason, matched = FinishReason.STOP, delta.matched_stop
-        if finished and not (reason is FinishReason.STOP and isinstance(matched, str)):
-            text += handle.detok.flush()
-        handle.token_ids.extend(ids)
-        return replace(out, text=text, finished=finished, finish_reason=reason, matched_stop=matched)
-
+            for crid in self._requests.end(handle.rid):
+                self.scheduler.abort(crid)

@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.radixmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from protos.radixmesh.v1 import admin_pb2, admin_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from protos.radixmesh.v2 import tokenizer_pb2 as tokenizer2_pb2
+from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.common import tracing
 from services.common.admin_forward import TIMEOUT_S as ADMIN_TIMEOUT_S
 from services.common.convert import sampling_to_proto
 from services.common.outputs import RequestOutput
-from services.common.outputs_convert import finish_reason_from_proto, logprob_from_proto, matched_stop_from_proto
+from services.common.outputs_convert import output_from_proto
 from services.common.sampling_params import SamplingParams
 
 
@@ -131,22 +133,21 @@ def _chat_message(m: dict) -> tokenizer_pb2.ChatMessage:
                                      tool_calls_json=json.dumps(calls) if calls else "")
 
 
-def _event(rid: str, msg: common_pb2.GenerateResponse) -> Event:
-    kind = msg.WhichOneof("event")
-    if kind == "chunk":
-        c = msg.chunk  # its copy of the Finish, if any, is left for the Finish that follows
-        return RequestOutput(rid, list(c.token_ids), [logprob_from_proto(lp) for lp in c.logprobs], c.text, c.index,
-                             prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-                             cached_tokens=c.cached_tokens, spec_verify_steps=c.spec_verify_steps,
-                             spec_draft_tokens=c.spec_draft_tokens, spec_accepted_tokens=c.spec_accepted_tokens,
-                             weights_version=c.weights_version)
-    if kind == "finish":
-        f = msg.finish
-        return RequestOutput(rid, index=f.index, finished=True, finish_reason=finish_reason_from_proto(f.finish_reason),
-                             matched_stop=matched_stop_from_proto(f))
-    if kind == "error":
+def events(msg: tokenizer2_pb2.GenerateResponse, rid: str | None = None) -> list[Event]:
+    """One radixmesh.v2 message → the Backend contract's events (under `rid`, if given): a
+    sequence's output with tokens or text, and its finish as an output of its own."""
+    if msg.HasField("error"):
         raise BackendError(_CODE_NAMES.get(msg.error.code, "INTERNAL"), msg.error.message)
-    raise BackendError("INTERNAL", "backend sent an empty GenerateResponse")
+    out = []
+    for seq in msg.outputs:
+        event = output_from_proto(seq)
+        if rid is not None:
+            event.rid = rid
+        if event.token_ids or event.text:
+            out.append(replace(event, finished=False, finish_reason=None, matched_stop=None))
+        if event.finished:
+            out.append(replace(event, token_ids=[], logprobs=[], text=""))
+    return out
 
 
 class GrpcBackend:
@@ -157,6 +158,7 @@ class GrpcBackend:
         self.probe_timeout_s = probe_timeout_s
         self._channel = tracing.channel(address)  # carries the HTTP request's trace on
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        self._generate = tokenizer2_grpc.TokenizerStub(self._channel).Generate
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._admin = admin_pb2_grpc.ModelAdminStub(self._channel)
 
@@ -214,10 +216,11 @@ class GrpcBackend:
             request = generate_request(call)
         except ValueError as e:
             raise BackendError("INVALID_ARGUMENT", str(e)) from None
-        rpc = self._stub.Generate(request)
+        rpc = self._generate(request)
         try:
             async for msg in rpc:
-                yield _event(call.rid, msg)
+                for event in events(msg, call.rid):
+                    yield event
         except grpc.aio.AioRpcError as e:
             raise _rpc_error(e) from None
         finally:

@@ -3,8 +3,8 @@
     radixmesh up [--model PATH] [--http-port 8000] [--no-gateway] [service flags...]
     radixmesh up --replicas 2 [--policy cache_aware] [router flags...]   # a fleet behind the router
 
-Starts worker and detokenizer, then the scheduler (once the worker listens),
-the tokenizer, and the gateway, each with `--listen 127.0.0.1:0` (the port a
+Starts the worker, the scheduler (once the worker listens), the detokenizer (which
+reads the scheduler's outputs), the tokenizer, and the gateway, each with `--listen 127.0.0.1:0` (the port a
 child bound is read from its `listening` log line) and its peers' addresses;
 waits until every one reports SERVING over gRPC health; prints the URL;
 supervises. With `--replicas N` (N > 1, or `--router`) it starts N replicas (children
@@ -29,7 +29,7 @@ The gateway gets `--listen`, `--http-port` and `--tokenizer-addr`, plus the
 forwarded flags its `services.gateway.main.CONFIG_CLASS` accepts, if it has one.
 
 `--metrics-port N` gives every gRPC service its own Prometheus port: N, N+1, ... in start
-order (kvstore, then per replica worker, detokenizer, scheduler, tokenizer, then the router),
+order (kvstore, then per replica worker, scheduler, detokenizer, tokenizer, then the router),
 printed when the mesh is up; 0 gives each a free port. The gateway serves /metrics on its
 HTTP port.
 """
@@ -61,8 +61,8 @@ RESTART_RESET_S = 60.0  # a child up this long since its restart starts its coun
 # (service, [(flag, peer whose address it takes)]), in start order: one replica, then the gateway.
 TOPOLOGY = [
     ("worker", []),
-    ("detokenizer", []),
     ("scheduler", [("--worker-addr", "worker")]),
+    ("detokenizer", [("--scheduler-addr", "scheduler")]),
     ("tokenizer", [("--scheduler-addr", "scheduler"), ("--detokenizer-addr", "detokenizer")]),
     ("gateway", [("--tokenizer-addr", "tokenizer")]),
 ]
@@ -148,7 +148,7 @@ class UpConfig:
 
     metrics_port: int | None = field(default=None, metadata={
         "help": "the first Prometheus port: every gRPC service gets its own, N, N+1, ... in start order (kvstore, "
-                "then per replica worker, detokenizer, scheduler, tokenizer, then router), printed at start; "
+                "then per replica worker, scheduler, detokenizer, tokenizer, then router), printed at start; "
                 "0 = a free port each; the gateway serves /metrics on its HTTP port; none = no metrics endpoints"})
     restart_on_failure: bool = field(default=False, metadata={
         "help": "restart a child that dies once the mesh is up, on its address, with exponential backoff, instead "

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.radixmesh.v1 import router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.common import tracing
 from services.common.server import MAX_MESSAGE_BYTES, Readiness
 from services.router import metrics
@@ -48,6 +49,7 @@ class Replica:
         self.address = address
         self.channel = tracing.channel(address, CHANNEL_OPTIONS)  # carries the trace when tracing is on
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
+        self.stub_v2 = tokenizer2_grpc.TokenizerStub(self.channel)  # Generate, radixmesh.v2
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.breaker = Breaker(config.breaker_failures, config.breaker_cooldown_s)
         self.healthy = False

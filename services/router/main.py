@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from protos.radixmesh.v1 import admin_pb2_grpc, router_pb2_grpc, tokenizer_pb2_grpc
+from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.common.config import parse_config
 from services.common.server import run_service
 from services.router import metrics
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.common.server import Readiness
     from services.router.fleet import Fleet
     from services.router.admin_fanout import FanOutAdmin
-    from services.router.service import RouterAdmin, RouterFront
+    from services.router.service import RouterAdmin, RouterFront, RouterFrontV2
 
     readiness = Readiness()  # NOT_SERVING while no replica is routable (services/router/fleet.py)
     fleet = Fleet(config, readiness)  # channels are opened in start(), on the server's event loop
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def add_servicers(server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(front, server)
+        tokenizer2_grpc.add_TokenizerServicer_to_server(RouterFrontV2(front), server)
         router_pb2_grpc.add_RouterServicer_to_server(admin, server)
         admin_pb2_grpc.add_ModelAdminServicer_to_server(FanOutAdmin(fleet), server)  # to every replica
 

@@ -18,7 +18,8 @@ import asyncio
 import logging
 import random
 import uuid
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -26,6 +27,8 @@ from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import router_pb2, router_pb2_grpc
 from protos.radixmesh.v1 import tokenizer_pb2 as pb
 from protos.radixmesh.v1 import tokenizer_pb2_grpc
+from protos.radixmesh.v2 import tokenizer_pb2 as pb2
+from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.router import metrics
 from services.router.fleet import Fleet, Replica
 
@@ -67,6 +70,18 @@ class _Passthrough(Exception):
         self.code, self.message = code, message
 
 
+@dataclass(frozen=True)
+class _Version:
+    """How the router relays one version of the tokenizer's Generate."""
+    call: Callable  # replica -> its Generate method
+    response: type  # the stream's message class
+    has_error: Callable  # message -> whether it is the request's error
+
+
+V1 = _Version(lambda r: r.stub.Generate, cpb.GenerateResponse, lambda ev: ev.WhichOneof("event") == "error")
+V2 = _Version(lambda r: r.stub_v2.Generate, pb2.GenerateResponse, lambda ev: ev.HasField("error"))
+
+
 class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self, config, fleet: Fleet) -> None:
         self.config, self.fleet = config, fleet
@@ -75,6 +90,13 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def Generate(self, request: pb.GenerateTextRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.GenerateResponse]:
+        """radixmesh.v1's Generate, relayed to a replica's."""
+        async for event in self.generate(request, context, V1):
+            yield event
+
+    async def generate(self, request: pb.GenerateTextRequest, context: grpc.aio.ServicerContext,
+                       version: "_Version") -> AsyncIterator:
+        """Pick a replica, relay its stream; retry another one while nothing was streamed."""
         if not request.rid:
             request.rid = uuid.uuid4().hex
         key = routing_key(request)
@@ -89,7 +111,7 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
             replica, _ = picked
             tried.add(replica.address)
             try:
-                async for event in self._attempt(replica, request):
+                async for event in self._attempt(replica, request, version):
                     yield event
                 return
             except _Passthrough as e:  # not retryable: the replica's verdict stands
@@ -104,14 +126,15 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
                     "rid": request.rid, "replica": replica.address, "code": e.code.name, "attempt": attempt + 1})
         await context.abort(last[0], last[1])
 
-    async def _attempt(self, replica: Replica, request: pb.GenerateTextRequest) -> AsyncIterator[cpb.GenerateResponse]:
+    async def _attempt(self, replica: Replica, request: pb.GenerateTextRequest,
+                       version: "_Version") -> AsyncIterator:
         """Relay one attempt. Before its first event, a failure raises _Retry (RETRYABLE codes)
         or _Passthrough (any other); after it, the stream ends with an Error event."""
-        call = replica.stub.Generate(request)
+        call = version.call(replica)(request)
         started, outcome, code = False, None, ""
         try:
             async for event in call:
-                error = _BY_VALUE.get(event.error.code) if event.WhichOneof("event") == "error" else None
+                error = _BY_VALUE.get(event.error.code) if version.has_error(event) else None
                 if error in REPLICA_FAULTS:
                     outcome, code = False, error.name
                 if not started and error in RETRYABLE:
@@ -129,7 +152,7 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
             metrics.MID_STREAM.labels(self.fleet.model_name, replica.address).inc()
             log.warning("replica failed mid-stream", extra={"rid": request.rid, "replica": replica.address,
                                                              "code": e.code().name})
-            yield cpb.GenerateResponse(error=cpb.Error(
+            yield version.response(error=cpb.Error(
                 code=e.code().value[0],
                 message=f"replica {replica.address} failed mid-stream: {e.code().name} {e.details() or ''}".rstrip()))
         finally:
@@ -239,3 +262,14 @@ class RouterAdmin(router_pb2_grpc.RouterServicer):
         return router_pb2.ListReplicasResponse(policy=self.config.policy, replicas=[
             r.status(self.fleet.tree_chars(r.address))
             for r in sorted(self.fleet.replicas.values(), key=lambda r: r.address)])
+
+
+class RouterFrontV2(tokenizer2_grpc.TokenizerServicer):
+    """radixmesh.v2's Generate, relayed to a replica's like v1's."""
+
+    def __init__(self, front: RouterFront) -> None:
+        self.front = front
+
+    async def Generate(self, request: pb.GenerateTextRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        async for event in self.front.generate(request, context, V2):
+            yield event

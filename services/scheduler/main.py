@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos.radixmesh.v1 import admin_pb2_grpc, scheduler_pb2_grpc
+from protos.radixmesh.v2 import scheduler_pb2_grpc as scheduler2_grpc
 from services.common.config import CommonConfig, parse_config
 from services.common.hicache_config import HiCacheConfig
 from services.common.server import run_service
@@ -50,12 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixmesh serve scheduler", description=__doc__)
     config = parse_config(SchedulerServiceConfig, argv, parser)
     from services.scheduler.admin_service import SchedulerAdminService
-    from services.scheduler.service import SchedulerService
+    from services.scheduler.service import OutputsServicer, SchedulerService
 
     service = SchedulerService(config)
 
     def add_servicers(server: grpc.aio.Server) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+        scheduler2_grpc.add_SchedulerServicer_to_server(OutputsServicer(service), server)
         admin_pb2_grpc.add_ModelAdminServicer_to_server(SchedulerAdminService(service), server)
 
     return run_service("scheduler", config.common, add_servicers, on_start=service.start, on_drain=service.drain,

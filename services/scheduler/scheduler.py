@@ -621,10 +621,13 @@ class Scheduler:
         return None, None
 
     def finish_early(self, rid: str, reason: FinishReason = FinishReason.STOP, matched: str | None = None) -> None:
-        """End a running request for a reason found outside (a stop string)."""
+        """End a request for a reason found outside (a stop string): a running one finishes now,
+        one still queued (or retracted) is dropped like an abort. Unknown rids are ignored."""
         req = self.running.get(rid)
         if req is not None:
             self._finish(req, reason, matched, None)
+        else:
+            self.abort(rid)
 
     def _finish(self, req: Request, reason: FinishReason, matched, out: RequestOutput | None) -> None:
         if req.status is Status.WAITING:  # retracted (holds no KV) while its last token was sampled

@@ -37,10 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
@@ -49,40 +48,52 @@ from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import scheduler_pb2 as spb
 from protos.radixmesh.v1 import scheduler_pb2_grpc
 from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from protos.radixmesh.v2 import outputs_pb2 as opb
+from protos.radixmesh.v2 import scheduler_pb2 as spb2
+from protos.radixmesh.v2 import scheduler_pb2_grpc as scheduler2_grpc
 from services.common import tls, tracing
+from services.common.batches import drain_batches
 from services.common.admin_forward import carry_model_state
 from services.common.convert import sampling_from_proto
 from services.common.outputs import FinishReason, RequestOutput, spec_counters
-from services.common.outputs_convert import finish_to_proto
+from services.common.outputs_convert import error_to_proto, output_to_proto
 from services.common.sampling_params import InvalidRequest
 from services.common.server import Readiness
-from services.scheduler.convert import Usage, carry_counters, output_events, stats_proto
+from services.scheduler.convert import carry_counters, output_events, stats_proto
+from services.scheduler.core_factory import build_core, fit_config
 from services.scheduler.driver import DriverHooks, StepDriver
 from services.scheduler.grpc_link import GrpcStepLink
+from services.scheduler.open_requests import OpenRequests
 from services.scheduler.outputs import QueueFull
-from services.scheduler.scheduler import ModelLimits, Scheduler
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.step.contract import StepPlan
 from services.step.convert import plan_to_proto
 
 log = logging.getLogger(__name__)
 
-MAX_N = 64
-_SEED_MOD = 2**63
+
+@dataclass(eq=False)
+class _Owner:
+    """Where a request's outputs go: the Outputs subscriber (radixmesh.v2, `text_options` set,
+    attached to each sequence's first output), or a radixmesh.v1 Generate call's queue of
+    ("out", RequestOutput) | ("error", code, message)."""
+    text_options: opb.TextOptions | None = None
+    queue: asyncio.Queue | None = None
+    started: set[int] = field(default_factory=set)  # sequences whose first output went out
+    expiry: asyncio.TimerHandle | None = None
 
 
 @dataclass(eq=False)
-class _Stream:
-    """One Generate call: its core requests (one per sequence) and the queue its handler reads.
-    Queue items: ("out", index, RequestOutput) | ("stop", index, matched) | ("error", code, message)."""
-    rid: str
-    core_rids: list[str]
+class _Subscriber:
+    """The Outputs stream: one OutputBatch per step, queued until the stream writes it."""
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    open: set[int] = field(default_factory=set)
-    usage: Usage = field(default_factory=Usage)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    """radixmesh.v1.Scheduler (stats, cache, info, and the per-request Generate of v1), plus the
+    core of radixmesh.v2.Scheduler, which `OutputsServicer` serves."""
+
     def __init__(self, config) -> None:  # a SchedulerServiceConfig
         self.config = config
         self.core: Scheduler | None = None
@@ -92,8 +103,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._worker: worker_pb2_grpc.WorkerStub | None = None
         self._link: GrpcStepLink | None = None  # the Step stream
         self._driver: StepDriver | None = None
-        self._streams: dict[str, _Stream] = {}
-        self._owner: dict[str, tuple[_Stream, int]] = {}  # core rid -> (stream, index)
+        self._requests = OpenRequests()  # owners: _Owner
+        self._subscriber: _Subscriber | None = None
         self._early: list[tuple[str, str | None]] = []  # (core rid, matched stop) to finish as stop
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -128,21 +139,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     raise RuntimeError(f"worker {self.config.worker_addr} did not answer within "
                                        f"{wait_s:.0f}s: {e.code().name} {e.details()}") from e
                 await asyncio.sleep(0.5)
-        m = info.model
-        limits = ModelLimits(info.num_kv_pages, info.page_size, m.max_position_embeddings, m.vocab_size,
-                             tuple(m.eos_token_ids), info.num_host_pages, info.page_bytes, info.model_identity,
-                             info.weights_version or "0", info.kv_layout, info.max_draft_tokens,
-                             info.verify_max_rows, info.max_loras)
-        cfg = self.config.scheduler
-        if info.max_requests and cfg.max_running_requests > info.max_requests:
-            log.warning("capping max_running_requests to the worker's page-table rows",
-                        extra={"requested": cfg.max_running_requests, "worker_max_requests": info.max_requests})
-            cfg = replace(cfg, max_running_requests=info.max_requests)
-        core = Scheduler(cfg, limits, getattr(self.config, "hicache", None), self._kvstore_probe(info),
-                         {a.name: a.identity for a in info.adapters})
+        core = build_core(fit_config(self.config.scheduler, info), info, getattr(self.config, "hicache", None),
+                          self._kvstore_probe(info))
         if self.core is not None:
             carry_counters(self.core.stats, core.stats)
         self.core, self.info = core, info
+        m = info.model
         self.telemetry.connected(m.name)
         self._link = GrpcStepLink(self._worker.Step(), self._plan_message, self.step_bound_s, self._set_stalled,
                                   self._worker)
@@ -206,9 +208,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if req is not None:  # it yields no output: count its usage here
                 self._count(len(req.prompt_ids), len(req.output_ids), req.cached_tokens, spec_counters(req))
                 self.telemetry.finished_early(crid, len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
-                core.finish_early(crid, FinishReason.STOP, matched)
-            else:  # waiting (e.g. retracted): nothing to keep, drop it
-                core.abort(crid)
+            core.finish_early(crid, FinishReason.STOP, matched)
 
     def _count(self, prompt: int, completion: int, cached: int, spec: dict[str, int]) -> None:
         u = self._usage
@@ -217,30 +217,104 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for name, n in spec.items():
             setattr(u, name, getattr(u, name) + n)
 
+    # --- outputs: one OutputBatch per step to the subscriber --------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            owner = self._owner.get(out.rid)
             if out.finished:
                 self._count(out.prompt_tokens, out.completion_tokens, out.cached_tokens, spec_counters(out))
-            if owner is not None:
-                stream, index = owner
-                stream.queue.put_nowait(("out", index, out))
+        batch = opb.OutputBatch()
+        version = self.core.limits.weights_version
+        for req, out in self._requests.route(outputs):
+            owner: _Owner = req.owner
+            if req.done and owner.expiry is not None:
+                owner.expiry.cancel()
+            if owner.queue is not None:
+                owner.queue.put_nowait(("out", out))
+            elif out.finish_reason is FinishReason.ERROR:
+                batch.errors.append(error_to_proto(req.rid, grpc.StatusCode.INTERNAL, out.error or "request failed",
+                                                   owner.text_options.reply_to))
+            else:
+                msg = output_to_proto(out, version)
+                if out.index not in owner.started:
+                    owner.started.add(out.index)
+                    msg.text_options.CopyFrom(owner.text_options)
+                batch.outputs.append(msg)
+        self._publish(batch)
+
+    def _publish(self, batch: opb.OutputBatch) -> None:
+        if (batch.outputs or batch.errors) and self._subscriber is not None:
+            self._subscriber.queue.put_nowait(batch)
+
+    def _fail(self, rid: str, code: grpc.StatusCode, message: str) -> opb.RequestError | None:
+        """End request `rid` with an error: its v1 call gets it at once; for v2 the RequestError
+        is returned for the caller to publish. The core's sequences are the caller's to abort."""
+        req = self._requests.requests.get(rid)
+        if req is None:
+            return None
+        owner: _Owner = req.owner
+        self._requests.end(rid)
+        if owner.expiry is not None:
+            owner.expiry.cancel()
+        if owner.queue is not None:
+            owner.queue.put_nowait(("error", code, message))
+            return None
+        return error_to_proto(rid, code, message, owner.text_options.reply_to)
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
-        for stream in self._streams.values():
-            stream.queue.put_nowait(("error", code, message))
+        batch = opb.OutputBatch()
+        for rid in list(self._requests.requests):
+            error = self._fail(rid, code, message)
+            if error is not None:
+                batch.errors.append(error)
+        self._publish(batch)
+
+    def _expire(self, rid: str, core: Scheduler) -> None:
+        """--request-timeout-s passed: abort the request's open sequences in `core` (their KV is
+        freed at the next schedule()) and end it with DEADLINE_EXCEEDED."""
+        log.warning("request deadline passed: aborting", extra={"rid": rid, "timeout_s": self.config.request_timeout_s})
+        crids = self._requests.core_rids(rid)
+        if self.core is core:
+            for crid in crids:
+                core.abort(crid)
+            self._wake.set()
+        error = self._fail(rid, grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"the request did not finish within --request-timeout-s={self.config.request_timeout_s:g}s"
+                           + (f" ({self.stalled})" if self.stalled else ""))
+        if error is not None:
+            self._publish(opb.OutputBatch(errors=[error]))
+
+    def subscribe(self) -> _Subscriber:
+        """A new Outputs stream replaces the old one (which ends)."""
+        old, self._subscriber = self._subscriber, _Subscriber()
+        if old is not None:
+            old.queue.put_nowait(None)
+        return self._subscriber
+
+    def unsubscribe(self, sub: _Subscriber) -> None:
+        """The Outputs stream ended: unless a new one replaced it, every request whose outputs it
+        carried is aborted (there is nobody left to read them)."""
+        if self._subscriber is not sub:
+            return
+        self._subscriber = None
+        for rid, req in list(self._requests.requests.items()):
+            if req.owner.queue is None:
+                for crid in self._requests.end(rid):
+                    if self.core is not None:
+                        self.core.abort(crid)
+        self._wake.set()
 
     async def drain(self, deadline: float) -> None:
         """Let open requests finish; abort those left shortly before the deadline so their
         streams end with FINISH_REASON_ABORT rather than being cut; then leave the worker."""
         margin = min(2.0, 0.25 * self.config.common.drain_timeout_s)
-        await _until(lambda: not self._streams, deadline - margin)
-        if self._streams and self.core is not None:
-            log.warning("drain: aborting requests", extra={"requests": len(self._streams)})
-            for crid in list(self._owner):
-                self.core.abort(crid)
+        await _until(lambda: not self._requests, deadline - margin)
+        if self._requests and self.core is not None:
+            log.warning("drain: aborting requests", extra={"requests": len(self._requests)})
+            for rid in list(self._requests.requests):
+                for crid in self._requests.core_rids(rid):
+                    self.core.abort(crid)
             self._wake.set()
-            await _until(lambda: not self._streams, deadline)
+            await _until(lambda: not self._requests, deadline)
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -249,117 +323,91 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self._channel is not None:
             await self._channel.close()
 
-    # --- RPCs ------------------------------------------------------------------------
-    async def Generate(self, request: spb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.GenerateResponse]:
+    # --- intake ----------------------------------------------------------------------
+    def admit(self, rid: str, ids: list[int], sampling_msg, n: int, namespace: str, adapter: str,
+              owner: _Owner) -> None:
+        """Queue a request for `owner`. Raises _Refused with the gRPC code."""
         core = self.core
         if core is None or not self.connected:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler has no worker connected")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the scheduler has no worker connected")
         if self.stalled is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.stalled)
-        arrived = time.monotonic()
-        n = request.n if request.HasField("n") else 1
-        rid = request.rid or uuid.uuid4().hex
-        ids, sampling = list(request.input_ids), sampling_from_proto(request.sampling)
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, self.stalled)
+        if owner.queue is None and self._subscriber is None:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "no detokenizer is reading the scheduler's outputs")
+        if not rid:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "rid is required")
+        sampling = sampling_from_proto(sampling_msg)
         try:
-            if not 1 <= n <= MAX_N:
-                raise InvalidRequest(f"n must be in [1, {MAX_N}], got {n}")
-            if rid in self._streams:
-                raise InvalidRequest(f"request id {rid!r} is already in use")
-            core.validate(ids, sampling)
-            core.cache_namespace(request.namespace, request.adapter)  # an unknown adapter fails here
+            req = self._requests.submit(core, rid, ids, sampling, n, namespace, adapter, owner)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-        stream = _Stream(rid, [rid] if n == 1 else [f"{rid}/{i}" for i in range(n)], open=set(range(n)))
-        submitted: list[str] = []
-        try:
-            for i, crid in enumerate(stream.core_rids):
-                core.submit(crid, ids, sampling, (seed + i) % _SEED_MOD, request.namespace, request.adapter)
-                submitted.append(crid)
-                self.telemetry.submitted(crid, len(ids), sampling, i)
-        except (QueueFull, InvalidRequest) as e:
-            for crid in submitted:
-                core.abort(crid)
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except QueueFull as e:
             self._wake.set()
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, str(e))
-        self._streams[rid] = stream
-        for i, crid in enumerate(stream.core_rids):
-            self._owner[crid] = (stream, i)
-        self._wake.set()
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        for i, crid in enumerate(req.core_rids):
+            self.telemetry.submitted(crid, len(ids), sampling, i)
         timeout = self.config.request_timeout_s
-        # One timer per request, not one per token: at the deadline it aborts and queues the error.
-        expiry = None if timeout is None else asyncio.get_running_loop().call_at(
-            arrived + timeout, self._expire, stream, core)
-        try:
-            while stream.open:
-                for event in self._events(stream, await stream.queue.get(), core.limits.weights_version):
-                    yield event
-        finally:  # finished, failed, timed out, or cancelled by the client
-            if expiry is not None:
-                expiry.cancel()
-            for i in stream.open:
-                if self.core is core:
-                    core.abort(stream.core_rids[i])
-            for crid in stream.core_rids:
-                self._owner.pop(crid, None)
-            self._streams.pop(rid, None)
-            self._wake.set()
+        if timeout is not None:  # one timer per request, not one per token
+            owner.expiry = asyncio.get_running_loop().call_later(timeout, self._expire, rid, core)
+        self._wake.set()
 
-    def _expire(self, stream: _Stream, core: Scheduler) -> None:
-        """--request-timeout-s passed: abort the stream's open sequences in `core` (their KV is
-        freed at the next schedule()) and end the stream with DEADLINE_EXCEEDED."""
-        if not stream.open:
-            return
-        log.warning("request deadline passed: aborting", extra={"rid": stream.rid,
-                                                                "timeout_s": self.config.request_timeout_s})
-        if self.core is core:
-            for i in stream.open:
-                core.abort(stream.core_rids[i])
-            self._wake.set()
-        stream.queue.put_nowait(("error", grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 f"the request did not finish within --request-timeout-s="
-                                 f"{self.config.request_timeout_s:g}s" + (f" ({self.stalled})" if self.stalled else "")))
-
-    @staticmethod
-    def _events(stream: _Stream, item: tuple, weights_version: str) -> list[cpb.GenerateResponse]:
-        kind, a, b = item
-        if kind == "error":
-            stream.open.clear()
-            return [cpb.GenerateResponse(error=cpb.Error(code=a.value[0], message=b))]
-        if a not in stream.open:
-            return []  # the sequence already ended (a stop string found downstream)
-        if kind == "stop":
-            stream.open.discard(a)
-            return [cpb.GenerateResponse(finish=finish_to_proto(a, FinishReason.STOP, b or None))]
-        out: RequestOutput = b
-        if out.finish_reason is FinishReason.ERROR:
-            stream.open.clear()
-            return [cpb.GenerateResponse(error=cpb.Error(code=grpc.StatusCode.INTERNAL.value[0],
-                                                         message=out.error or "request failed"))]
-        if out.finished:
-            stream.open.discard(a)
-        return output_events(a, out, stream.usage, weights_version)
-
-    async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:
-        stream = self._streams.get(request.rid)
-        if stream is None or self.core is None:
-            return spb.AbortResponse(found=False)
-        indices = [request.index] if request.HasField("index") else sorted(stream.open)
-        found = False
-        for i in indices:
-            if i not in stream.open:
-                continue
-            found = True
-            crid = stream.core_rids[i]
-            if request.as_stop:
-                self._early.append((crid, request.matched_stop or None))
-                stream.queue.put_nowait(("stop", i, request.matched_stop))
-            else:
+    def abort(self, rid: str, index: int | None, as_stop: bool, matched_stop: str) -> bool:
+        """Abort the request's open sequences (or one); with `as_stop`, end them as finished by
+        the stop string found downstream (no further output: the finder already ended them)."""
+        if self.core is None:
+            return False
+        if as_stop:
+            req = self._requests.requests.get(rid)
+            crids = self._requests.end(rid, index)
+            self._early.extend((crid, matched_stop or None) for crid in crids)
+            if req is not None and req.owner.queue is not None:  # a v1 call: its stream says how it ended
+                for crid in crids:
+                    req.owner.queue.put_nowait(("out", RequestOutput(
+                        rid, index=req.core_rids.index(crid), finished=True, finish_reason=FinishReason.STOP,
+                        matched_stop=matched_stop or None)))
+        else:  # the core's abort outputs end the sequences downstream too
+            crids = self._requests.core_rids(rid, index)
+            for crid in crids:
                 self.core.abort(crid)
         self._wake.set()
-        return spb.AbortResponse(found=found)
+        return bool(crids)
+
+    # --- radixmesh.v1 RPCs ------------------------------------------------------------
+    async def Generate(self, request: spb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.GenerateResponse]:
+        """radixmesh.v1: one request's token ids on a stream of its own (no text)."""
+        owner = _Owner(queue=asyncio.Queue())
+        rid = request.rid or uuid.uuid4().hex
+        try:
+            self.admit(rid, list(request.input_ids), request.sampling, request.n if request.HasField("n") else 1,
+                       request.namespace, request.adapter, owner)
+        except _Refused as e:
+            await context.abort(e.code, e.message)
+        req = self._requests.requests[rid]
+        try:
+            while not (req.done and owner.queue.empty()):
+                item = await owner.queue.get()
+                if item[0] == "error":
+                    yield cpb.GenerateResponse(error=cpb.Error(code=item[1].value[0], message=item[2]))
+                    return
+                out: RequestOutput = item[1]
+                if out.finish_reason is FinishReason.ERROR:
+                    yield cpb.GenerateResponse(error=cpb.Error(code=grpc.StatusCode.INTERNAL.value[0],
+                                                               message=out.error or "request failed"))
+                    return
+                for event in output_events(out, self.core.limits.weights_version):
+                    yield event
+        finally:  # finished, failed, timed out, or cancelled by the client
+            if owner.expiry is not None:
+                owner.expiry.cancel()
+            for crid in self._requests.end(rid):
+                if self.core is not None:
+                    self.core.abort(crid)
+            self._wake.set()
+
+    async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:
+        index = request.index if request.HasField("index") else None
+        return spb.AbortResponse(found=self.abort(request.rid, index, request.as_stop, request.matched_stop))
 
     async def GetStats(self, request: spb.GetStatsRequest, context: grpc.aio.ServicerContext) -> spb.SchedulerStats:
         if self.core is None:
@@ -387,6 +435,46 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """An admin call changed the worker's adapters or weights (an admin_pb2.ModelState):
         GetInfo answers with the new ones."""
         carry_model_state(self.info, state)
+
+
+class OutputsServicer(scheduler2_grpc.SchedulerServicer):
+    """radixmesh.v2.Scheduler over a SchedulerService: Submit, Abort, Outputs."""
+
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+
+    async def Submit(self, request: spb2.SubmitRequest, context: grpc.aio.ServicerContext) -> spb2.SubmitResponse:
+        options = opb.TextOptions()
+        options.CopyFrom(request.text_options)
+        del options.stop[:]
+        options.stop.extend(request.sampling.stop)
+        try:
+            self.service.admit(request.rid, list(request.input_ids), request.sampling,
+                               request.n if request.HasField("n") else 1, request.namespace, request.adapter,
+                               _Owner(text_options=options))
+        except _Refused as e:
+            await context.abort(e.code, e.message)
+        return spb2.SubmitResponse()
+
+    async def Abort(self, request: spb2.AbortRequest, context: grpc.aio.ServicerContext) -> spb2.AbortResponse:
+        index = request.index if request.HasField("index") else None
+        return spb2.AbortResponse(found=self.service.abort(request.rid, index, request.as_stop, request.matched_stop))
+
+    async def Outputs(self, request: spb2.OutputsRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[opb.OutputBatch]:
+        sub = self.service.subscribe()
+        await context.send_initial_metadata(())  # tells the detokenizer it is the subscriber now
+        try:
+            async for batch in drain_batches(sub.queue):
+                yield batch
+        finally:
+            self.service.unsubscribe(sub)
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 async def _until(done, deadline: float, poll_s: float = 0.05) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos.radixmesh.v1 import admin_pb2_grpc, tokenizer_pb2_grpc
+from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.common import tracing
 from services.common.admin_forward import ForwardingAdmin
 from services.common.config import CommonConfig, parse_config
@@ -38,12 +39,13 @@ class TokenizerServiceConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixmesh serve tokenizer", description=__doc__)
     config = parse_config(TokenizerServiceConfig, argv, parser)
-    from services.tokenizer.service import TokenizerService
+    from services.tokenizer.service import TokenizerService, TokenizerV2
 
     service = TokenizerService(config)
 
     def add_servicers(server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(service, server)
+        tokenizer2_grpc.add_TokenizerServicer_to_server(TokenizerV2(service), server)
         # Model administration passes through to the scheduler (services/common/admin_forward.py).
         admin_pb2_grpc.add_ModelAdminServicer_to_server(
             ForwardingAdmin(lambda: tracing.channel(config.scheduler_addr), f"scheduler {config.scheduler_addr}"),

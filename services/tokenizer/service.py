@@ -1,11 +1,14 @@
 """The tokenizer service: the replica's entry point.
 
 Tokenize / ApplyChatTemplate / Info answer from the model's tokenizer. Generate
-tokenizes the prompt and runs it through the scheduler and the detokenizer
-(services/tokenizer/pipeline.py). Tokenizing runs on a thread (long prompts
-take milliseconds); the template and the vocabulary come from --model, the
-model facts (name, context length, eos ids) from the scheduler's GetInfo,
-which start() waits for, so SERVING means the path behind is up.
+(radixmesh.v2, and radixmesh.v1 converted from it) validates and tokenizes the
+prompt and submits it to the scheduler; its outputs come back one way, scheduler →
+detokenizer → here, on the one Texts stream this service holds
+(services/tokenizer/subscription.py), one message per step for all requests.
+Tokenizing runs on a thread (long prompts take milliseconds); the template and the
+vocabulary come from --model, the model facts (name, context length, eos ids) from
+the scheduler's GetInfo, which start() waits for, and the Texts subscription, so
+SERVING means the path behind is up.
 
 Observability: a `tokenize` span and the tokenize time per Generate; calls to
 the scheduler and detokenizer carry the trace (services/common/tracing.py).
@@ -25,16 +28,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from protos.radixmesh.v1 import common_pb2 as cpb
-from protos.radixmesh.v1 import detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from protos.radixmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.radixmesh.v1 import tokenizer_pb2 as pb
 from protos.radixmesh.v1 import tokenizer_pb2_grpc, worker_pb2
+from protos.radixmesh.v2 import outputs_pb2 as opb
+from protos.radixmesh.v2 import scheduler_pb2 as spb2
+from protos.radixmesh.v2 import scheduler_pb2_grpc as scheduler2_grpc
+from protos.radixmesh.v2 import tokenizer_pb2 as pb2
+from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.common import metrics as prom
 from services.common import tracing
 from services.common.convert import sampling_from_proto
 from services.common.logging import request_context
 from services.common.request_limits import check_request_limits
 from services.common.sampling_params import InvalidRequest
-from services.tokenizer.pipeline import Pipeline, StageError
+from services.common.text_options import CONTEXT_IDS
+from services.tokenizer.subscription import TextSubscription
 from services.tokenizer.text_tokenizer import load_tokenizer
 from services.common.tool_formats.base import ToolFormat
 from services.common.tool_formats.registry import tool_format
@@ -83,7 +92,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         self.config = config
         self.tokenizer = None
         self.model_info: worker_pb2.WorkerInfo | None = None
-        self._active: dict[str, Pipeline] = {}
+        self.subscription = TextSubscription()
+        self._side_calls: set[asyncio.Task] = set()
         r = self.registry = CollectorRegistry()
         self._requests = prom.counter(r, "tokenizer_requests", "Generate calls accepted")
         self._tokenize_time = prom.histogram(r, "tokenize_seconds", "prompt → ids (chat template included)",
@@ -91,18 +101,29 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         r.register(prom.LiveCollector(lambda: self.model_info.model.name if self.model_info else None, lambda: {
             "tokenizer_active_requests": ("gauge", "Generate calls streaming now", len(self._active))}))
 
+    @property
+    def _active(self) -> dict:
+        return self.subscription.streams
+
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
         self._sched_channel = tracing.channel(self.config.scheduler_addr)
         self._detok_channel = tracing.channel(self.config.detokenizer_addr)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._sched_channel)
-        self.detokenizer = detokenizer_pb2_grpc.DetokenizerStub(self._detok_channel)
+        self.scheduler2 = scheduler2_grpc.SchedulerStub(self._sched_channel)
         self._detok_health = health_pb2_grpc.HealthStub(self._detok_channel)
         deadline = time.monotonic() + self.config.peer_wait_s
         self.model_info = await _retry(lambda: self.scheduler.GetInfo(worker_pb2.GetInfoRequest(), timeout=5),
                                        deadline, f"scheduler {self.config.scheduler_addr}")
         await _retry(self._detokenizer_serving, deadline, f"detokenizer {self.config.detokenizer_addr}")
+        self._follow = asyncio.get_running_loop().create_task(
+            self.subscription.follow(self.config.detokenizer_addr, self._detok_channel), name="texts-subscription")
+        try:
+            await asyncio.wait_for(self.subscription.connected.wait(), max(deadline - time.monotonic(), 5))
+        except TimeoutError:
+            raise RuntimeError(f"detokenizer {self.config.detokenizer_addr}: no outputs subscription "
+                               f"({self.subscription.down_reason})") from None
         log.info("peers ready", extra={"model": self.model_info.model.name})
 
     async def _detokenizer_serving(self) -> None:
@@ -118,7 +139,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             await asyncio.sleep(0.05)
         if self._active:
             log.warning("drain: aborting requests", extra={"requests": len(self._active)})
-            await asyncio.gather(*(self.scheduler.Abort(scheduler_pb2.AbortRequest(rid=rid), timeout=2)
+            await asyncio.gather(*(self.scheduler2.Abort(spb2.AbortRequest(rid=rid), timeout=2)
                                    for rid in list(self._active)), return_exceptions=True)
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -126,9 +147,22 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     # --- RPCs ------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateTextRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.GenerateResponse]:
+        """radixmesh.v1: the v2 stream, each output as a chunk (finish copied) then its Finish."""
+        async for resp in self.generate(request, context):
+            if resp.HasField("error"):
+                yield cpb.GenerateResponse(error=resp.error)
+                return
+            for event in v1_events(resp):
+                yield event
+
+    async def generate(self, request: pb.GenerateTextRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb2.GenerateResponse]:
+        """radixmesh.v2's Generate: validate, tokenize, submit; then the request's outputs, every
+        output queued since the last message in one message."""
         rid = request.rid or uuid.uuid4().hex
         if rid in self._active:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
+        n = request.n if request.HasField("n") else 1
         try:
             self._check(request, rid)
             t0 = time.monotonic()
@@ -142,18 +176,49 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                 request.sampling.max_new_tokens = fill_max_new_tokens(len(ids), self._token_room(), cap)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        pipeline = Pipeline(rid, ids, request, self.scheduler, self.detokenizer,
-                            token_text=self.tokenizer.token_text)
-        self._active[rid] = pipeline
-        self._requests.labels(self.model_info.model.name).inc()
+        if not self.subscription.connected.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no outputs path: {self.subscription.down_reason}")
+        stream = self.subscription.open(rid, n)
         try:
-            async for event in pipeline.run():
-                yield event
-        except StageError as e:  # refused before the first event: fail the call with its code
-            await context.abort(e.code, e.message)
+            try:
+                await self.scheduler2.Submit(self._submit_request(rid, ids, request), timeout=30)
+            except grpc.aio.AioRpcError as e:  # refused: fail the call with the scheduler's code
+                stream.open.clear()
+                await context.abort(e.code(), e.details() or e.code().name)
+            self._requests.labels(self.model_info.model.name).inc()
+            while stream.open:
+                resp = pb2.GenerateResponse()
+                for item in await stream.take():
+                    if isinstance(item, cpb.Error):
+                        stream.open.clear()
+                        yield pb2.GenerateResponse(error=item)
+                        return
+                    resp.outputs.append(item)
+                    if item.HasField("finish"):
+                        stream.open.discard(item.index)
+                yield resp
         finally:  # done, failed or cancelled by the client: nothing stays open downstream
-            pipeline.cancel()
-            self._active.pop(rid, None)
+            self.subscription.close(rid)
+            if stream.open:
+                self._side_call(self.scheduler2.Abort(spb2.AbortRequest(rid=rid), timeout=10))
+
+    def _submit_request(self, rid: str, ids: list[int], request: pb.GenerateTextRequest) -> spb2.SubmitRequest:
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        sreq = spb2.SubmitRequest(
+            rid=rid, input_ids=ids, sampling=request.sampling, namespace=request.namespace, adapter=request.adapter,
+            text_options=opb.TextOptions(
+                skip_special_tokens=skip, include_stop_str_in_output=request.include_stop_str_in_output,
+                context_ids=ids[-CONTEXT_IDS:], min_tokens=max(request.sampling.min_new_tokens, 0),
+                reply_to=self.subscription.name))
+        if request.HasField("n"):
+            sreq.n = request.n
+        return sreq
+
+    def _side_call(self, call) -> None:
+        """A call nothing waits for (an abort: the request's reader is gone)."""
+        task = asyncio.ensure_future(call)
+        self._side_calls.add(task)
+        task.add_done_callback(lambda t: (self._side_calls.discard(t), t.cancelled() or t.exception()))
 
     def _check(self, request: pb.GenerateTextRequest, rid: str) -> None:
         """The checks the gateway makes on HTTP, made here for gRPC clients: raise InvalidRequest."""
@@ -280,10 +345,13 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         addr = self.config.detokenizer_addr
         try:
             await self._detokenizer_serving()
-            return pb.StageHealth(stage="detokenizer", address=addr, serving=True)
         except (grpc.aio.AioRpcError, ConnectionError) as e:
             detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
             return pb.StageHealth(stage="detokenizer", address=addr, serving=False, detail=detail)
+        if not self.subscription.connected.is_set():  # the outputs path from it to us
+            return pb.StageHealth(stage="detokenizer", address=addr, serving=False,
+                                  detail=f"no outputs subscription: {self.subscription.down_reason}")
+        return pb.StageHealth(stage="detokenizer", address=addr, serving=True)
 
 
 def fill_max_new_tokens(prompt_len: int, room: tuple[int, str], cap: int | None) -> int:
@@ -307,3 +375,35 @@ async def _retry(attempt, deadline: float, what: str):
                 detail = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 raise RuntimeError(f"{what} is not ready: {detail}") from e
             await asyncio.sleep(0.5)
+
+
+def v1_events(resp: pb2.GenerateResponse) -> list[cpb.GenerateResponse]:
+    """radixmesh.v2 outputs as radixmesh.v1 events: a chunk per output with tokens or text (its
+    finish copied onto it), then the Finish on its own."""
+    events = []
+    for out in resp.outputs:
+        u = out.usage
+        if out.token_ids or out.text:
+            chunk = cpb.GenerateChunk(
+                index=out.index, token_ids=out.token_ids, text=out.text, logprobs=out.logprobs,
+                prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+                spec_verify_steps=u.spec_verify_steps, spec_draft_tokens=u.spec_draft_tokens,
+                spec_accepted_tokens=u.spec_accepted_tokens, weights_version=out.weights_version)
+            if out.HasField("finish"):
+                chunk.finish.CopyFrom(out.finish)
+            events.append(cpb.GenerateResponse(chunk=chunk))
+        if out.HasField("finish"):
+            events.append(cpb.GenerateResponse(finish=out.finish))
+    return events
+
+
+class TokenizerV2(tokenizer2_grpc.TokenizerServicer):
+    """radixmesh.v2.Tokenizer over a TokenizerService."""
+
+    def __init__(self, service: TokenizerService) -> None:
+        self.service = service
+
+    async def Generate(self, request: pb.GenerateTextRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb2.GenerateResponse]:
+        async for resp in self.service.generate(request, context):
+            yield resp

@@ -21,7 +21,6 @@ count steps, their time and tokens.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -44,6 +43,7 @@ from services.common.model_path import resolve_model_path
 from services.common.sampling_params import InvalidRequest
 from services.step.convert import plan_from_proto, result_to_proto
 from services.worker.config import WorkerConfig
+from services.worker.info import worker_info
 from services.worker.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -87,12 +87,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Load the model on the step thread (health stays NOT_SERVING meanwhile)."""
         loop = asyncio.get_running_loop()
         self.runner, eos = await loop.run_in_executor(self._executor, self._load)
-        self.info = worker_info(self.runner, eos)
-        if self.hicache is not None:  # the host tier and the kvstore: what the scheduler must know
-            t = self._tiers
-            self.info.MergeFrom(pb.WorkerInfo(
-                num_host_pages=t["host_pages"], page_bytes=t["page_bytes"], model_identity=t["model_identity"],
-                kv_layout=t["kv_layout"], kvstore_addr=self.hicache.kvstore_addr or ""))
+        self.info = worker_info(self.runner, eos, self._tiers if self.hicache is not None else None,
+                                self.hicache.kvstore_addr if self.hicache is not None else None)
         self._model = self.info.model.name
         # The grammar backend (xgrammar, the vocabulary's bytes: ~2 s) is built now, off the step
         # thread, so the first constrained request does not wait for it.
@@ -297,22 +293,3 @@ def stop_ids(path: str, model_eos: tuple[int, ...]) -> tuple[int, ...]:
     except (FileNotFoundError, ValueError) as e:  # weights without a tokenizer: the model's ids only
         log.warning("no tokenizer eos ids", extra={"error": str(e)})
     return tuple(sorted(eos))
-
-
-def worker_info(runner, eos_token_ids: tuple[int, ...]) -> pb.WorkerInfo:
-    from services.worker.admin import adapter_infos
-
-    mc, spec, cfg = runner.model_config, runner.kv_spec, runner.config
-    return pb.WorkerInfo(
-        model=pb.ModelConfig(
-            vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-            num_hidden_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
-            num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
-            rope_theta=mc.rope_theta, rope_scaling_json=json.dumps(mc.rope_scaling) if mc.rope_scaling else "",
-            max_position_embeddings=mc.max_position_embeddings, tie_word_embeddings=mc.tie_word_embeddings,
-            attention_bias=mc.attention_bias, bos_token_id=mc.bos_token_id,
-            eos_token_ids=list(eos_token_ids), name=mc.name),
-        num_kv_pages=spec.num_pages, page_size=spec.page_size, dtype=cfg.resolved_dtype, kv_dtype=spec.dtype_name,
-        tp_size=1, weights_version=str(runner.weights_version), max_requests=cfg.max_requests,
-        max_draft_tokens=runner.max_draft_tokens, verify_max_rows=runner.verify_rows,
-        max_loras=runner.max_loras, adapters=adapter_infos(runner))

@@ -26,6 +26,7 @@ from protos.radixmesh.v1 import tokenizer_pb2_grpc
 from services.common.config import CommonConfig, parse_config
 from services.common.server import run_service
 from services.router.service import routing_key
+from tests.doubles.v2_generate import add_both
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(FakeReplicaConfig, argv, parser)
     replica = FakeReplica(config)
     return run_service(f"fake-replica-{config.name}", config.common,
-                       lambda server: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(replica, server))
+                       lambda server: add_both(replica, server))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ scripted scheduler that records what reaches it and streams chosen token ids.
 
 - Request limits: the same table of bad inputs gets INVALID_ARGUMENT from the tokenizer's
   Generate (before anything reaches the scheduler) and HTTP 400 from the gateway in front.
-- Stop strings wait for min_new_tokens on the mesh path (tokenizer -> detokenizer), as they do
-  in the Engine.
+- Stop strings wait for min_new_tokens on the mesh path (scheduler -> detokenizer -> tokenizer),
+  as they do in the Engine.
 """
 from __future__ import annotations
 
@@ -21,17 +21,24 @@ from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from protos.radixmesh.v1 import tokenizer_pb2 as pb
 from protos.radixmesh.v1 import tokenizer_pb2_grpc, worker_pb2
-from services.detokenizer.service import DetokenizerService
+from protos.radixmesh.v2 import detokenizer_pb2_grpc as detokenizer2_grpc
+from protos.radixmesh.v2 import outputs_pb2 as opb
+from protos.radixmesh.v2 import scheduler_pb2 as spb2
+from protos.radixmesh.v2 import scheduler_pb2_grpc as scheduler2_grpc
+from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
+from services.common.server import Readiness
+from services.detokenizer.service import DetokenizerService, TextsServicer
 from services.gateway.app import build_app
 from services.gateway.backend import GrpcBackend
 from services.gateway.config import GatewayConfig
 from services.tokenizer.main import TokenizerServiceConfig
-from services.tokenizer.service import TokenizerService
+from services.tokenizer.service import TokenizerService, TokenizerV2
 
 
 @dataclass
 class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
-    """Streams `tokens` one per chunk (the last with a LENGTH finish); records what it got."""
+    """radixmesh.v1's info and stats; `scripted_v2` answers v2's Submit by streaming `tokens`
+    on its Outputs, one per step (the last with a LENGTH finish). Records what it got."""
     vocab_size: int
     tokens: list[int] = field(default_factory=list)
     requests: list = field(default_factory=list)
@@ -44,25 +51,44 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(self, request, context):
         return scheduler_pb2.SchedulerStats(worker_connected=True)
 
-    async def Abort(self, request, context):
-        self.aborts.append(request)
-        return scheduler_pb2.AbortResponse()
 
-    async def Generate(self, request, context):
-        self.requests.append(request)
-        for i, tok in enumerate(self.tokens):
-            last = i == len(self.tokens) - 1
-            chunk = cpb.GenerateChunk(index=0, token_ids=[tok], prompt_tokens=len(request.input_ids),
-                                      completion_tokens=i + 1)
-            if last:
-                chunk.finish.CopyFrom(cpb.Finish(index=0, finish_reason=cpb.FINISH_REASON_LENGTH))
-            yield cpb.GenerateResponse(chunk=chunk)
+@dataclass
+class ScriptedV2(scheduler2_grpc.SchedulerServicer):
+    script: ScriptedScheduler
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    async def Submit(self, request, context):
+        self.script.requests.append(request)
+        asyncio.get_running_loop().create_task(self._emit(request, list(self.script.tokens)))
+        return spb2.SubmitResponse()
+
+    async def _emit(self, request, tokens: list[int]) -> None:
+        for i, tok in enumerate(tokens):
+            out = opb.SequenceOutput(rid=request.rid, index=0, token_ids=[tok], usage=cpb.Usage(
+                prompt_tokens=len(request.input_ids), completion_tokens=i + 1))
+            if i == 0:
+                out.text_options.CopyFrom(request.text_options)
+                out.text_options.stop.extend(request.sampling.stop)
+            if i == len(tokens) - 1:
+                out.finish.CopyFrom(cpb.Finish(index=0, finish_reason=cpb.FINISH_REASON_LENGTH))
+            self.outputs.put_nowait(opb.OutputBatch(outputs=[out]))
             await asyncio.sleep(0)
 
+    async def Abort(self, request, context):
+        self.script.aborts.append(request)
+        return spb2.AbortResponse()
 
-async def serve(add, servicer) -> tuple[grpc.aio.Server, str]:
+    async def Outputs(self, request, context):
+        await context.send_initial_metadata(())
+        while True:
+            yield await self.outputs.get()
+
+
+async def serve(add, servicer, *more) -> tuple[grpc.aio.Server, str]:
+    """more: (add, servicer) pairs served beside it."""
     server = grpc.aio.server()
-    add(servicer, server)
+    for add_one, one in ((add, servicer), *more):
+        add_one(one, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -86,18 +112,24 @@ class Door:
 @pytest.fixture
 async def door(tokenizer):
     sched = ScriptedScheduler(vocab_size=tokenizer.vocab_size)
-    sched_server, sched_addr = await serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, sched)
-    detok_server, detok_addr = await serve(detokenizer_pb2_grpc.add_DetokenizerServicer_to_server,
-                                           DetokenizerService(tokenizer))
+    sched_server, sched_addr = await serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, sched,
+                                           (scheduler2_grpc.add_SchedulerServicer_to_server, ScriptedV2(sched)))
+    detok = DetokenizerService(tokenizer)
+    texts = TextsServicer(detok, Readiness())
+    texts.start(sched_addr)
+    detok_server, detok_addr = await serve(detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, detok,
+                                           (detokenizer2_grpc.add_DetokenizerServicer_to_server, texts))
     service = TokenizerService(TokenizerServiceConfig(scheduler_addr=sched_addr, detokenizer_addr=detok_addr,
                                                       peer_wait_s=30))
     await service.start()
-    tok_server, tok_addr = await serve(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, service)
+    tok_server, tok_addr = await serve(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, service,
+                                       (tokenizer2_grpc.add_TokenizerServicer_to_server, TokenizerV2(service)))
     channel = grpc.aio.insecure_channel(tok_addr)
     try:
         yield Door(sched, tok_addr, channel, tokenizer)
     finally:
         await channel.close()
+        texts._task.cancel()
         for server in (tok_server, detok_server, sched_server):
             await server.stop(0)
 

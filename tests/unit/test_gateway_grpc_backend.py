@@ -19,6 +19,7 @@ from services.gateway.app import build_app
 from services.common.outputs import FinishReason, RequestOutput
 from services.gateway.backend import BackendError, GenerateCall, GrpcBackend
 from services.gateway.config import GatewayConfig
+from tests.doubles.v2_generate import add_both
 
 
 class StubTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -83,7 +84,7 @@ class StubTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 async def stub_server(serving: bool = True):
     stub = StubTokenizer()
     server = grpc.aio.server()
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(stub, server)
+    add_both(stub, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if serving

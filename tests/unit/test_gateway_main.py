@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos.radixmesh.v1 import tokenizer_pb2_grpc
 from services.common.config import flags_from_dataclass
 from services.gateway.main import CONFIG_CLASS
+from tests.doubles.v2_generate import add_both
 from tests.unit.test_gateway_grpc_backend import StubTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ class StubThread:
     async def _start(self) -> int:
         self.stub = StubTokenizer()
         self.server = grpc.aio.server()
-        tokenizer_pb2_grpc.add_TokenizerServicer_to_server(self.stub, self.server)
+        add_both(self.stub, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

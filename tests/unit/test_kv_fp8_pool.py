@@ -155,7 +155,8 @@ def test_worker_info_and_metrics_name_the_kv_dtype_and_capacity():
 
     from prometheus_client import generate_latest
 
-    from services.worker.service import WorkerService, worker_info
+    from services.worker.info import worker_info
+    from services.worker.service import WorkerService
     config = WorkerConfig(dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
     spec = KVPoolSpec(364, 16, 30, 3, 64, config.kv_torch_dtype)
     runner = SimpleNamespace(model_config=_smollm2_shape(), kv_spec=spec, config=config, weights_version=0,
