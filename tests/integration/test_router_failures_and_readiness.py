@@ -16,13 +16,15 @@ from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import router_pb2, router_pb2_grpc
 from protos.radixmesh.v1 import tokenizer_pb2 as pb
 from protos.radixmesh.v1 import tokenizer_pb2_grpc
+from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.common.server import Readiness
 from services.gateway.app import build_app
 from services.gateway.backend import GrpcBackend
 from services.gateway.config import GatewayConfig
 from services.router.config import RouterConfig
 from services.router.fleet import Fleet
-from services.router.service import RouterAdmin, RouterFront
+from services.router.service import RouterAdmin, RouterFront, RouterFrontV2
+from tests.doubles.v2_generate import V2Generate
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -108,8 +110,9 @@ async def router_fleet(script: Script, n: int = 2, **router_flags):
     router's health mirrors its Readiness, tracked by the fleet once every replica is in."""
     servers, addresses = [], []
     for i in range(n):
-        server, address, _ = await start_server(
-            (tokenizer_pb2_grpc.add_TokenizerServicer_to_server, ScriptedReplica(f"r{i}", script)))
+        replica = ScriptedReplica(f"r{i}", script)
+        server, address, _ = await start_server((tokenizer_pb2_grpc.add_TokenizerServicer_to_server, replica),
+                                                (tokenizer2_grpc.add_TokenizerServicer_to_server, V2Generate(replica)))
         servers.append(server)
         addresses.append(address)
     config = RouterConfig(replica_addrs=addresses, retry_backoff_s=0.0, seed=0, health_interval_s=0.2,
@@ -119,8 +122,10 @@ async def router_fleet(script: Script, n: int = 2, **router_flags):
     for address in addresses:
         fleet.add(address)
     fleet.start()
+    front = RouterFront(config, fleet)
     router, router_addr, router_health = await start_server(
-        (tokenizer_pb2_grpc.add_TokenizerServicer_to_server, RouterFront(config, fleet)),
+        (tokenizer_pb2_grpc.add_TokenizerServicer_to_server, front),
+        (tokenizer2_grpc.add_TokenizerServicer_to_server, RouterFrontV2(front)),
         (router_pb2_grpc.add_RouterServicer_to_server, RouterAdmin(config, fleet)))
     mirror = asyncio.ensure_future(readiness.mirror(lambda status: router_health.set("", status)))
     channel = grpc.aio.insecure_channel(router_addr)
