@@ -5,9 +5,10 @@ tokenizer service, or later a router with the same Generate/Info surface).
 `Backend` is the seam: `GrpcBackend` (grpc_backend.py) speaks gRPC, and
 `FakeBackend` (tests/doubles/fake_backend.py) answers in-process for tests.
 
-Contract of `Backend.generate(call)`: an async iterator of `RequestOutput`
-(services/common/outputs.py): new tokens of a sequence (`finished` False), and
-exactly one finishing output, with no tokens, per sequence index in [0, call.n).
+Contract of `Backend.generate(call)`: an async iterator of lists of `RequestOutput`
+(services/common/outputs.py), one list per message from the backend (a step's outputs,
+which the gateway writes to an SSE client at once): new tokens of a sequence (`finished`
+False), and exactly one finishing output, with no tokens, per sequence index in [0, call.n).
 Failures raise `BackendError` (before the first event or mid-stream).
 Closing the iterator early (aclose, or cancelling the task awaiting it)
 aborts the request in the mesh; callers use `contextlib.aclosing`.
@@ -80,7 +81,7 @@ class GenerateCall:
     adapter: str = ""  # the LoRA adapter to run under ("" = the base model)
 
 
-Event = RequestOutput  # one per sequence `index`: token outputs, then one finishing output without tokens
+Event = RequestOutput  # per sequence `index`: token outputs, then one finishing output without tokens
 
 
 class Backend(Protocol):
@@ -90,7 +91,7 @@ class Backend(Protocol):
     async def not_ready(self) -> str | None:
         """None when the backend can serve now, else why not; never raises."""
 
-    def generate(self, call: GenerateCall) -> AsyncIterator[Event]:
+    def generate(self, call: GenerateCall) -> AsyncIterator[list[Event]]:
         """See the module docstring."""
 
     async def close(self) -> None:
@@ -211,7 +212,7 @@ class GrpcBackend:
         finally:
             call.cancel()
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[Event]:
+    async def generate(self, call: GenerateCall) -> AsyncIterator[list[Event]]:
         try:
             request = generate_request(call)
         except ValueError as e:
@@ -219,8 +220,9 @@ class GrpcBackend:
         rpc = self._generate(request)
         try:
             async for msg in rpc:
-                for event in events(msg, call.rid):
-                    yield event
+                batch = events(msg, call.rid)
+                if batch:
+                    yield batch
         except grpc.aio.AioRpcError as e:
             raise _rpc_error(e) from None
         finally:

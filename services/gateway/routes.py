@@ -37,21 +37,21 @@ log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 
 
-async def merged(backend: Backend, calls: list[GenerateCall]) -> AsyncIterator[tuple[int, Event]]:
-    """(call index, event) from all calls, as they come. Closing this iterator
-    closes every call's iterator (cancelling its RPC)."""
+async def merged(backend: Backend, calls: list[GenerateCall]) -> AsyncIterator[tuple[int, list[Event]]]:
+    """(call index, the events of one backend message) from all calls, as they come. Closing
+    this iterator closes every call's iterator (cancelling its RPC)."""
     if len(calls) == 1:
-        async with contextlib.aclosing(backend.generate(calls[0])) as events:
-            async for event in events:
-                yield 0, event
+        async with contextlib.aclosing(backend.generate(calls[0])) as batches:
+            async for batch in batches:
+                yield 0, batch
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, call: GenerateCall) -> None:
         try:
-            async with contextlib.aclosing(backend.generate(call)) as events:
-                async for event in events:
-                    queue.put_nowait((i, event))
+            async with contextlib.aclosing(backend.generate(call)) as batches:
+                async for batch in batches:
+                    queue.put_nowait((i, batch))
             queue.put_nowait((i, None))
         except BackendError as e:
             queue.put_nowait((i, e))
@@ -107,11 +107,14 @@ async def _serve(request: web.Request, parse: Callable[..., ParsedRequest]) -> w
         return response
 
 
-async def _whole(req: ParsedRequest, col: shaping.Collector, first: tuple[int, Event],
-                 events: AsyncIterator[tuple[int, Event]]) -> web.Response:
-    col.add(*first)
-    async for i, event in events:
-        col.add(i, event)
+async def _whole(req: ParsedRequest, col: shaping.Collector, first: tuple[int, list[Event]],
+                 events: AsyncIterator[tuple[int, list[Event]]]) -> web.Response:
+    for i, batch in (first,):
+        for event in batch:
+            col.add(i, event)
+    async for i, batch in events:
+        for event in batch:
+            col.add(i, event)
     if not col.done:
         raise BackendError("INTERNAL", "the backend ended the request before every sequence finished")
     shape = {"completion": shaping.completion_response, "chat": shaping.chat_response,
@@ -119,17 +122,22 @@ async def _whole(req: ParsedRequest, col: shaping.Collector, first: tuple[int, E
     return web.json_response(shape(col), dumps=_dumps)
 
 
-async def _stream(request: web.Request, req: ParsedRequest, col: shaping.Collector, first: tuple[int, Event],
-                  events: AsyncIterator[tuple[int, Event]], state: GatewayState) -> web.StreamResponse:
+async def _stream(request: web.Request, req: ParsedRequest, col: shaping.Collector, first: tuple[int, list[Event]],
+                  events: AsyncIterator[tuple[int, list[Event]]], state: GatewayState) -> web.StreamResponse:
     stream = EventStream(request)
     started: set[int] = set()
 
-    async def send(i: int, event: Event) -> None:
-        index = col.add(i, event)
-        obj = shaping.stream_chunk(col, index, event, first=index not in started)
-        started.add(index)
-        if obj is not None:
-            await stream.send(obj)
+    async def send(i: int, batch: list[Event]) -> None:
+        """One backend message's events: their SSE frames in one write."""
+        objs = []
+        for event in batch:
+            index = col.add(i, event)
+            obj = shaping.stream_chunk(col, index, event, first=index not in started)
+            started.add(index)
+            if obj is not None:
+                objs.append(obj)
+        if objs:
+            await stream.send(*objs)
 
     try:
         await _relay(send, first, events, col, state)
@@ -151,19 +159,19 @@ async def _stream(request: web.Request, req: ParsedRequest, col: shaping.Collect
         return _gone(stream)
 
 
-async def _relay(send: Callable[[int, Event], Awaitable[None]], first: tuple[int, Event],
-                 events: AsyncIterator[tuple[int, Event]], col: shaping.Collector, state: GatewayState) -> None:
+async def _relay(send: Callable[[int, list[Event]], Awaitable[None]], first: tuple[int, list[Event]],
+                 events: AsyncIterator[tuple[int, list[Event]]], col: shaping.Collector, state: GatewayState) -> None:
     """Send every event; cancelled by the drain deadline, finish each unfinished choice with an abort."""
     try:
         await send(*first)
-        async for i, event in events:
-            await send(i, event)
+        async for i, batch in events:
+            await send(i, batch)
     except asyncio.CancelledError:
         if not state.cancelled_by_drain():
             raise
         log.info("stream cut off by the drain deadline")
         for i, event in col.aborts():
-            await send(i, event)
+            await send(i, [event])
 
 
 def _gone(stream: EventStream) -> web.StreamResponse:

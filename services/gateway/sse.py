@@ -35,9 +35,10 @@ class EventStream:
             self.request[OPENED] = True
             await self.response.prepare(self.request)
 
-    async def send(self, obj: dict) -> None:
+    async def send(self, *objs: dict) -> None:
+        """One write for all of `objs` (a step's events go out together)."""
         await self.open()
-        await self.response.write(frame(obj))
+        await self.response.write(b"".join(frame(obj) for obj in objs))
 
     async def done(self) -> web.StreamResponse:
         await self.open()

@@ -72,7 +72,7 @@ class FakeBackend:
             f"{m['role']}: {m['content']}\n" for m in call.messages or [])
         return [1 + zlib.crc32(w.encode()) % (len(WORDS) - 1) for w in text.split()]
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[Event]:
+    async def generate(self, call: GenerateCall) -> AsyncIterator[list[Event]]:
         if not self.is_serving:
             raise BackendError("UNAVAILABLE", "fake backend is down")
         if self.queue_full:
@@ -128,10 +128,11 @@ class FakeBackend:
                     if self.draft_tokens and sp.speculative:
                         chunk.spec_verify_steps, chunk.spec_draft_tokens, chunk.spec_accepted_tokens = (
                             produced, produced * self.draft_tokens, produced * ((self.draft_tokens + 1) // 2))
-                    yield chunk
+                    batch = [chunk]  # one backend message: the step's output and its finish
                     if s.done:
-                        yield RequestOutput(call.rid, index=s.index, finished=True, finish_reason=s.reason,
-                                            matched_stop=s.matched)
+                        batch.append(RequestOutput(call.rid, index=s.index, finished=True, finish_reason=s.reason,
+                                                   matched_stop=s.matched))
+                    yield batch
             finished = True
         finally:
             self.active.discard(call.rid)

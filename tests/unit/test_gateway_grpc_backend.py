@@ -109,7 +109,7 @@ async def test_request_conversion_and_events():
                  GenerateCall("r5", sp, text="no max_tokens, capped", fill_context=True, fill_cap=7)]
         events = []
         for c in calls:
-            events.append([e async for e in backend.generate(c)])
+            events.append([e async for batch in backend.generate(c) for e in batch])
         info = await backend.info()
     text, chat, ids, fill, capped = stub.requests
     assert text.sampling.HasField("max_new_tokens") and not text.HasField("default_max_new_tokens")

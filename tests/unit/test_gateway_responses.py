@@ -234,7 +234,7 @@ async def test_models_route_and_model_name_override():
 async def test_fake_backend_contract():
     """One Finish per index, counters cumulative: what the gateway relies on."""
     call = GenerateCall("r", SamplingParams(max_new_tokens=3), n=2, text="a b")
-    events = [e async for e in FakeBackend().generate(call)]
+    events = [e async for batch in FakeBackend().generate(call) for e in batch]
     assert sorted(e.index for e in events if e.finished) == [0, 1]
     assert all(not e.token_ids for e in events if e.finished)  # a finishing output carries no tokens
     counts = [e.completion_tokens for e in events if not e.finished]
