@@ -100,9 +100,9 @@ def error_to_proto(rid: str, code, message: str, reply_to: str = "") -> v2.Reque
 def text_options_to_proto(o: TextOptions) -> v2.TextOptions:
     return v2.TextOptions(stop=o.stop, skip_special_tokens=o.skip_special_tokens,
                           include_stop_str_in_output=o.include_stop_str_in_output, context_ids=o.context_ids,
-                          min_tokens=o.min_tokens, reply_to=o.reply_to)
+                          min_tokens=o.min_tokens, reply_to=o.reply_to, traceparent=o.traceparent)
 
 
 def text_options_from_proto(msg: v2.TextOptions) -> TextOptions:
     return TextOptions(tuple(msg.stop), msg.skip_special_tokens, msg.include_stop_str_in_output,
-                       tuple(msg.context_ids), msg.min_tokens, msg.reply_to)
+                       tuple(msg.context_ids), msg.min_tokens, msg.reply_to, msg.traceparent)

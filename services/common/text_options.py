@@ -17,6 +17,7 @@ class TextOptions:
     context_ids: tuple[int, ...] = ()  # the prompt's last CONTEXT_IDS tokens
     min_tokens: int = 0  # the request's min_new_tokens
     reply_to: str = ""  # the mesh's tokenizer that holds the client (unused in process)
+    traceparent: str = ""  # the request's span at the scheduler, when tracing (the mesh only)
 
     @classmethod
     def for_prompt(cls, prompt_ids: Sequence[int], stop: Sequence[str] = (), min_tokens: int = 0,

@@ -35,9 +35,12 @@ RECONNECT_S = 0.5
 
 
 class OutputRelay:
-    def __init__(self, tokenizer, readiness: Readiness, count_tokens=lambda n: None) -> None:
+    def __init__(self, tokenizer, readiness: Readiness, count_tokens=lambda n: None,
+                 count_request=lambda: None) -> None:
         """tokenizer: decode(ids, skip_special_tokens) and token_text(id) (TextTokenizer)."""
-        self.tokenizer, self.readiness, self._count_tokens = tokenizer, readiness, count_tokens
+        self.tokenizer, self.readiness = tokenizer, readiness
+        self._count_tokens, self._count_request = count_tokens, count_request
+        self._spans: dict[str, list] = {}  # rid -> [its "detokenize" span, tokens], when tracing
         self._sequences: dict[tuple[str, int], SequenceText] = {}
         self._open: dict[str, tuple[str, set[int]]] = {}  # rid -> (reply_to, indices with state here)
         self._subscribers: dict[str, asyncio.Queue] = {}
@@ -100,7 +103,11 @@ class OutputRelay:
                 return None  # ended here already (a stop string), or never ours
             options = text_options_from_proto(msg.text_options)
             seq = self._sequences[key] = SequenceText(self.tokenizer, options, self.tokenizer.token_text)
+            if msg.rid not in self._open:
+                self._opened(msg.rid, options.traceparent)
             self._open.setdefault(msg.rid, (options.reply_to, set()))[1].add(msg.index)
+        if msg.rid in self._spans:
+            self._spans[msg.rid][1] += len(msg.token_ids)
         out, stopped_here = seq.apply(output_from_proto(msg))
         if stopped_here:
             self._stop_at_scheduler(msg.rid, msg.index, out.matched_stop)
@@ -115,16 +122,33 @@ class OutputRelay:
             entry[1].discard(index)
             if not entry[1]:
                 del self._open[rid]
+                self._closed(rid)
 
     def _drop(self, rid: str) -> None:
         for key in [k for k in self._sequences if k[0] == rid]:
             del self._sequences[key]
+        self._closed(rid)
+
+    def _opened(self, rid: str, traceparent: str) -> None:
+        """A request's first output: counted, and its span started under the scheduler's."""
+        self._count_request()
+        if traceparent and tracing.enabled():
+            span = tracing.tracer().start_span("detokenize", context=tracing.extract({"traceparent": traceparent}))
+            self._spans[rid] = [span, 0]
+
+    def _closed(self, rid: str) -> None:
+        entry = self._spans.pop(rid, None)
+        if entry is not None:
+            entry[0].set_attribute("radixmesh.tokens", entry[1])
+            entry[0].end()
 
     def fail_all(self, reason: str) -> None:
         """The scheduler's stream is gone: every open request fails at its tokenizer."""
         per: dict[str, opb.OutputBatch] = defaultdict(opb.OutputBatch)
         for rid, (reply_to, _) in self._open.items():
             per[reply_to].errors.append(error_to_proto(rid, grpc.StatusCode.UNAVAILABLE, reason, reply_to))
+        for rid in list(self._open):
+            self._closed(rid)
         self._open.clear()
         self._sequences.clear()
         for subscriber, out in per.items():

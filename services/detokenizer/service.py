@@ -39,7 +39,8 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
         self.tokenizer = tokenizer
         self.model_name = "unknown"  # the metrics' label, set once the model is known
         r = self.registry = CollectorRegistry()
-        self._streams = m.counter(r, "detokenizer_streams", "Detokenize streams opened")
+        self._streams = m.counter(r, "detokenizer_streams", "radixmesh.v1 Detokenize streams opened")
+        self._requests = m.counter(r, "detokenizer_requests", "requests whose outputs were made text (radixmesh.v2)")
         self._tokens = m.counter(r, "detokenizer_tokens", "token ids turned into text")
         self._time = m.histogram(r, "detokenize_seconds", "one message's decoding time", m.ITL_BUCKETS)
 
@@ -120,7 +121,8 @@ class TextsServicer(detokenizer2_grpc.DetokenizerServicer):
 
     def start(self, scheduler_addr: str) -> None:
         tokens = self.service._tokens.labels(self.service.model_name)
-        self.relay = OutputRelay(self.service.tokenizer, self.readiness, tokens.inc)
+        requests = self.service._requests.labels(self.service.model_name)
+        self.relay = OutputRelay(self.service.tokenizer, self.readiness, tokens.inc, requests.inc)
         self._task = asyncio.get_running_loop().create_task(self.relay.follow(scheduler_addr), name="outputs-relay")
 
     async def Texts(self, request: pb2.TextsRequest, context: grpc.aio.ServicerContext):

@@ -32,6 +32,7 @@ from services.common.convert import sampling_to_proto
 from services.common.outputs import RequestOutput
 from services.common.outputs_convert import output_from_proto
 from services.common.sampling_params import SamplingParams
+from services.gateway.multiplexer import Multiplexer, StreamBroken
 
 
 class BackendError(Exception):
@@ -159,7 +160,9 @@ class GrpcBackend:
         self.probe_timeout_s = probe_timeout_s
         self._channel = tracing.channel(address)  # carries the HTTP request's trace on
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
-        self._generate = tokenizer2_grpc.TokenizerStub(self._channel).Generate
+        self._stub_v2 = tokenizer2_grpc.TokenizerStub(self._channel)
+        self._mux: Multiplexer | None = None  # the shared GenerateStream call, opened on first use
+        self._multiplexed: bool | None = None  # False once the backend answered UNIMPLEMENTED
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._admin = admin_pb2_grpc.ModelAdminStub(self._channel)
 
@@ -213,14 +216,36 @@ class GrpcBackend:
             call.cancel()
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[list[Event]]:
+        """On the shared GenerateStream call when the backend has one; else (a router, an older
+        tokenizer: UNIMPLEMENTED) on a Generate call of its own."""
         try:
             request = generate_request(call)
         except ValueError as e:
             raise BackendError("INVALID_ARGUMENT", str(e)) from None
-        rpc = self._generate(request)
+        if self._multiplexed is not False:
+            started = False
+            try:
+                async for batch in self._multiplexer().generate(request, lambda msg: events(msg, call.rid)):
+                    started = True
+                    yield batch
+                return
+            except StreamBroken as e:
+                if e.code != "UNIMPLEMENTED" or started:
+                    raise BackendError(e.code, e.message) from None
+                self._multiplexed = False
+        async for batch in self._generate_alone(request, call.rid):
+            yield batch
+
+    def _multiplexer(self) -> Multiplexer:
+        if self._mux is None or self._mux.broken is not None:
+            self._mux = Multiplexer(self._stub_v2.GenerateStream)
+        return self._mux
+
+    async def _generate_alone(self, request: tokenizer_pb2.GenerateTextRequest, rid: str) -> AsyncIterator[list[Event]]:
+        rpc = self._stub_v2.Generate(request)
         try:
             async for msg in rpc:
-                batch = events(msg, call.rid)
+                batch = events(msg, rid)
                 if batch:
                     yield batch
         except grpc.aio.AioRpcError as e:
@@ -229,4 +254,6 @@ class GrpcBackend:
             rpc.cancel()  # no-op once the call ended; otherwise aborts the request in the mesh
 
     async def close(self) -> None:
+        if self._mux is not None:
+            await self._mux.close()
         await self._channel.close()

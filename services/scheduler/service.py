@@ -346,6 +346,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         for i, crid in enumerate(req.core_rids):
             self.telemetry.submitted(crid, len(ids), sampling, i)
+        if owner.text_options is not None and tracing.enabled():  # the detokenizer's span joins the trace
+            owner.text_options.traceparent = self.telemetry.traceparent(req.core_rids[0])
         timeout = self.config.request_timeout_s
         if timeout is not None:  # one timer per request, not one per token
             owner.expiry = asyncio.get_running_loop().call_later(timeout, self._expire, rid, core)

@@ -24,6 +24,8 @@ from typing import AsyncIterator
 
 import grpc
 import jinja2
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -38,6 +40,7 @@ from protos.radixmesh.v2 import tokenizer_pb2 as pb2
 from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.common import metrics as prom
 from services.common import tracing
+from services.common.batches import drain_batches
 from services.common.convert import sampling_from_proto
 from services.common.logging import request_context
 from services.common.request_limits import check_request_limits
@@ -157,11 +160,34 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def generate(self, request: pb.GenerateTextRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb2.GenerateResponse]:
-        """radixmesh.v2's Generate: validate, tokenize, submit; then the request's outputs, every
-        output queued since the last message in one message."""
+        """radixmesh.v2's Generate: admit; then the request's outputs, every output queued since
+        the last message in one message."""
+        try:
+            stream = await self.admit(request)
+        except Refused as e:
+            await context.abort(e.code, e.message)
+        try:
+            while stream.open:
+                resp = pb2.GenerateResponse()
+                for item in await stream.take():
+                    if isinstance(item, cpb.Error):
+                        stream.open.clear()
+                        yield pb2.GenerateResponse(error=item)
+                        return
+                    resp.outputs.append(item)
+                    if item.HasField("finish"):
+                        stream.open.discard(item.index)
+                yield resp
+        finally:  # done, failed or cancelled by the client: nothing stays open downstream
+            self.end(stream)
+
+    async def admit(self, request: pb.GenerateTextRequest, mux: asyncio.Queue | None = None):
+        """Validate, tokenize, submit to the scheduler: the request's RequestStream, registered
+        before it is submitted (its outputs go to `mux` when given: a GenerateStream call's).
+        Raises Refused with the code the call fails with."""
         rid = request.rid or uuid.uuid4().hex
         if rid in self._active:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
         n = request.n if request.HasField("n") else 1
         try:
             self._check(request, rid)
@@ -175,32 +201,74 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                        else self.config.default_max_tokens)
                 request.sampling.max_new_tokens = fill_max_new_tokens(len(ids), self._token_room(), cap)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if not self.subscription.connected.is_set():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no outputs path: {self.subscription.down_reason}")
-        stream = self.subscription.open(rid, n)
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"no outputs path: {self.subscription.down_reason}")
+        if rid in self._active:  # taken while this one was tokenized
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
+        stream = self.subscription.open(rid, n, mux)
         try:
-            try:
-                await self.scheduler2.Submit(self._submit_request(rid, ids, request), timeout=30)
-            except grpc.aio.AioRpcError as e:  # refused: fail the call with the scheduler's code
-                stream.open.clear()
-                await context.abort(e.code(), e.details() or e.code().name)
-            self._requests.labels(self.model_info.model.name).inc()
-            while stream.open:
-                resp = pb2.GenerateResponse()
-                for item in await stream.take():
-                    if isinstance(item, cpb.Error):
-                        stream.open.clear()
-                        yield pb2.GenerateResponse(error=item)
-                        return
-                    resp.outputs.append(item)
-                    if item.HasField("finish"):
-                        stream.open.discard(item.index)
-                yield resp
-        finally:  # done, failed or cancelled by the client: nothing stays open downstream
+            await self.scheduler2.Submit(self._submit_request(rid, ids, request), timeout=30)
+        except grpc.aio.AioRpcError as e:  # refused: the scheduler's code
+            stream.open.clear()
             self.subscription.close(rid)
-            if stream.open:
-                self._side_call(self.scheduler2.Abort(spb2.AbortRequest(rid=rid), timeout=10))
+            raise Refused(e.code(), e.details() or e.code().name) from None
+        self._requests.labels(self.model_info.model.name).inc()
+        return stream
+
+    def end(self, stream) -> None:
+        """The request's reader is gone (done, failed, cancelled): forget it; abort what is open."""
+        if self._active.get(stream.rid) is stream:
+            self.subscription.close(stream.rid)
+        if stream.open:
+            stream.open.clear()
+            self._side_call(self.scheduler2.Abort(spb2.AbortRequest(rid=stream.rid), timeout=10))
+
+    async def generate_stream(self, request_iterator, context: grpc.aio.ServicerContext):
+        """radixmesh.v2's GenerateStream: requests admitted as they come (each on a task of its
+        own, so one being tokenized holds up no other), all their outputs on one stream."""
+        out: asyncio.Queue = asyncio.Queue()
+        mine: dict[str, object] = {}  # rid -> RequestStream, admitted on this call
+        admitting: set[asyncio.Task] = set()
+
+        async def admit_one(msg) -> None:
+            ctx = tracing.extract({"traceparent": msg.traceparent}) if msg.traceparent else None
+            token = otel_context.attach(ctx) if ctx is not None else None
+            try:
+                with tracing.tracer().start_as_current_span("tokenizer.generate", kind=SpanKind.SERVER,
+                                                            attributes={"radixmesh.request_id": msg.generate.rid}):
+                    mine[msg.generate.rid] = await self.admit(msg.generate, mux=out)
+            except Refused as e:
+                out.put_nowait(opb.OutputBatch(errors=[opb.RequestError(
+                    rid=msg.generate.rid, error=cpb.Error(code=e.code.value[0], message=e.message))]))
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
+
+        async def read() -> None:
+            async for msg in request_iterator:
+                if msg.HasField("generate"):
+                    task = asyncio.ensure_future(admit_one(msg))
+                    admitting.add(task)
+                    task.add_done_callback(admitting.discard)
+                elif msg.cancel and msg.cancel in mine:
+                    self.end(mine.pop(msg.cancel))
+
+        reader = asyncio.ensure_future(read())
+        try:
+            async for batch in drain_batches(out):
+                for done in batch.errors:
+                    mine.pop(done.rid, None)
+                for seq in batch.outputs:
+                    if seq.HasField("finish") and seq.rid in mine and not mine[seq.rid].open:
+                        del mine[seq.rid]
+                yield batch
+        finally:
+            reader.cancel()
+            for task in list(admitting):
+                task.cancel()
+            for stream in mine.values():
+                self.end(stream)
 
     def _submit_request(self, rid: str, ids: list[int], request: pb.GenerateTextRequest) -> spb2.SubmitRequest:
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
@@ -407,3 +475,15 @@ class TokenizerV2(tokenizer2_grpc.TokenizerServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb2.GenerateResponse]:
         async for resp in self.service.generate(request, context):
             yield resp
+
+    async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        async for batch in self.service.generate_stream(request_iterator, context):
+            yield batch
+
+
+class Refused(Exception):
+    """A request the tokenizer (or the scheduler behind it) will not take: (grpc code, message)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message

@@ -27,9 +27,12 @@ RECONNECT_S = 0.5
 
 @dataclass(eq=False)
 class RequestStream:
-    """One Generate call's outputs as they arrive: SequenceOutput or Error messages."""
+    """One request's outputs as they arrive: SequenceOutput or Error messages on `queue` (a
+    Generate call reads them), or, with `mux` (a GenerateStream call's queue), gathered into
+    one OutputBatch per step for all of that call's requests."""
     rid: str
     n: int
+    mux: asyncio.Queue | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     open: set[int] = field(default_factory=set)
 
@@ -51,8 +54,8 @@ class TextSubscription:
         self.connected = asyncio.Event()
         self.down_reason: str | None = "not yet subscribed"
 
-    def open(self, rid: str, n: int) -> RequestStream:
-        stream = self.streams[rid] = RequestStream(rid, n)
+    def open(self, rid: str, n: int, mux: asyncio.Queue | None = None) -> RequestStream:
+        stream = self.streams[rid] = RequestStream(rid, n, mux)
         return stream
 
     def close(self, rid: str) -> None:
@@ -83,15 +86,37 @@ class TextSubscription:
             call.cancel()
 
     def dispatch(self, batch: opb.OutputBatch) -> None:
+        muxed: dict[asyncio.Queue, opb.OutputBatch] = {}
         for out in batch.outputs:
             stream = self.streams.get(out.rid)
-            if stream is not None:
+            if stream is None:
+                continue
+            if stream.mux is None:
                 stream.queue.put_nowait(out)
+                continue
+            muxed.setdefault(stream.mux, opb.OutputBatch()).outputs.append(out)
+            if out.HasField("finish"):
+                stream.open.discard(out.index)
+                if not stream.open:
+                    self.close(out.rid)
         for err in batch.errors:
-            stream = self.streams.get(err.rid)
-            if stream is not None:
-                stream.queue.put_nowait(err.error)
+            self._fail(self.streams.get(err.rid), err.error, muxed)
+        for mux, muxed_batch in muxed.items():
+            mux.put_nowait(muxed_batch)
 
     def fail_all(self, code: grpc.StatusCode, message: str) -> None:
-        for stream in self.streams.values():
-            stream.queue.put_nowait(cpb.Error(code=code.value[0], message=message))
+        muxed: dict[asyncio.Queue, opb.OutputBatch] = {}
+        for stream in list(self.streams.values()):
+            self._fail(stream, cpb.Error(code=code.value[0], message=message), muxed)
+        for mux, muxed_batch in muxed.items():
+            mux.put_nowait(muxed_batch)
+
+    def _fail(self, stream: RequestStream | None, error: cpb.Error, muxed: dict) -> None:
+        if stream is None:
+            return
+        if stream.mux is None:
+            stream.queue.put_nowait(error)
+            return
+        muxed.setdefault(stream.mux, opb.OutputBatch()).errors.append(opb.RequestError(rid=stream.rid, error=error))
+        stream.open.clear()
+        self.close(stream.rid)

@@ -140,10 +140,11 @@ def test_worker_loss_fails_open_requests_and_the_scheduler_reconnects():
     """Services started one by one (no launcher, which would stop everything): the worker dies
     mid-stream and a new one comes up on the same port."""
     worker_flags = ("--kv-cache-bytes", str(32 << 20), "--max-requests", "16")
-    services = [Service("worker", *worker_flags), Service("detokenizer")]
-    worker, detok = services
+    services = [Service("worker", *worker_flags)]
+    worker = services[0]
     try:
         services.append(sched := Service("scheduler", "--worker-addr", worker.address, "--check-invariants"))
+        services.append(detok := Service("detokenizer", "--scheduler-addr", sched.address))
         services.append(tok := Service("tokenizer", "--scheduler-addr", sched.address,
                                        "--detokenizer-addr", detok.address))
         tok.wait_serving()

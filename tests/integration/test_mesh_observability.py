@@ -68,13 +68,13 @@ def trace_of(receiver: Receiver, request_id: str, timeout: float = 20) -> list[S
             trace = [s for s in spans if s.trace_id == gw[0].trace_id]
             have = {(s.service.removeprefix("radixmesh-"), s.name, s.kind) for s in trace}
             # Spans are exported as they end, each service on its own clock: the ones that end
-            # last (the worker's request span at the release; the scheduler's SERVER span and the
-            # tokenizer's CLIENT span of Scheduler/Generate, in either order) must all be here.
+            # last (the worker's request span at the release, the detokenizer's at the finish, the
+            # gateway's client span when the stream is read) must all be here.
             if {("worker", "worker.request", "INTERNAL"), ("scheduler", "decode", "INTERNAL"),
-                    ("tokenizer", "radixmesh.v1.Tokenizer/Generate", "SERVER"),
-                    ("tokenizer", "radixmesh.v1.Scheduler/Generate", "CLIENT"),
-                    ("scheduler", "radixmesh.v1.Scheduler/Generate", "SERVER")} <= have \
-                    and any(name == "detokenize" for _, name, _ in have):
+                    ("gateway", "tokenizer.generate", "CLIENT"), ("tokenizer", "tokenizer.generate", "SERVER"),
+                    ("tokenizer", "radixmesh.v2.Scheduler/Submit", "CLIENT"),
+                    ("scheduler", "radixmesh.v2.Scheduler/Submit", "SERVER"),
+                    ("detokenizer", "detokenize", "INTERNAL")} <= have:
                 return trace
         assert time.monotonic() < deadline, (f"no complete trace for {request_id}: "
                                              f"{[(s.service, s.name, s.trace_id, s.attributes) for s in spans]}")
@@ -91,21 +91,20 @@ def one(trace: list[Span], name: str, service: str, kind: str | None = None) -> 
 def check_tree(trace: list[Span]) -> dict[str, Span]:
     """The request's spans with their parent/child relations; returns them by role."""
     gw = next(s for s in trace if s.service == "radixmesh-gateway" and s.kind == "SERVER")
-    gw_client = one(trace, "radixmesh.v1.Tokenizer/Generate", "gateway", "CLIENT")
-    tok = one(trace, "radixmesh.v1.Tokenizer/Generate", "tokenizer", "SERVER")
-    sched_client = one(trace, "radixmesh.v1.Scheduler/Generate", "tokenizer", "CLIENT")
-    sched = one(trace, "radixmesh.v1.Scheduler/Generate", "scheduler", "SERVER")
-    detok_client = one(trace, "radixmesh.v1.Detokenizer/Detokenize", "tokenizer", "CLIENT")
-    detok = one(trace, "radixmesh.v1.Detokenizer/Detokenize", "detokenizer", "SERVER")
+    # The gateway's requests share one GenerateStream call; each carries its client span's
+    # traceparent, under which the tokenizer admits it (radixmesh.v2, docs/architecture.md).
+    gw_client = one(trace, "tokenizer.generate", "gateway", "CLIENT")
+    tok = one(trace, "tokenizer.generate", "tokenizer", "SERVER")
+    sched_client = one(trace, "radixmesh.v2.Scheduler/Submit", "tokenizer", "CLIENT")
+    sched = one(trace, "radixmesh.v2.Scheduler/Submit", "scheduler", "SERVER")
     llm = one(trace, "llm_request", "scheduler")
     parent_of = {
         gw_client.span_id: gw.span_id, tok.span_id: gw_client.span_id,
         one(trace, "tokenize", "tokenizer").span_id: tok.span_id,
-        sched_client.span_id: tok.span_id, detok_client.span_id: tok.span_id,
-        sched.span_id: sched_client.span_id, llm.span_id: sched.span_id,
+        sched_client.span_id: tok.span_id, sched.span_id: sched_client.span_id, llm.span_id: sched.span_id,
         one(trace, "queue", "scheduler").span_id: llm.span_id, one(trace, "decode", "scheduler").span_id: llm.span_id,
         one(trace, "worker.request", "worker").span_id: llm.span_id,
-        detok.span_id: detok_client.span_id, one(trace, "detokenize", "detokenizer").span_id: detok.span_id}
+        one(trace, "detokenize", "detokenizer").span_id: llm.span_id}
     prefills = [s for s in trace if s.name == "prefill"]
     assert prefills and all(s.parent_id == llm.span_id for s in prefills)
     by_id = {s.span_id: s for s in trace}
@@ -244,7 +243,7 @@ def test_metrics_count_what_was_served(mesh):
     assert d("gateway", "radixmesh:gateway_generation_tokens_total") == generated
     assert d("tokenizer", "radixmesh:tokenizer_requests_total") == n
     assert d("tokenizer", "radixmesh:tokenize_seconds_count") == n
-    assert d("detokenizer", "radixmesh:detokenizer_streams_total") == n
+    assert d("detokenizer", "radixmesh:detokenizer_requests_total") == n
     assert d("worker", "radixmesh:worker_steps_total") == d("scheduler", "radixmesh:scheduler_steps_total") > 0
     # Device split (services/worker/device_stats.py): on the CPU every forward is an eager launch,
     # with no device to wait for and no graphs; steps that only release requests run no forward.

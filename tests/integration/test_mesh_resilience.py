@@ -153,12 +153,12 @@ def test_a_stopped_worker_flips_readiness_and_in_flight_requests_end_at_their_de
 
 def test_metrics_ports_are_consecutive_in_start_order_and_bounded():
     one = plan(1, False, True)
-    assert metrics_ports(one, 9100) == {"worker": 9100, "detokenizer": 9101, "scheduler": 9102, "tokenizer": 9103}
-    assert metrics_ports(one, 0) == dict.fromkeys(["worker", "detokenizer", "scheduler", "tokenizer"], 0)
+    assert metrics_ports(one, 9100) == {"worker": 9100, "scheduler": 9101, "detokenizer": 9102, "tokenizer": 9103}
+    assert metrics_ports(one, 0) == dict.fromkeys(["worker", "scheduler", "detokenizer", "tokenizer"], 0)
     assert metrics_ports(one, None) == {}
     fleet = metrics_ports(plan(2, False, True, kvstore=True), 9000)
-    assert list(fleet) == ["kvstore", "worker-0", "detokenizer-0", "scheduler-0", "tokenizer-0",
-                           "worker-1", "detokenizer-1", "scheduler-1", "tokenizer-1", "router"]
+    assert list(fleet) == ["kvstore", "worker-0", "scheduler-0", "detokenizer-0", "tokenizer-0",
+                           "worker-1", "scheduler-1", "detokenizer-1", "tokenizer-1", "router"]
     assert list(fleet.values()) == list(range(9000, 9010))
     with pytest.raises(ValueError, match="no room for 4 ports"):
         metrics_ports(one, 65533)
@@ -201,7 +201,7 @@ def restartable():
 def test_metrics_port_gives_every_service_its_own_port(restartable):
     mesh, base = restartable, restartable.metrics_base
     listening = _listening(mesh)
-    expected = {"worker": base, "detokenizer": base + 1, "scheduler": base + 2, "tokenizer": base + 3}
+    expected = {"worker": base, "scheduler": base + 1, "detokenizer": base + 2, "tokenizer": base + 3}
     assert {name: listening[name]["metrics_port"] for name in expected} == expected
     for name, port in expected.items():
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:

@@ -25,6 +25,7 @@ from protos.radixmesh.v2 import detokenizer_pb2_grpc as detokenizer2_grpc
 from protos.radixmesh.v2 import outputs_pb2 as opb
 from protos.radixmesh.v2 import scheduler_pb2 as spb2
 from protos.radixmesh.v2 import scheduler_pb2_grpc as scheduler2_grpc
+from protos.radixmesh.v2 import tokenizer_pb2 as pb2
 from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.common.server import Readiness
 from services.detokenizer.service import DetokenizerService, TextsServicer
@@ -54,29 +55,45 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 @dataclass
 class ScriptedV2(scheduler2_grpc.SchedulerServicer):
+    """Steps like a scheduler: each step's one OutputBatch holds the next token of every
+    running request (the first output carrying its text options, the last its LENGTH finish)."""
     script: ScriptedScheduler
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    running: dict = field(default_factory=dict)  # rid -> [request, its tokens, tokens sent]
+    stepping: asyncio.Task | None = None
 
     async def Submit(self, request, context):
         self.script.requests.append(request)
-        asyncio.get_running_loop().create_task(self._emit(request, list(self.script.tokens)))
+        self.running[request.rid] = [request, list(self.script.tokens), 0]
+        if self.stepping is None or self.stepping.done():
+            self.stepping = asyncio.get_running_loop().create_task(self._steps())
         return spb2.SubmitResponse()
 
-    async def _emit(self, request, tokens: list[int]) -> None:
-        for i, tok in enumerate(tokens):
-            out = opb.SequenceOutput(rid=request.rid, index=0, token_ids=[tok], usage=cpb.Usage(
-                prompt_tokens=len(request.input_ids), completion_tokens=i + 1))
-            if i == 0:
-                out.text_options.CopyFrom(request.text_options)
-                out.text_options.stop.extend(request.sampling.stop)
-            if i == len(tokens) - 1:
-                out.finish.CopyFrom(cpb.Finish(index=0, finish_reason=cpb.FINISH_REASON_LENGTH))
-            self.outputs.put_nowait(opb.OutputBatch(outputs=[out]))
-            await asyncio.sleep(0)
+    async def _steps(self) -> None:
+        while self.running:
+            await asyncio.sleep(0.005)
+            batch = opb.OutputBatch()
+            for rid, entry in list(self.running.items()):
+                request, tokens, i = entry
+                out = opb.SequenceOutput(rid=rid, index=0, token_ids=[tokens[i]], usage=cpb.Usage(
+                    prompt_tokens=len(request.input_ids), completion_tokens=i + 1))
+                if i == 0:
+                    out.text_options.CopyFrom(request.text_options)
+                    out.text_options.stop.extend(request.sampling.stop)
+                entry[2] = i + 1
+                if i + 1 == len(tokens):
+                    out.finish.CopyFrom(cpb.Finish(index=0, finish_reason=cpb.FINISH_REASON_LENGTH))
+                    del self.running[rid]
+                batch.outputs.append(out)
+            self.outputs.put_nowait(batch)
 
     async def Abort(self, request, context):
         self.script.aborts.append(request)
-        return spb2.AbortResponse()
+        entry = self.running.pop(request.rid, None)
+        if entry is not None and not request.as_stop:  # the abort's finish, as the core sends it
+            self.outputs.put_nowait(opb.OutputBatch(outputs=[opb.SequenceOutput(
+                rid=request.rid, index=0, finish=cpb.Finish(index=0, finish_reason=cpb.FINISH_REASON_ABORT))]))
+        return spb2.AbortResponse(found=entry is not None)
 
     async def Outputs(self, request, context):
         await context.send_initial_metadata(())
@@ -230,3 +247,52 @@ async def test_a_stop_string_does_not_end_the_request_before_min_new_tokens(door
     text, finish = await run(door, cpb.SamplingParams(max_new_tokens=32, stop=["."],
                                                       min_new_tokens=len(door.scheduler.tokens)))
     assert text == full and finish.finish_reason == cpb.FINISH_REASON_LENGTH
+
+
+# --- many requests on one GenerateStream call (what the gateway uses) -----------------------------
+
+async def test_generate_stream_carries_many_requests_refusals_and_cancels(door):
+    door.scheduler.tokens = door.tokenizer.encode(" one two three four", add_special_tokens=False)
+    stub = tokenizer2_grpc.TokenizerStub(door.channel)
+    outbox: asyncio.Queue = asyncio.Queue()
+
+    async def requests():
+        while (msg := await outbox.get()) is not None:
+            yield msg
+
+    def generate(rid: str, **sampling) -> pb2.StreamRequest:
+        return pb2.StreamRequest(generate=pb.GenerateTextRequest(
+            rid=rid, text="Hello", sampling=cpb.SamplingParams(max_new_tokens=8, **sampling)))
+
+    call = stub.GenerateStream(requests())
+    for msg in (generate("a"), generate("b"), generate("bad", temperature=-1.0)):
+        outbox.put_nowait(msg)
+    texts: dict[str, str] = {"a": "", "b": ""}
+    finished, errors, batches_with_both = set(), {}, 0
+    async for batch in call:
+        rids = {out.rid for out in batch.outputs}
+        batches_with_both += rids == {"a", "b"}
+        for out in batch.outputs:
+            texts[out.rid] += out.text
+            if out.HasField("finish"):
+                finished.add(out.rid)
+        errors.update({e.rid: e.error for e in batch.errors})
+        if finished == {"a", "b"} and "bad" in errors:
+            break
+    assert texts == {"a": " one two three four", "b": " one two three four"}
+    assert errors["bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "temperature" in errors["bad"].message
+    assert batches_with_both > 0  # one message carried both requests' outputs of a step
+
+    door.scheduler.tokens = door.tokenizer.encode(" and so on" * 40, add_special_tokens=False)
+    outbox.put_nowait(generate("long", ignore_eos=True))
+    async for batch in call:
+        if any(out.rid == "long" for out in batch.outputs):
+            outbox.put_nowait(pb2.StreamRequest(cancel="long"))
+            break
+    for _ in range(100):  # the cancel reaches the scheduler as an abort of the request
+        if any(a.rid == "long" for a in door.scheduler.aborts):
+            break
+        await asyncio.sleep(0.05)
+    assert any(a.rid == "long" and not a.as_stop for a in door.scheduler.aborts)
+    outbox.put_nowait(None)
+    call.cancel()

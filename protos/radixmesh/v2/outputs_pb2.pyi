@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TextOptions(_message.Message):
-    __slots__ = ("stop", "skip_special_tokens", "include_stop_str_in_output", "context_ids", "min_tokens", "reply_to")
+    __slots__ = ("stop", "skip_special_tokens", "include_stop_str_in_output", "context_ids", "min_tokens", "reply_to", "traceparent")
     STOP_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     stop: _containers.RepeatedScalarFieldContainer[str]
     skip_special_tokens: bool
     include_stop_str_in_output: bool
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     min_tokens: int
     reply_to: str
-    def __init__(self, stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., reply_to: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., reply_to: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
     __slots__ = ("rid", "index", "token_ids", "logprobs", "text", "finish", "usage", "weights_version", "text_options")

@@ -27,15 +27,17 @@ from protos.radixmesh.v1 import tokenizer_pb2 as radixmesh_dot_v1_dot_tokenizer_
 from protos.radixmesh.v2 import outputs_pb2 as radixmesh_dot_v2_dot_outputs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v2/tokenizer.proto\x12\x0cradixmesh.v2\x1a\x19radixmesh/v1/common.proto\x1a\x1cradixmesh/v1/tokenizer.proto\x1a\x1aradixmesh/v2/outputs.proto\"e\n\x10GenerateResponse\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.radixmesh.v2.SequenceOutput\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.radixmesh.v1.Error2\\\n\tTokenizer\x12O\n\x08Generate\x12!.radixmesh.v1.GenerateTextRequest\x1a\x1e.radixmesh.v2.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v2/tokenizer.proto\x12\x0cradixmesh.v2\x1a\x19radixmesh/v1/common.proto\x1a\x1cradixmesh/v1/tokenizer.proto\x1a\x1aradixmesh/v2/outputs.proto\"u\n\rStreamRequest\x12\x35\n\x08generate\x18\x01 \x01(\x0b\x32!.radixmesh.v1.GenerateTextRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x13\n\x0btraceparent\x18\x03 \x01(\tB\x06\n\x04kind\"e\n\x10GenerateResponse\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.radixmesh.v2.SequenceOutput\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.radixmesh.v1.Error2\xaa\x01\n\tTokenizer\x12O\n\x08Generate\x12!.radixmesh.v1.GenerateTextRequest\x1a\x1e.radixmesh.v2.GenerateResponse0\x01\x12L\n\x0eGenerateStream\x12\x1b.radixmesh.v2.StreamRequest\x1a\x19.radixmesh.v2.OutputBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.radixmesh.v2.tokenizer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATERESPONSE']._serialized_start=131
-  _globals['_GENERATERESPONSE']._serialized_end=232
-  _globals['_TOKENIZER']._serialized_start=234
-  _globals['_TOKENIZER']._serialized_end=326
+  _globals['_STREAMREQUEST']._serialized_start=131
+  _globals['_STREAMREQUEST']._serialized_end=248
+  _globals['_GENERATERESPONSE']._serialized_start=250
+  _globals['_GENERATERESPONSE']._serialized_end=351
+  _globals['_TOKENIZER']._serialized_start=354
+  _globals['_TOKENIZER']._serialized_end=524
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StreamRequest(_message.Message):
+    __slots__ = ("generate", "cancel", "traceparent")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    generate: _tokenizer_pb2.GenerateTextRequest
+    cancel: str
+    traceparent: str
+    def __init__(self, generate: _Optional[_Union[_tokenizer_pb2.GenerateTextRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
     __slots__ = ("outputs", "error")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]

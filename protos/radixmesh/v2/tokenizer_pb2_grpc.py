@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from protos.radixmesh.v1 import tokenizer_pb2 as radixmesh_dot_v1_dot_tokenizer__pb2
+from protos.radixmesh.v2 import outputs_pb2 as radixmesh_dot_v2_dot_outputs__pb2
 from protos.radixmesh.v2 import tokenizer_pb2 as radixmesh_dot_v2_dot_tokenizer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -40,6 +41,11 @@ class TokenizerStub:
                 request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.GenerateTextRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v2_dot_tokenizer__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/radixmesh.v2.Tokenizer/GenerateStream',
+                request_serializer=radixmesh_dot_v2_dot_tokenizer__pb2.StreamRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v2_dot_outputs__pb2.OutputBatch.FromString,
+                _registered_method=True)
 
 
 class TokenizerServicer:
@@ -53,6 +59,17 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Many requests on one stream, for a client that keeps one open (the gateway): requests
+        and cancels go in; one OutputBatch per step comes out, with the outputs of every open
+        request of the stream. A refused or failed request gets a RequestError (its code as
+        Generate would fail with it); each sequence's last output carries its finish. Ending
+        the call aborts every request still open on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +77,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.GenerateTextRequest.FromString,
                     response_serializer=radixmesh_dot_v2_dot_tokenizer__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=radixmesh_dot_v2_dot_tokenizer__pb2.StreamRequest.FromString,
+                    response_serializer=radixmesh_dot_v2_dot_outputs__pb2.OutputBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +111,33 @@ class Tokenizer:
             '/radixmesh.v2.Tokenizer/Generate',
             radixmesh_dot_v1_dot_tokenizer__pb2.GenerateTextRequest.SerializeToString,
             radixmesh_dot_v2_dot_tokenizer__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/radixmesh.v2.Tokenizer/GenerateStream',
+            radixmesh_dot_v2_dot_tokenizer__pb2.StreamRequest.SerializeToString,
+            radixmesh_dot_v2_dot_outputs__pb2.OutputBatch.FromString,
             options,
             channel_credentials,
             insecure,
