@@ -5,6 +5,10 @@ thread and calls into it. Like the client it never raises for the store's sake:
 a store that is down, slow or past the caller's wait answers misses. Writes are
 fire-and-forget (a cache write must not hold up the forward) with a cap on the
 bytes in flight; beyond it a write is dropped, which only costs a later miss.
+
+`exists` blocks the caller for up to probe_timeout_s; an event loop's caller (the
+scheduler service) uses `start_exists` instead, which returns a future at once
+(services/scheduler/store_probe.py polls it).
 """
 from __future__ import annotations
 
@@ -51,6 +55,19 @@ class BlockingKVStore:
         if not keys:
             return 0
         return self._wait(self.client.exists(keys), self.probe_timeout_s, 0)
+
+    def start_exists(self, keys: list[bytes], *, wait_s: float = 0.0,
+                     claim_from: int | None = None) -> concurrent.futures.Future:
+        """Start an Exists and return at once: a future of the leading keys stored (0 when
+        the store is unreachable; it never raises, and cancelling it cancels the call).
+        wait_s, claim_from: see KVStoreClient.exists. The caller bounds the wait
+        (probe_timeout_s past wait_s is what `exists` would allow)."""
+        if not keys:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(0)
+            return done
+        return asyncio.run_coroutine_threadsafe(
+            self.client.exists(keys, wait_s=wait_s, claim_from=claim_from), self._loop)
 
     def get_prefix(self, keys: Sequence[bytes]) -> torch.Tensor:
         """[m, L, 2, P, Hkv, D], m <= len(keys): the longest stored prefix (m = 0 on failure)."""

@@ -5,6 +5,8 @@
                                      page_size=pool.spec.page_size, kv_layout=client.spec.layout))
     keys = hasher.keys(token_ids)                     # one key per full page
     n = await client.exists(keys)                     # scheduler: n * page_size tokens are stored
+    n = await client.exists(keys, wait_s=0.5, claim_from=0)  # ... or wait for pages others are writing,
+                                                      # and claim those this caller will write
     pages = await client.get_prefix(keys[:n])         # worker: [m, L, 2, P, Hkv, D], m <= n
     stored = await client.put(keys, pages_tensor)     # worker: write-through / write-back
     await client.close()
@@ -16,6 +18,10 @@ back, and counters (`client.counters`). After a failure the client does not
 call again for `retry_interval_s` (calls return at once: the request path
 never waits on a dead store twice in a row); then the next call probes it.
 gRPC reconnects underneath, its backoff capped at the same interval.
+
+`exists(..., wait_s, claim_from)` takes part in claims (services/kvstore/claims.py):
+it may wait up to wait_s for pages another client claimed, and claims what it will
+write itself; its deadline grows by wait_s. Each client has its own id (`client_id`).
 
 One client per event loop (its gRPC channel binds to the loop of its first
 call); calls from that loop may run concurrently.
@@ -30,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,6 +49,7 @@ from services.common import tls
 from services.common.page_hash import PageHasher
 from services.kvstore import page_codec
 from services.kvstore.auth import bearer
+from services.kvstore.claims import ProbeOptions
 from services.kvstore.page_codec import PageSpec
 
 log = logging.getLogger(__name__)
@@ -72,6 +80,7 @@ class KVStoreClient:
         self.timeout_s, self.retry_interval_s = timeout_s, retry_interval_s
         self.max_batch_bytes, self.min_bytes_per_s = max_batch_bytes, min_bytes_per_s
         self.counters = ClientCounters()
+        self.client_id = uuid.uuid4().hex  # whose claims are whose, at the store
         self._metadata = bearer(auth_token)
         self._down_until: float | None = None  # monotonic time; None = believed up
         self._channel: grpc.aio.Channel | None = None
@@ -125,13 +134,17 @@ class KVStoreClient:
 
     # -- the scheduler's side -------------------------------------------------------------------
 
-    async def exists(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are stored (0 when the store is unreachable)."""
+    async def exists(self, keys: Sequence[bytes], *, wait_s: float = 0.0, claim_from: int | None = None) -> int:
+        """How many leading keys are stored (0 when the store is unreachable). wait_s > 0:
+        when the stored prefix stops at a key another client claimed, wait up to wait_s
+        for it to land. claim_from: this client will Put keys[max(answer, claim_from):]."""
         if not keys or not self._begin():
             return 0
+        options = ProbeOptions(self.client_id, wait_s, claim_from)
         try:
-            r = await self._get_stub().Exists(pb.ExistsRequest(keys=keys), timeout=self._deadline(32 * len(keys)),
-                                              metadata=self._metadata)
+            r = await self._get_stub().Exists(pb.ExistsRequest(keys=keys),
+                                              timeout=self._deadline(32 * len(keys)) + options.wait_s,
+                                              metadata=(*self._metadata, *options.metadata()))
         except Exception as e:  # noqa: BLE001 - never into the request path
             self._failed("Exists", e)
             return 0

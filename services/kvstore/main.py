@@ -36,7 +36,13 @@ class KVStoreConfig:
         "help": "the token Clear requires (it empties every replica's pages; also accepted for page calls; "
                 f"else ${ADMIN_TOKEN_ENV}); none with a fleet token = Clear is refused"})
 
+    kvstore_claim_ttl_s: float = field(default=10.0, metadata={
+        "help": "how long a replica's claim on pages it is computing holds (another replica's Exists "
+                "waits for them, see docs/kvstore.md) when they do not land"})
+
     def __post_init__(self) -> None:
+        if self.kvstore_claim_ttl_s <= 0:
+            raise ValueError(f"--kvstore-claim-ttl-s must be > 0, got {self.kvstore_claim_ttl_s}")
         if self.kvstore_memory_bytes < 0:
             raise ValueError(f"--kvstore-memory-bytes must be >= 0, got {self.kvstore_memory_bytes}")
         if self.kvstore_disk_bytes < 0:
@@ -58,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixmesh serve kvstore", description=__doc__)
     config = parse_config(KVStoreConfig, argv, parser)
     from services.kvstore.auth import TokenAuth
+    from services.kvstore.claims import Claims
     from services.kvstore.metrics import make_registry
     from services.kvstore.service import KVStoreService
     from services.kvstore.store import KVStore
 
-    service = KVStoreService(None)  # type: ignore[arg-type]  # the store is opened in on_start
+    service = KVStoreService(None, Claims(config.kvstore_claim_ttl_s))  # type: ignore[arg-type]  # store: on_start
 
     async def on_start() -> None:
         service.store = await asyncio.to_thread(KVStore, config.store)  # scans the disk directory
@@ -72,5 +79,5 @@ def main(argv: list[str] | None = None) -> int:
 
     fleet, admin = config.tokens()
     return run_service("kvstore", config.common, add_servicers, on_start=on_start,
-                       registry=make_registry(lambda: service.store),
+                       registry=make_registry(lambda: service.store, service.claims),
                        interceptors=[TokenAuth(fleet, admin)] if fleet or admin else [])

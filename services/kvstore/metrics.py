@@ -10,14 +10,16 @@ from typing import Callable
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import LiveCollector
+from services.kvstore.claims import Claims
 from services.kvstore.store import KVStore
 
 
-def read_metrics(store: KVStore | None) -> dict[str, tuple[str, str, float]] | None:
+def read_metrics(store: KVStore | None, claims: Claims | None = None) -> dict[str, tuple[str, str, float]] | None:
     if store is None:  # still opening the disk directory
         return None
     s = store.stats()
     return {
+        **(claim_metrics(claims) if claims is not None else {}),
         "kvstore_memory_bytes": ("gauge", "payload bytes in the memory tier", s.memory_bytes),
         "kvstore_memory_pages": ("gauge", "pages in the memory tier", s.memory_pages),
         "kvstore_memory_capacity_bytes": ("gauge", "memory tier budget", s.memory_capacity_bytes),
@@ -35,7 +37,17 @@ def read_metrics(store: KVStore | None) -> dict[str, tuple[str, str, float]] | N
     }
 
 
-def make_registry(store: Callable[[], KVStore | None]) -> CollectorRegistry:
+def claim_metrics(claims: Claims) -> dict[str, tuple[str, str, float]]:
+    """services/kvstore/claims.py: how often probes wait for pages other replicas are writing."""
+    return {
+        "kvstore_claimed_keys": ("gauge", "keys claimed by a client that is computing them", len(claims)),
+        "kvstore_exists_waiting": ("gauge", "Exists calls waiting for claimed pages now", claims.waiting),
+        "kvstore_exists_waits": ("counter", "waits of Exists calls for claimed pages", claims.waits),
+        "kvstore_claims": ("counter", "keys claimed", claims.claimed),
+    }
+
+
+def make_registry(store: Callable[[], KVStore | None], claims: Claims | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
-    registry.register(LiveCollector(lambda: "", lambda: read_metrics(store())))
+    registry.register(LiveCollector(lambda: "", lambda: read_metrics(store(), claims)))
     return registry

@@ -8,37 +8,40 @@ kvstore below the host tier:
   rooted in the model identity, weights version, adapter (the request's namespace),
   page size and KV layout, so a page is never served to another model or adapter;
 - probe + prefetch: a waiting request asks the store how much of its prefix it
-  holds; when that exceeds what the worker's tiers hold by at least the threshold
-  (and loading beats recomputing), host pages are reserved and a store -> host copy
-  is sent; the request waits until the worker reports how many pages arrived, which
-  are then inserted into the tree as host nodes (a short or failed load only makes
-  the hit shorter);
+  holds, without blocking the loop (services/scheduler/store_probe.py: the request
+  waits, unadmitted, until the answer is in or its bound passed, which reads as a
+  miss); the store may hold the answer back while another replica is still writing
+  pages of that prefix, for as long as waiting beats recomputing (`store_wait_s`),
+  and under write-through the probe claims the pages this replica will compute, so
+  the others wait for them in turn (services/kvstore/claims.py). When the answer
+  exceeds what the worker's tiers hold by at least the threshold (and loading beats
+  recomputing), host pages are reserved and a store -> host copy is sent; the
+  request waits until the worker reports how many pages arrived, which are then
+  inserted into the tree as host nodes (a short or failed load only makes the hit
+  shorter);
 - write policy: write-through sends every newly computed full page to the store
   (pages the probe found there are skipped); write-back lets the tree write pages
   when they leave its lowest tier;
 - the load-or-recompute decision: running estimates of prefill tokens/s and of each
   tier's bytes/s, from the worker's measured step and transfer times.
 
-No transport here: the store is anything with `exists(keys) -> int`.
+No transport here: the store is an ExistsProbe (`start_exists(keys) -> future`) or
+anything with `exists(keys) -> int` (store_probe.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from services.common.hicache_config import HiCacheConfig
 from services.scheduler.outputs import SchedulerStats
 from services.scheduler.page_keys import PageKeys
 from services.scheduler.radix_cache import RadixCache
 from services.scheduler.request import Request
+from services.scheduler.store_probe import ExistsProbe, PendingProbes, StoreProbe  # noqa: F401 - StoreProbe: its old home
 from services.step.contract import DEVICE, HOST, STORE, KVCopy, KVTransferStat, StepPlan
 
-PROBED, PREFETCHING = "probed", "prefetching"
-
-
-class StoreProbe(Protocol):
-    def exists(self, keys: list[bytes]) -> int:
-        """How many leading keys the store holds (0 when it is unreachable)."""
+PROBING, PROBED, PREFETCHING = "probing", "probed", "prefetching"
+MAX_STORE_WAIT_S = 2.0  # the longest a probe waits for pages another replica is writing
 
 
 @dataclass
@@ -74,10 +77,12 @@ class _Prefetch:
 
 class HiCache:
     def __init__(self, config: HiCacheConfig, cache: RadixCache, keys: PageKeys, page_bytes: int,
-                 store: StoreProbe | None, stats: SchedulerStats):
+                 store: ExistsProbe | StoreProbe | None, stats: SchedulerStats):
         self.config, self.cache, self.keys = config, cache, keys
         self.page_size, self.page_bytes = cache.page_size, page_bytes
         self.store, self.stats = store, stats
+        self.probes = PendingProbes(store) if store is not None else None
+        self.max_store_wait_s = MAX_STORE_WAIT_S
         self.write_through = store is not None and config.hicache_write_policy == "write_through"
         self.estimates = Estimates()
         self._prefetches: dict[int, _Prefetch] = {}  # id(KVCopy) -> what it loads
@@ -97,17 +102,48 @@ class HiCache:
             self.stats.loads_skipped += 1
         return ok
 
+    def store_wait_s(self, tokens: int) -> float:
+        """How long a probe may wait for `tokens` that another replica is still writing to
+        the store: as long as waiting and then loading them beats recomputing them."""
+        if self.config.hicache_load_policy == "never" or tokens < max(self.config.hicache_prefetch_threshold, 1):
+            return 0.0
+        nbytes = tokens // self.page_size * self.page_bytes
+        spare = self.estimates.prefill_s(tokens) - self.estimates.transfer_s(STORE, nbytes)
+        return min(max(spare, 0.0), self.max_store_wait_s)
+
     def probe(self, req: Request) -> None:
-        """A waiting request's first look at the store: maybe start a prefetch."""
+        """A waiting request's look at the store, never blocking: the first call starts the
+        store's Exists (req is PROBING: not admitted), a later one takes the answer once it
+        is in (a miss once its bound passed) and maybe starts a prefetch."""
+        if req.store_state == PROBING:
+            stored = self.probes.answer(req)  # type: ignore[union-attr]
+            if stored is not None:
+                self._probed(req, stored)
+            return
         req.store_state = PROBED
         cache, ps = self.cache, self.page_size
-        if self.store is None or cache.disable or cache.host is None:
+        if self.probes is None or cache.disable or cache.host is None:
             return
         n_full = (req.seq_len - 1) // ps  # the last token always runs (its logits are sampled)
         if n_full == 0:
             return
-        keys = self.keys.request_keys(req, n_full)
-        req.store_pages = stored = self.store.exists(keys)
+        have = self._held_pages(req)
+        claim_from = have if self.write_through else None  # the pages this replica will compute and write
+        req.store_state = PROBING
+        self.probes.start(req, self.keys.request_keys(req, n_full), self.store_wait_s((n_full - have) * ps),
+                          claim_from)
+        self.probe(req)  # a synchronous store has answered already
+
+    def _held_pages(self, req: Request) -> int:
+        """Pages of req's prefix the worker's tiers (device and host) hold now."""
+        hit = self.cache.match_prefix(req.seq[:req.seq_len - 1], req.namespace)
+        return (hit.num_tokens + hit.host_tokens) // self.page_size
+
+    def _probed(self, req: Request, stored: int) -> None:
+        """The store holds req's first `stored` pages: prefetch them when that pays."""
+        req.store_state = PROBED
+        req.store_pages = stored
+        cache, ps = self.cache, self.page_size
         hit = cache.match_prefix(req.seq[:req.seq_len - 1], req.namespace)
         have = (hit.num_tokens + hit.host_tokens) // ps
         gain = stored - have
@@ -124,6 +160,7 @@ class HiCache:
         pages = host.alloc(gain)
         if pages is None:
             return
+        keys = self.keys.request_keys(req, stored)
         op = KVCopy(STORE, HOST, [], pages, keys[have:stored])
         cache.copies.append(op)
         self._prefetches[id(op)] = _Prefetch(req, have, pages)

@@ -32,7 +32,7 @@ from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, T
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grammar_queue import GrammarQueue
-from services.scheduler.hicache import PREFETCHING, HiCache, StoreProbe
+from services.scheduler.hicache import PREFETCHING, PROBING, ExistsProbe, HiCache, StoreProbe
 from services.scheduler.kv_manager import KVManager, new_radix_cache
 from services.scheduler.page_keys import PageKeys
 from services.scheduler.outputs import QueueFull, SchedulerStats
@@ -70,7 +70,7 @@ class _SentStep:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, limits: ModelLimits, hicache: HiCacheConfig | None = None,
-                 store: StoreProbe | None = None, adapters: dict[str, str] | None = None):
+                 store: ExistsProbe | StoreProbe | None = None, adapters: dict[str, str] | None = None):
         """hicache/store: the tiers below the worker's pool (limits.host_pages > 0 turns
         the host tier on; `store` answers the kvstore's Exists). adapters: the LoRA adapters the
         worker has loaded, name → identity (set_adapters keeps it current)."""
@@ -403,8 +403,8 @@ class Scheduler:
             items.append(self._item(req, n))
             scheduled.append(req)
             budget -= n
-        for req in self.waiting:  # the store's answer (and a prefetch) while it waits
-            if not req.store_state and not req.unsampled:
+        for req in self.waiting:  # the store's answer (and a prefetch) while it waits; never blocks
+            if req.store_state in ("", PROBING) and not req.unsampled:
                 self.hicache.probe(req)
         if not self.waiting or budget <= 0 or self.admission_paused:
             return
@@ -441,8 +441,8 @@ class Scheduler:
         self._blocked_by_memory = False
         if req.unsampled:
             return 0  # retracted while a step in flight samples its next token: admit it once known
-        if req.store_state == PREFETCHING:
-            return 0  # its prefix is arriving from the store: admit it with the next plan
+        if req.store_state in (PROBING, PREFETCHING):
+            return 0  # the store's answer, or its prefix from the store, is on its way: admit it once in
         if self._shares_inflight_prefill(req):
             return 0  # its prefix is being computed right now: reuse it next step
         if not self._adapter_fits(req):

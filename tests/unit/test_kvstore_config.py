@@ -20,6 +20,11 @@ def test_flags_and_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit) as exit_:
         parse_config(KVStoreConfig, ["--kvstore-memory-bytes", "-1"])
     assert exit_.value.code == 2 and "--kvstore-memory-bytes must be >= 0, got -1" in capsys.readouterr().err
+    assert c.kvstore_claim_ttl_s == 10.0
+    assert parse_config(KVStoreConfig, ["--kvstore-claim-ttl-s", "2.5"]).kvstore_claim_ttl_s == 2.5
+    with pytest.raises(SystemExit):
+        parse_config(KVStoreConfig, ["--kvstore-claim-ttl-s", "0"])
+    assert "--kvstore-claim-ttl-s must be > 0, got 0" in capsys.readouterr().err
 
 
 def test_metrics_read_live_stats() -> None:
