@@ -154,7 +154,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                             "kv_pages": info.num_kv_pages, "page_size": info.page_size})
 
     def _kvstore_probe(self, info):
-        """The worker's kvstore, for Exists (blocks this loop for at most its probe timeout)."""
+        """The worker's kvstore, for Exists: the core starts each call without blocking this loop
+        (BlockingKVStore.start_exists, services/scheduler/store_probe.py) and reads an answer that
+        is not in probe_timeout_s after the wait it asked for as a miss."""
         if not info.kvstore_addr:
             return None
         if getattr(self, "_kvstore", None) is None or self._kvstore.address != info.kvstore_addr:
