@@ -123,6 +123,20 @@ def sse_record(sent: float, lines: list[tuple[float, bytes]]) -> RequestRecord:
     return rec
 
 
+def timed_lines(chunks: list[tuple[float, bytes]]) -> list[tuple[float, bytes]]:
+    """The lines of a stream read as timestamped chunks, each at the time of the chunk that
+    completed it. The client reads whatever arrived (one read per gateway write, mostly) and
+    splits lines afterwards: a line-by-line reader costs the client CPU per line, and on a
+    2-core machine that CPU is taken from the system it measures."""
+    lines, pending = [], b""
+    for t, chunk in chunks:
+        *done, pending = (pending + chunk).split(b"\n")
+        lines.extend((t, line) for line in done)
+    if pending:
+        lines.append((chunks[-1][0], pending))
+    return lines
+
+
 def format_table(results: dict) -> str:
     """The printed table: per concurrency, in-process, mesh and their ratio."""
     head = (f"{'conc':>4}  {'':<16}{'ITL mean':>10}{'ITL p50':>10}{'ITL p90':>10}{'TTFT mean':>11}"
@@ -144,15 +158,14 @@ def format_table(results: dict) -> str:
                 f"({'meets' if r['ratio']['itl_mean_ms'] <= TARGET_ITL_RATIO else 'MISSES'} <= {TARGET_ITL_RATIO}x)"
                 for c, r in results.items() if c == 1]
     for c, r in results.items():
-        if c == 1:
-            continue
-        q = r["ratio"]["output_tok_s"]
-        verdicts.append(f"c={c}: mesh throughput {q:.3f}x in-process "
-                        f"({'meets' if q >= TARGET_THROUGHPUT_RATIO else 'MISSES'} >= {TARGET_THROUGHPUT_RATIO}x)")
-        if "front_cpu_ms_per_token" in r:
+        if c != 1:
+            q = r["ratio"]["output_tok_s"]
+            verdicts.append(f"c={c}: mesh throughput {q:.3f}x in-process "
+                            f"({'meets' if q >= TARGET_THROUGHPUT_RATIO else 'MISSES'} >= {TARGET_THROUGHPUT_RATIO}x)")
+        if "front_cpu_ms_per_token" in r:  # the gate is the throughput workload's; c=1 for the record
             ms = r["front_cpu_ms_per_token"]
-            verdicts.append(f"c={c}: front services' CPU {ms:.3f} ms per output token "
-                            f"({'meets' if ms <= TARGET_FRONT_CPU_MS else 'MISSES'} <= {TARGET_FRONT_CPU_MS} ms; "
+            gate = f"{'meets' if ms <= TARGET_FRONT_CPU_MS else 'MISSES'} <= {TARGET_FRONT_CPU_MS} ms; " if c != 1 else ""
+            verdicts.append(f"c={c}: front services' CPU {ms:.3f} ms per output token ({gate}"
                             + ", ".join(f"{k} {v:.3f}" for k, v in r["front_cpu_ms_by_service"].items()) + ")")
     return "\n".join(rows + [""] + verdicts)
 
@@ -242,8 +255,8 @@ class Mesh:
         async with self.session.post(self.url + "/v1/completions", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-            lines = [(time.perf_counter(), line) async for line in r.content]
-        return sse_record(sent, lines)
+            chunks = [(time.perf_counter(), chunk) async for chunk in r.content.iter_any()]
+        return sse_record(sent, timed_lines(chunks))
 
     async def close_session(self) -> None:
         if self.session is not None:

@@ -7,7 +7,8 @@ Budgets, in GiB, from the environment: RADIXMESH_TEST_RSS_BUDGET_GIB for the pyt
 (default 10) and RADIXMESH_TEST_TREE_RSS_BUDGET_GIB for the tree (default 16); the AMD EPYC run of
 2026-12-04 peaked at 6.97 and 7.14 GiB (docs/testing.md). A run over budget
 ends with exit status 1 and says which module was running at the peak.
-Each module's end returns freed memory to the OS (gc, then malloc_trim), as Engine.shutdown does.
+The end of a module that grew the pytest process by more than TRIM_AFTER_BYTES returns freed memory
+to the OS (gc, then malloc_trim), as Engine.shutdown does; a trim costs ~0.1 s, so small modules skip it.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from services.common.host_memory import return_freed_memory
 
 GIB = 1 << 30
 INTERVAL_S = 0.5
+TRIM_AFTER_BYTES = 256 << 20  # a module that grew the process by more than this gives its memory back
 
 
 def tree_rss_bytes(root: psutil.Process) -> int:
@@ -45,11 +47,25 @@ class RssWatch:
     def __init__(self, self_budget: float, tree_budget: float):
         self.budgets = {"pytest process": self_budget, "process tree": tree_budget}
         self.peaks = {"pytest process": Peak(), "process tree": Peak()}
-        self.module = "(collection)"
+        self._module = "(collection)"
+        self._module_start = 0  # the pytest process's RSS when the module began
         self._process = psutil.Process()
         self.module_peaks: dict[str, int] = {}  # the pytest process's peak while each module ran
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, name="rss-watch", daemon=True)
+
+    @property
+    def module(self) -> str:
+        return self._module
+
+    @module.setter
+    def module(self, name: str) -> None:
+        if name != self._module:
+            self._module, self._module_start = name, self._process.memory_info().rss
+
+    def grew_in_module(self) -> bool:
+        """Whether the pytest process's peak in this module rose TRIM_AFTER_BYTES above where it began."""
+        return self.module_peaks.get(self._module, 0) - self._module_start > TRIM_AFTER_BYTES
 
     def start(self) -> None:
         self._thread.start()
@@ -107,7 +123,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if watch is not None:
         watch.sample(tree=False)  # cheap: the background thread walks the tree
     if nextitem is None or nextitem.path != item.path:  # the module's fixtures are torn down
-        return_freed_memory()
+        if watch is None or watch.grew_in_module():
+            return_freed_memory()  # a gc pass and malloc_trim: ~0.1 s, so only after modules that grew
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

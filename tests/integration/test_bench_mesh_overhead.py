@@ -51,6 +51,12 @@ def test_an_sse_stream_becomes_a_record():
         bench.sse_record(0.0, RECORDED[:-1])
 
 
+def test_chunks_become_lines_timed_by_the_chunk_that_completed_them():
+    chunks = [(1.0, b"data: a\n\nda"), (2.0, b"ta: b\n"), (3.0, b"\ndata: [DONE]")]
+    assert bench.timed_lines(chunks) == [(1.0, b"data: a"), (1.0, b""), (2.0, b"data: b"), (3.0, b""),
+                                         (3.0, b"data: [DONE]")]
+
+
 def test_percentiles_match_numpys_linear_rule():
     assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert bench.percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)

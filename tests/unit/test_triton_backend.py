@@ -74,6 +74,7 @@ def _compare(layout, pools, dtype, variants, g, scale=D ** -0.5, window=None):
 VARIANTS = [None, LayerAttention(0.1, window=24), LayerAttention(0.2, softcap=2.0), LayerAttention(0.1, 9, 1.5)]
 
 
+@pytest.mark.slow  # 1.1-1.5 s each under Triton's interpreter: `make test` runs them, `make test-fast` does not
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_a_mixed_step_equals_the_torch_backend(dtype, page_size):
