@@ -235,6 +235,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             ctx = tracing.extract({"traceparent": msg.traceparent}) if msg.traceparent else None
             token = otel_context.attach(ctx) if ctx is not None else None
             try:
+                if not msg.generate.rid:  # the stream's outputs say whose they are by rid
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "rid is required on GenerateStream")
                 with tracing.tracer().start_as_current_span("tokenizer.generate", kind=SpanKind.SERVER,
                                                             attributes={"radixmesh.request_id": msg.generate.rid}):
                     mine[msg.generate.rid] = await self.admit(msg.generate, mux=out)

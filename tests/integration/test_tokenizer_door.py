@@ -265,7 +265,7 @@ async def test_generate_stream_carries_many_requests_refusals_and_cancels(door):
             rid=rid, text="Hello", sampling=cpb.SamplingParams(max_new_tokens=8, **sampling)))
 
     call = stub.GenerateStream(requests())
-    for msg in (generate("a"), generate("b"), generate("bad", temperature=-1.0)):
+    for msg in (generate("a"), generate("b"), generate("bad", temperature=-1.0), generate("")):
         outbox.put_nowait(msg)
     texts: dict[str, str] = {"a": "", "b": ""}
     finished, errors, batches_with_both = set(), {}, 0
@@ -277,10 +277,11 @@ async def test_generate_stream_carries_many_requests_refusals_and_cancels(door):
             if out.HasField("finish"):
                 finished.add(out.rid)
         errors.update({e.rid: e.error for e in batch.errors})
-        if finished == {"a", "b"} and "bad" in errors:
+        if finished == {"a", "b"} and {"bad", ""} <= errors.keys():
             break
     assert texts == {"a": " one two three four", "b": " one two three four"}
     assert errors["bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "temperature" in errors["bad"].message
+    assert errors[""].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "rid" in errors[""].message
     assert batches_with_both > 0  # one message carried both requests' outputs of a step
 
     door.scheduler.tokens = door.tokenizer.encode(" and so on" * 40, add_special_tokens=False)
