@@ -49,5 +49,5 @@ def main(argv: list[str] | None = None) -> int:
         detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(service, server)
         detokenizer2_grpc.add_DetokenizerServicer_to_server(texts, server)
 
-    return run_service("detokenizer", config.common, add_servicers, on_start=on_start, registry=service.registry,
-                       readiness=readiness)
+    return run_service("detokenizer", config.common, add_servicers, on_start=on_start, on_drain=texts.drain,
+                       registry=service.registry, readiness=readiness)

@@ -192,6 +192,15 @@ class OutputRelay:
                 del self._subscribers[subscriber]
                 self._abort_requests_of(subscriber)
 
+    async def drain(self, deadline: float, poll_s: float = 0.05) -> None:
+        """Until the requests it carries have ended (or the deadline nears), then end every Texts
+        stream, so the server's drain does not wait for long-lived calls to time out."""
+        loop = asyncio.get_running_loop()
+        while self._open and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        for queue in self._subscribers.values():
+            queue.put_nowait(None)
+
     def _abort_requests_of(self, subscriber: str) -> None:
         for rid, (reply_to, _) in list(self._open.items()):
             if reply_to == subscriber:

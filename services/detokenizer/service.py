@@ -125,6 +125,15 @@ class TextsServicer(detokenizer2_grpc.DetokenizerServicer):
         self.relay = OutputRelay(self.service.tokenizer, self.readiness, tokens.inc, requests.inc)
         self._task = asyncio.get_running_loop().create_task(self.relay.follow(scheduler_addr), name="outputs-relay")
 
+    async def drain(self, deadline: float) -> None:
+        """The requests in flight end, then the Texts streams, then following the scheduler."""
+        if self.relay is not None:
+            margin = 1.0
+            await self.relay.drain(asyncio.get_running_loop().time() + max(deadline - time.monotonic() - margin, 0))
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
     async def Texts(self, request: pb2.TextsRequest, context: grpc.aio.ServicerContext):
         if self.relay is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the detokenizer is still loading its tokenizer")

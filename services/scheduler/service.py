@@ -307,7 +307,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def drain(self, deadline: float) -> None:
         """Let open requests finish; abort those left shortly before the deadline so their
-        streams end with FINISH_REASON_ABORT rather than being cut; then leave the worker."""
+        streams end with FINISH_REASON_ABORT rather than being cut; end the Outputs stream (a
+        long-lived call would hold the server's drain to its deadline); then leave the worker."""
         margin = min(2.0, 0.25 * self.config.common.drain_timeout_s)
         await _until(lambda: not self._requests, deadline - margin)
         if self._requests and self.core is not None:
@@ -317,6 +318,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     self.core.abort(crid)
             self._wake.set()
             await _until(lambda: not self._requests, deadline)
+        if self._subscriber is not None:  # end the Outputs stream after what it still holds
+            sub, self._subscriber = self._subscriber, None
+            sub.queue.put_nowait(None)
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)

@@ -97,6 +97,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         self.model_info: worker_pb2.WorkerInfo | None = None
         self.subscription = TextSubscription()
         self._side_calls: set[asyncio.Task] = set()
+        self._muxes: set[asyncio.Queue] = set()  # the output queues of the open GenerateStream calls
         r = self.registry = CollectorRegistry()
         self._requests = prom.counter(r, "tokenizer_requests", "Generate calls accepted")
         self._tokenize_time = prom.histogram(r, "tokenize_seconds", "prompt → ids (chat template included)",
@@ -146,6 +147,10 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                                    for rid in list(self._active)), return_exceptions=True)
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        for mux in self._muxes:  # end the GenerateStream calls: long-lived, they would hold the drain
+            mux.put_nowait(None)
+        if getattr(self, "_follow", None) is not None:
+            self._follow.cancel()
 
     # --- RPCs ------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateTextRequest,
@@ -228,6 +233,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         """radixmesh.v2's GenerateStream: requests admitted as they come (each on a task of its
         own, so one being tokenized holds up no other), all their outputs on one stream."""
         out: asyncio.Queue = asyncio.Queue()
+        self._muxes.add(out)
         mine: dict[str, object] = {}  # rid -> RequestStream, admitted on this call
         admitting: set[asyncio.Task] = set()
 
@@ -266,6 +272,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                         del mine[seq.rid]
                 yield batch
         finally:
+            self._muxes.discard(out)
             reader.cancel()
             for task in list(admitting):
                 task.cancel()

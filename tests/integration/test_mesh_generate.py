@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from protos.radixmesh.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
+from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import Engine
 from services.scheduler.config import SchedulerConfig
@@ -102,6 +103,27 @@ def test_n2_seeded_samples_match_the_engine_with_seed_plus_index(mesh, engine):
         assert finish_reason(seqs[i]["finish"]) == "length"
     assert seqs[0]["token_ids"] != seqs[1]["token_ids"]
     assert seqs[1]["usage"][1] == 32 or seqs[0]["usage"][1] == 32  # counters sum over sequences
+
+
+def test_v1_clients_are_still_served_as_v2_ones(mesh):
+    """radixmesh.v2 changed the request path's contracts; v1's Tokenizer.Generate (chunks, then a
+    separate Finish) and Scheduler.Generate (token ids, no text) are still served, and say what v2
+    says: the same tokens, text and finish."""
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=12)
+    v1 = run(mesh, text="The capital of France is", sampling=sampling)[0]
+    assert v1["finishes"] == 1
+    v2_outputs = list(tokenizer2_grpc.TokenizerStub(mesh.channel("tokenizer")).Generate(
+        tokenizer_pb2.GenerateTextRequest(text="The capital of France is", sampling=sampling), timeout=120))
+    outs = [out for msg in v2_outputs for out in msg.outputs]
+    assert "".join(o.text for o in outs) == v1["text"]
+    assert [t for o in outs for t in o.token_ids] == v1["token_ids"]
+    assert [o.finish for o in outs if o.HasField("finish")] == [v1["finish"]]  # once, on the last output
+    ids = [tok for tok in mesh.tokenizer().Tokenize(tokenizer_pb2.TokenizeRequest(
+        texts=tokenizer_pb2.TextBatch(texts=["The capital of France is"])), timeout=30).items[0].ids]
+    raw = collect(mesh.scheduler().Generate(scheduler_pb2.GenerateRequest(
+        rid="v1-scheduler", input_ids=ids, sampling=sampling), timeout=120))[0]
+    assert raw["token_ids"] == v1["token_ids"] and raw["text"] == ""  # ids only: text is downstream
+    assert finish_reason(raw["finish"]) == finish_reason(v1["finish"])
 
 
 def test_stop_string_across_tokens_is_cut_exactly(mesh, engine):

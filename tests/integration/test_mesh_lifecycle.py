@@ -111,7 +111,7 @@ def test_sigterm_under_8_streams_drains_refuses_new_work_and_leaves_nothing():
             reasons.append(finish_reason(events[-1].finish))
         assert reasons == ["length", "abort"] * 4, reasons  # the long ones cut at the deadline, with a proper finish
         # 0: every stage stopped by its deadline (the launcher SIGKILLs a late child, and exits 1).
-        assert mesh.proc.wait(timeout=120) == 0
+        assert mesh.proc.wait(timeout=120) == 0, "".join(mesh.raw_stderr[-40:])
         assert mesh.leftover_children() == []
     finally:
         if stopped:
