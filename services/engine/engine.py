@@ -298,8 +298,8 @@ class Engine:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "abort":
-                for crid in self._requests.end(msg[1]):
+            if msg[0] == "abort":  # the core's abort outputs end the sequences at their sinks
+                for crid in self._requests.core_rids(msg[1]):
                     core.abort(crid)
                 continue
             h: _Handle = msg[1]
