@@ -273,3 +273,10 @@ class RouterFrontV2(tokenizer2_grpc.TokenizerServicer):
     async def Generate(self, request: pb.GenerateTextRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
         async for event in self.front.generate(request, context, V2):
             yield event
+
+    async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        """Not relayed (each request of it could go to another replica): UNIMPLEMENTED, on which a
+        gateway sends each request on a Generate call of its own. The generated base class's
+        NotImplementedError would reach clients as UNKNOWN."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the router relays Generate, not GenerateStream")
+        yield  # an async generator, as grpc.aio expects of a streaming method

@@ -32,6 +32,11 @@ class V2Generate(tokenizer2_grpc.TokenizerServicer):
         async for event in self.v1.Generate(request, context):
             yield v2_response(event)
 
+    async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Not served: a client falls back to Generate (as in front of a router)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this double serves Generate only")
+        yield  # an async generator, as grpc.aio expects of a streaming method
+
 
 def add_both(servicer, server: grpc.aio.Server) -> None:
     """Serve `servicer`'s v1 Tokenizer and its Generate as v2."""
