@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from typing import AsyncIterator
 
@@ -27,6 +28,7 @@ from services.common import tracing
 from services.common.batches import drain_batches
 from services.common.outputs_convert import error_to_proto, output_from_proto, output_to_proto, text_options_from_proto
 from services.common.server import Readiness
+from services.common.side_calls import SideCalls
 from services.detokenizer.sequence_text import SequenceText
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ class OutputRelay:
         self._open: dict[str, tuple[str, set[int]]] = {}  # rid -> (reply_to, indices with state here)
         self._subscribers: dict[str, asyncio.Queue] = {}
         self._scheduler: scheduler2_grpc.SchedulerStub | None = None
-        self._side_calls: set[asyncio.Task] = set()
+        self._aborts = SideCalls("abort at the scheduler")
 
     # --- the scheduler's side ---------------------------------------------------------------
     async def follow(self, scheduler_addr: str) -> None:
@@ -159,16 +161,8 @@ class OutputRelay:
 
     def _side_call(self, request: spb2.AbortRequest) -> None:
         """An Abort that nothing waits for (a lost one costs the tokens the sequence still makes)."""
-        if self._scheduler is None:
-            return
-        task = asyncio.ensure_future(self._scheduler.Abort(request, timeout=10))
-        self._side_calls.add(task)
-        task.add_done_callback(self._side_done)
-
-    def _side_done(self, task: asyncio.Task) -> None:
-        self._side_calls.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("abort at the scheduler failed", extra={"error": str(task.exception())})
+        if self._scheduler is not None:
+            self._aborts.start(self._scheduler.Abort(request, timeout=10))
 
     # --- the tokenizers' side ---------------------------------------------------------------
     def _send(self, subscriber: str, batch: opb.OutputBatch) -> None:
@@ -195,8 +189,7 @@ class OutputRelay:
     async def drain(self, deadline: float, poll_s: float = 0.05) -> None:
         """Until the requests it carries have ended (or the deadline nears), then end every Texts
         stream, so the server's drain does not wait for long-lived calls to time out."""
-        loop = asyncio.get_running_loop()
-        while self._open and loop.time() < deadline:
+        while self._open and time.monotonic() < deadline:
             await asyncio.sleep(poll_s)
         for queue in self._subscribers.values():
             queue.put_nowait(None)

@@ -128,8 +128,7 @@ class TextsServicer(detokenizer2_grpc.DetokenizerServicer):
     async def drain(self, deadline: float) -> None:
         """The requests in flight end, then the Texts streams, then following the scheduler."""
         if self.relay is not None:
-            margin = 1.0
-            await self.relay.drain(asyncio.get_running_loop().time() + max(deadline - time.monotonic() - margin, 0))
+            await self.relay.drain(deadline - 1.0)  # a second left to end the streams
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

@@ -39,11 +39,11 @@ class Usage:
         self.cached[index] = out.cached_tokens
         self.spec[index] = tuple(spec_counters(out).values())
 
-    def request_level(self, out: RequestOutput) -> RequestOutput:
-        """`out` with the request's counters in place of its sequence's."""
+    def request_level(self, out: RequestOutput, **fields) -> RequestOutput:
+        """A copy of `out` with the request's counters in place of its sequence's (and `fields`)."""
         spec = {name: sum(counts[i] for counts in self.spec.values()) for i, name in enumerate(SPEC_COUNTERS)}
         return replace(out, prompt_tokens=self.prompt_tokens, completion_tokens=sum(self.completion.values()),
-                       cached_tokens=min(self.cached.values(), default=0), **spec)
+                       cached_tokens=min(self.cached.values(), default=0), **spec, **fields)
 
 
 @dataclass(eq=False)
@@ -110,7 +110,7 @@ class OpenRequests:
             if index not in req.open:
                 continue
             req.usage.update(index, out)
-            routed.append((req, req.usage.request_level(replace(out, rid=req.rid, index=index))))
+            routed.append((req, req.usage.request_level(out, rid=req.rid, index=index)))
             if out.finish_reason is FinishReason.ERROR:
                 req.open.clear()
             elif out.finished:

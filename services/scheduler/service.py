@@ -57,6 +57,7 @@ from services.common.admin_forward import carry_model_state
 from services.common.convert import sampling_from_proto
 from services.common.outputs import FinishReason, RequestOutput, spec_counters
 from services.common.outputs_convert import error_to_proto, output_to_proto
+from services.common.refusal import Refused
 from services.common.sampling_params import InvalidRequest
 from services.common.server import Readiness
 from services.scheduler.convert import carry_counters, output_events, stats_proto
@@ -332,24 +333,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     # --- intake ----------------------------------------------------------------------
     def admit(self, rid: str, ids: list[int], sampling_msg, n: int, namespace: str, adapter: str,
               owner: _Owner) -> None:
-        """Queue a request for `owner`. Raises _Refused with the gRPC code."""
+        """Queue a request for `owner`. Raises Refused with the gRPC code."""
         core = self.core
         if core is None or not self.connected:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the scheduler has no worker connected")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the scheduler has no worker connected")
         if self.stalled is not None:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, self.stalled)
+            raise Refused(grpc.StatusCode.UNAVAILABLE, self.stalled)
         if owner.queue is None and self._subscriber is None:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, "no detokenizer is reading the scheduler's outputs")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "no detokenizer is reading the scheduler's outputs")
         if not rid:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "rid is required")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "rid is required")
         sampling = sampling_from_proto(sampling_msg)
         try:
             req = self._requests.submit(core, rid, ids, sampling, n, namespace, adapter, owner)
         except InvalidRequest as e:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except QueueFull as e:
             self._wake.set()
-            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         for i, crid in enumerate(req.core_rids):
             self.telemetry.submitted(crid, len(ids), sampling, i)
         if owner.text_options is not None and tracing.enabled():  # the detokenizer's span joins the trace
@@ -389,7 +390,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             self.admit(rid, list(request.input_ids), request.sampling, request.n if request.HasField("n") else 1,
                        request.namespace, request.adapter, owner)
-        except _Refused as e:
+        except Refused as e:
             await context.abort(e.code, e.message)
         req = self._requests.requests[rid]
         try:
@@ -460,7 +461,7 @@ class OutputsServicer(scheduler2_grpc.SchedulerServicer):
             self.service.admit(request.rid, list(request.input_ids), request.sampling,
                                request.n if request.HasField("n") else 1, request.namespace, request.adapter,
                                _Owner(text_options=options))
-        except _Refused as e:
+        except Refused as e:
             await context.abort(e.code, e.message)
         return spb2.SubmitResponse()
 
@@ -477,12 +478,6 @@ class OutputsServicer(scheduler2_grpc.SchedulerServicer):
                 yield batch
         finally:
             self.service.unsubscribe(sub)
-
-
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 async def _until(done, deadline: float, poll_s: float = 0.05) -> None:

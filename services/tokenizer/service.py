@@ -43,8 +43,10 @@ from services.common import tracing
 from services.common.batches import drain_batches
 from services.common.convert import sampling_from_proto
 from services.common.logging import request_context
+from services.common.refusal import Refused
 from services.common.request_limits import check_request_limits
 from services.common.sampling_params import InvalidRequest
+from services.common.side_calls import SideCalls
 from services.common.text_options import CONTEXT_IDS
 from services.tokenizer.subscription import TextSubscription
 from services.tokenizer.text_tokenizer import load_tokenizer
@@ -96,7 +98,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         self.tokenizer = None
         self.model_info: worker_pb2.WorkerInfo | None = None
         self.subscription = TextSubscription()
-        self._side_calls: set[asyncio.Task] = set()
+        self._aborts = SideCalls("abort at the scheduler")
         self._muxes: set[asyncio.Queue] = set()  # the output queues of the open GenerateStream calls
         r = self.registry = CollectorRegistry()
         self._requests = prom.counter(r, "tokenizer_requests", "Generate calls accepted")
@@ -227,7 +229,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             self.subscription.close(stream.rid)
         if stream.open:
             stream.open.clear()
-            self._side_call(self.scheduler2.Abort(spb2.AbortRequest(rid=stream.rid), timeout=10))
+            self._aborts.start(self.scheduler2.Abort(spb2.AbortRequest(rid=stream.rid), timeout=10))
 
     async def generate_stream(self, request_iterator, context: grpc.aio.ServicerContext):
         """radixmesh.v2's GenerateStream: requests admitted as they come (each on a task of its
@@ -290,12 +292,6 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         if request.HasField("n"):
             sreq.n = request.n
         return sreq
-
-    def _side_call(self, call) -> None:
-        """A call nothing waits for (an abort: the request's reader is gone)."""
-        task = asyncio.ensure_future(call)
-        self._side_calls.add(task)
-        task.add_done_callback(lambda t: (self._side_calls.discard(t), t.cancelled() or t.exception()))
 
     def _check(self, request: pb.GenerateTextRequest, rid: str) -> None:
         """The checks the gateway makes on HTTP, made here for gRPC clients: raise InvalidRequest."""
@@ -489,10 +485,3 @@ class TokenizerV2(tokenizer2_grpc.TokenizerServicer):
         async for batch in self.service.generate_stream(request_iterator, context):
             yield batch
 
-
-class Refused(Exception):
-    """A request the tokenizer (or the scheduler behind it) will not take: (grpc code, message)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
