@@ -26,7 +26,7 @@ tokenizer, detokenizer, scheduler, the launcher) during the mesh's throughput ru
 Gates (printed, never asserted): mesh / in-process throughput >= 0.95, front CPU <= 0.3 ms per
 output token, single-stream mesh ITL <= 1.05x in-process.
 
-    .venv/bin/python bench/mesh_overhead.py [--json out.json]
+    .venv/bin/python bench/mesh_overhead.py [--mesh-flags "--pin-lead-cpu 1"] [--json out.json]
 """
 from __future__ import annotations
 
@@ -330,6 +330,7 @@ def main() -> int:
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="default: both sides' own default")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh-flags", default="", help='extra `radixmesh up` flags, e.g. "--pin-lead-cpu 1"')
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
 
@@ -342,7 +343,7 @@ def main() -> int:
     engine = InProcess(args)
     print("starting radixmesh up ...", flush=True)
     try:
-        mesh = Mesh(args)
+        mesh = Mesh(args, args.mesh_flags.split())
     except BaseException:
         engine.close()
         raise
