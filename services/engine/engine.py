@@ -46,7 +46,7 @@ from services.worker.config import WorkerConfig
 from services.worker.host_pool import attach_tiers
 from services.worker.info import worker_info
 from services.worker.loader.checkpoint import Checkpoint, load_checkpoint
-from services.worker.model_runner import ModelRunner
+from services.worker.parallel.group import create_runner
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class Engine:
         here, where every step runs. Measured: the offline throughput workload 545 → 634
         tok/s on 2 cores (docs/benchmarks.md)."""
         checkpoint = checkpoint or load_checkpoint(path, worker.quantization)  # gguf: no float32 copy of the blocks
-        runner = ModelRunner(worker, checkpoint)
+        runner = create_runner(worker, checkpoint, hicache)  # a worker group's leader with --tp-size > 1
         kvstore, tiers = attach_tiers(runner, hicache, checkpoint.source, cache_on=cache_on)
         return runner, kvstore, tiers
 

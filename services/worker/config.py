@@ -126,6 +126,18 @@ class WorkerConfig:
         "help": "LoRA: adapters resident at once for batched application (a step uses at most this many; "
                 "others wait on the host, least recently used evicted first); 0: no LoRA serving"})
     max_lora_rank: int = field(default=64, metadata={"help": "LoRA: the largest adapter rank accepted"})
+    tp_size: int = field(default=1, metadata={
+        "help": "tensor parallelism: split each layer over this many worker processes (ranks) joined by "
+                "torch.distributed (gloo); the worker is rank 0 and starts the others (services/worker/parallel). "
+                "It must divide the attention heads; each rank holds its share of the weights and KV"})
+    dist_init_addr: str | None = field(default=None, metadata={
+        "help": "HOST:PORT of the group's torch.distributed rendezvous (default: a free loopback port)"})
+    dist_timeout_s: float = field(default=30.0, metadata={
+        "help": "a worker group's collectives fail after this long without every rank (a dead or hung rank "
+                "is an error, never a hang)"})
+    cpu_cores: tuple[int, ...] = field(default=(), metadata={
+        "help": "the CPUs a worker group splits between its ranks, each rank a contiguous equal share "
+                "(default: every CPU this process may use)"})
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -185,6 +197,10 @@ class WorkerConfig:
         if self.max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
         parse_lora_paths(self.lora_paths)  # raises on a malformed entry
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"--dist-timeout-s must be > 0, got {self.dist_timeout_s}")
 
     @property
     def lora_adapters(self) -> tuple[tuple[str, str], ...]:

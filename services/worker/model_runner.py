@@ -36,6 +36,8 @@ from services.worker.model.layer_ops import create_layer_ops
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.registry import model_class
 from services.worker.model.weight_bytes import format_bytes, resident_weight_bytes, weight_formats
+from services.worker.parallel.communicator import Communicator, Solo
+from services.worker.parallel.tensor_parallel import TensorShard
 from services.worker.sampler_inputs import run_sampler
 from services.worker.speculative.drafter import Drafter, DraftRequest, create_drafter
 
@@ -68,7 +70,8 @@ class ModelRunner:
     # the previous step's result then: services/worker/step_loop.py). Must be cheap.
     on_compute: Callable[[], None] | None = None
 
-    def __init__(self, config: WorkerConfig, checkpoint: Checkpoint):
+    def __init__(self, config: WorkerConfig, checkpoint: Checkpoint, comm: Communicator | None = None):
+        """comm: this rank's worker group (services/worker/parallel); None: a group of one."""
         if config.num_threads:  # every backend's torch ops
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -79,9 +82,17 @@ class ModelRunner:
         mc = checkpoint.config
         if config.context_length:
             mc = _with_context(mc, config.context_length)
-        self.model_config: ModelConfig = mc
-        self.model = build_model(mc, checkpoint.tensors, config.torch_dtype, self.device,
+        self.model_config: ModelConfig = mc  # the whole model's; its shard's (local) is self.model.config
+        self.comm = comm or Solo()
+        local = mc  # the model this rank computes
+        if self.comm.world_size > 1:  # its heads, MLP share and vocabulary rows
+            shard = TensorShard(mc, self.comm.rank, self.comm.world_size)
+            local = shard.config
+            checkpoint = Checkpoint(local, shard.tensors(checkpoint.tensors), checkpoint.source)
+        self.model = build_model(local, checkpoint.tensors, config.torch_dtype, self.device,
                                  checkpoint.quantized, config.quantization)
+        if self.comm.world_size > 1:
+            shard.install(self.model, self.comm)
         # oneDNN prepacking is a CPU layout; on CUDA the linears run on the dense weights.
         self.prepacked = config.prepack_weights and self.device.type == "cpu" and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
@@ -89,8 +100,8 @@ class ModelRunner:
         self.backend = create_backend(config.resolved_attention_backend, scale=mc.head_dim ** -0.5,
                                       sliding_window=mc.sliding_window)
         self.attach_backend(checkpoint)
-        self.kv_spec = KVPoolSpec.from_budget(
-            mc, config.page_size, config.kv_torch_dtype,  # FP8 (--kv-cache-dtype): the budget holds 2x the tokens
+        self.kv_spec = KVPoolSpec.from_budget(  # this rank's KV heads
+            local, config.page_size, config.kv_torch_dtype,  # FP8 (--kv-cache-dtype): the budget holds 2x the tokens
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction, self.device)
         # CUDA graphs pad decode steps with rows that write one scratch page past the scheduler's.
         self.pool = KVPool(self.kv_spec, self.device, extra_pages=1 if config.uses_cuda_graphs else 0)

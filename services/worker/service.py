@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,8 @@ from services.step.convert import plan_from_proto, result_to_proto
 from services.worker.config import WorkerConfig
 from services.worker.info import worker_info
 from services.worker.step_loop import StepLoop
+
+GROUP_LOST_EXIT_S = 1.0  # from a group's lost rank to the worker's exit
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # torch is imported here, not at module level: `radixmesh serve` of the
         # other services imports this package's siblings without paying for it.
         from services.worker.loader.checkpoint import load_checkpoint
-        from services.worker.model_runner import ModelRunner
+        from services.worker.parallel.group import create_runner
 
         from services.worker.attention.cpu_backend import CpuBackend
         from services.worker.lead_cpu import thread_ids
@@ -106,7 +109,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         before = thread_ids() - {threading.get_native_id()}  # the event loop's and gRPC's threads
         path = resolve_model_path(self.config.model)
         checkpoint = load_checkpoint(path, self.config.quantization)  # gguf: no float32 copy of the blocks
-        runner = ModelRunner(self.config, checkpoint)
+        runner = create_runner(self.config, checkpoint, self.hicache, on_lost=self._group_lost)
         lead_cpu = runner.backend.lead_cpu if isinstance(runner.backend, CpuBackend) else None
         if lead_cpu is not None:  # threads they start later inherit their CPUs
             lead_cpu.move_off(before)
@@ -254,6 +257,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def model_changed(self, state) -> None:
         """An admin call changed adapters or weights (an admin_pb2.ModelState): GetInfo follows."""
         carry_model_state(self.info, state)
+
+    @staticmethod
+    def _group_lost(why: str) -> None:
+        """A rank of this worker's group died (its watchdog's thread): the group cannot step any
+        more. The step in flight has failed at its collective, so the scheduler has its error;
+        after a moment for that error to reach the clients, the worker exits, naming the rank,
+        and its launcher stops the mesh."""
+        log.error("worker group broken: %s; exiting", why)
+        time.sleep(GROUP_LOST_EXIT_S)
+        os._exit(1)
 
     def _reset(self) -> None:
         """Drop every request's state: a new stream's scheduler knows none of them."""

@@ -1,0 +1,86 @@
+"""A follower rank of a worker group (group.py): it runs what its leader sends, in order.
+
+Started by the leader with two pipe descriptors: commands in (a RankSetup first, then
+("execute", plan), ("compute_logits", plan), ("reset",), ("stop",)), and one reply out ("ready" once its shard is built,
+or ("error", why)). It joins the group's process group before loading, so the leader's join
+does not wait for a load. Any failure ends the process: the leader's watchdog names the rank,
+and the leader's next collective fails instead of hanging.
+
+    python -m services.worker.parallel.follower --cmd-fd N --reply-fd M
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+log = logging.getLogger("services.worker.parallel.follower")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.worker.parallel.follower", description=__doc__)
+    p.add_argument("--cmd-fd", type=int, required=True)
+    p.add_argument("--reply-fd", type=int, required=True)
+    args = p.parse_args(argv)
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # the leader's death ends it
+    commands = Connection(args.cmd_fd, writable=False)
+    replies = Connection(args.reply_fd, readable=False)
+    setup = commands.recv()
+    from services.common.logging import setup_logging
+    setup_logging(f"worker-rank{setup.rank}")
+    try:
+        runner = _build(setup)
+    except Exception as exc:
+        log.exception("rank %d failed to start", setup.rank)
+        replies.send(("error", f"{type(exc).__name__}: {exc}"))
+        return 1
+    replies.send(("ready", ""))
+    try:
+        return _follow(commands, runner)
+    finally:
+        runner.close()
+        from services.worker.parallel.communicator import leave_group
+        leave_group()
+
+
+def _build(setup):
+    """On the main thread, which runs every step (load_checkpoint reads on a thread of its own)."""
+    from services.worker.loader.checkpoint import load_checkpoint
+    from services.worker.model_runner import ModelRunner
+    from services.worker.parallel.communicator import GlooCommunicator, init_group
+    if setup.cpus:
+        os.sched_setaffinity(0, setup.cpus)
+    init_group(setup.init_method, setup.rank, setup.world_size, setup.config.dist_timeout_s)
+    checkpoint = load_checkpoint(setup.source, setup.config.quantization)
+    return ModelRunner(setup.config, checkpoint, comm=GlooCommunicator())
+
+
+def _follow(commands: Connection, runner) -> int:
+    """Run the leader's commands until it says stop or goes away."""
+    while True:
+        try:
+            command = commands.recv()
+        except EOFError:
+            log.info("the leader closed the group's pipe: exiting")
+            return 0
+        kind = command[0]
+        if kind == "execute":
+            runner.execute(command[1])  # the leader answers; every rank sampled the same tokens
+        elif kind == "compute_logits":
+            runner.compute_logits(command[1])
+        elif kind == "reset":
+            runner.reset()
+        elif kind == "stop":
+            return 0
+        else:
+            raise ValueError(f"unknown worker group command {kind!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""A worker group: one replica's model over `--tp-size` processes joined by torch.distributed.
+
+The leader (the worker service's process, or the Engine's) is rank 0. It starts ranks 1..N-1
+as child processes (follower.py), joins the group with them, and builds its own shard. From
+then on everything that changes a rank's state goes to every rank, in the same order: each
+step's plan is sent to the followers (a pipe each, pickled) just before the leader runs it, so
+all ranks run the same batch and meet at the same collectives. Only the leader answers the
+scheduler; a follower's result is dropped (every rank samples the same tokens from the same
+gathered logits).
+
+Faults: a watchdog notices a follower that exits within `WATCH_S` and reports it by rank
+(`on_lost`); a collective with a dead or hung peer fails within the group's timeout
+(`--dist-timeout-s`) instead of hanging. Followers die with their leader (their command pipe
+closes, and PR_SET_PDEATHSIG).
+
+Cores: with at least as many CPUs as ranks, rank r runs on its own contiguous share of them
+(`--cpu-cores` picks the set), with one thread per core; with fewer, every rank runs one thread
+and the kernel spreads them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Callable
+
+from services.worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 0.25  # how often the watchdog looks at the followers
+READY_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a follower needs to become rank `rank`: sent over its command pipe first."""
+    rank: int
+    world_size: int
+    init_method: str  # tcp://host:port, the group's rendezvous
+    config: WorkerConfig  # the leader's, as each rank runs it (threads and cores its own)
+    source: str  # the checkpoint's path; each rank loads it and keeps its shard
+    cpus: tuple[int, ...]  # () = no pinning
+
+
+def group_refusal(config: WorkerConfig, hicache=None) -> str | None:
+    """Why this configuration cannot run as a group yet, or None."""
+    if config.tp_size == 1:
+        return None
+    if config.device != "cpu":
+        return f"--tp-size {config.tp_size} runs on --device cpu only for now (NCCL groups are not built yet)"
+    if config.quantization in ("gguf", "int8", "fp8"):
+        return f"--tp-size {config.tp_size} needs dense weights: --quantization {config.quantization} is not sharded yet"
+    if config.speculative_algorithm:
+        return f"--tp-size {config.tp_size} with --speculative-algorithm is not supported yet"
+    if config.lora_paths:
+        return f"--tp-size {config.tp_size} with LoRA adapters (--lora-paths) is not supported yet"
+    if hicache is not None and (hicache.host_kv_ratio or hicache.kvstore_addr):
+        return f"--tp-size {config.tp_size} with a host KV tier or a kvstore is not supported yet"
+    return None
+
+
+def rank_cpus(tp: int, allowed: list[int] | None = None) -> list[tuple[int, ...]]:
+    """Each rank's CPUs: contiguous equal shares when there are at least tp CPUs, else none (())."""
+    cpus = sorted(os.sched_getaffinity(0)) if allowed is None else sorted(allowed)
+    if len(cpus) < tp:
+        return [()] * tp
+    share = len(cpus) // tp
+    return [tuple(cpus[r * share:(r + 1) * share]) for r in range(tp)]
+
+
+def rank_config(config: WorkerConfig, cpus: tuple[int, ...]) -> WorkerConfig:
+    """The config a rank runs: a thread per CPU of its own (one when it has none), no LoRA slots."""
+    threads = config.num_threads or max(1, len(cpus))
+    return replace(config, num_threads=threads, max_loras=0)
+
+
+def free_init_method(host: str = "127.0.0.1") -> str:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+class Follower:
+    """One follower process and its pipes (commands in, one 'ready' or error out)."""
+
+    def __init__(self, setup: RankSetup) -> None:
+        self.rank = setup.rank
+        cmd_read, cmd_write = os.pipe()
+        reply_read, reply_write = os.pipe()
+        argv = [sys.executable, "-m", "services.worker.parallel.follower",
+                "--cmd-fd", str(cmd_read), "--reply-fd", str(reply_write)]
+        self.proc = subprocess.Popen(argv, pass_fds=(cmd_read, reply_write), start_new_session=False)
+        os.close(cmd_read)
+        os.close(reply_write)
+        self.commands = Connection(cmd_write, readable=False)
+        self.replies = Connection(reply_read, writable=False)
+        self.commands.send(setup)
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.replies.poll(READY_POLL_S):
+                kind, detail = self._reply()
+                if kind == "ready":
+                    return
+                raise RuntimeError(f"worker rank {self.rank} failed to start: {detail}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker rank {self.rank} (pid {self.proc.pid}) exited with code "
+                                   f"{self.proc.returncode} while starting")
+        raise TimeoutError(f"worker rank {self.rank} (pid {self.proc.pid}) was not ready in time")
+
+    def _reply(self) -> tuple[str, str]:
+        try:
+            return self.replies.recv()
+        except EOFError:
+            return "error", "it closed its reply pipe"
+
+    def send(self, command: tuple) -> None:
+        try:
+            self.commands.send(command)
+        except (BrokenPipeError, OSError) as exc:
+            raise RuntimeError(f"worker rank {self.rank} (pid {self.proc.pid}) is gone: {exc}") from None
+
+    def stop(self, timeout_s: float) -> None:
+        try:
+            self.commands.send(("stop",))
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.commands.close()
+        self.replies.close()
+
+
+class WorkerGroup:
+    """The leader's side: its followers, started and watched."""
+
+    def __init__(self, config: WorkerConfig, source: str, on_lost: Callable[[str], None] | None = None) -> None:
+        from services.worker.parallel.communicator import init_group
+        tp = config.tp_size
+        self.init_method = config.dist_init_addr and f"tcp://{config.dist_init_addr}" or free_init_method()
+        self.cpus = rank_cpus(tp, list(config.cpu_cores) or None)
+        self.config = rank_config(config, self.cpus[0])
+        self.on_lost = on_lost or (lambda why: log.error("worker group lost a rank", extra={"error": why}))
+        self.followers: list[Follower] = []
+        self._closing = False
+        try:
+            for rank in range(1, tp):
+                self.followers.append(Follower(RankSetup(rank, tp, self.init_method, rank_config(config, self.cpus[rank]),
+                                                         source, self.cpus[rank])))
+            init_group(self.init_method, 0, tp, config.dist_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self._watch = threading.Thread(target=self._watchdog, name="worker-group-watch", daemon=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """After the leader built its own shard: every follower built its own."""
+        deadline = time.monotonic() + timeout_s
+        for f in self.followers:
+            f.wait_ready(deadline)
+        self._watch.start()
+        log.info("worker group ready", extra={"tp_size": len(self.followers) + 1, "init_method": self.init_method,
+                                               "cpus": [list(c) for c in self.cpus]})
+
+    def send(self, command: tuple) -> None:
+        for f in self.followers:
+            f.send(command)
+
+    def _watchdog(self) -> None:
+        while not self._closing:
+            for f in self.followers:
+                code = f.proc.poll()
+                if code is not None and not self._closing:
+                    self._closing = True
+                    self.on_lost(f"worker rank {f.rank} (pid {f.proc.pid}) exited with code {code}")
+                    return
+            time.sleep(WATCH_S)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        from services.worker.parallel.communicator import leave_group
+        self._closing = True
+        for f in self.followers:
+            f.stop(timeout_s)
+        self.followers = []
+        leave_group()
+
+
+class GroupRunner:
+    """The leader's ModelRunner, whose state-changing calls run on every rank in the same order.
+    Everything else (the pool's facts, the model config, hooks the worker sets) is the leader's."""
+
+    def __init__(self, runner, group: WorkerGroup) -> None:
+        object.__setattr__(self, "runner", runner)
+        object.__setattr__(self, "group", group)
+
+    def execute(self, plan, defer: bool = False):
+        self.group.send(("execute", plan))
+        return self.runner.execute(plan, defer)
+
+    def compute_logits(self, plan):
+        """A plan's forward without sampling (the architecture tests' path)."""
+        self.group.send(("compute_logits", plan))
+        return self.runner.compute_logits(plan)
+
+    def reset(self) -> None:
+        self.group.send(("reset",))
+        self.runner.reset()
+
+    def close(self) -> None:
+        try:
+            self.group.close()
+        finally:
+            self.runner.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.runner, name, value)
+
+
+def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Callable[[str], None] | None = None):
+    """The worker's runner: a plain ModelRunner for a group of one, else the leader of a group
+    (the followers started, joined and loaded). Call on the thread that will run the steps."""
+    from services.worker.model_runner import ModelRunner
+    if config.tp_size == 1:
+        return ModelRunner(config, checkpoint)
+    why = group_refusal(config, hicache)
+    if why is not None:
+        raise ValueError(why)
+    from services.worker.parallel.communicator import GlooCommunicator
+    from services.worker.parallel.tensor_parallel import TensorShard
+    TensorShard(checkpoint.config, 0, config.tp_size)  # a TP size the model cannot take: refused before any start
+    group = WorkerGroup(config, checkpoint.source, on_lost)
+    try:
+        if group.cpus[0]:
+            os.sched_setaffinity(0, group.cpus[0])  # this (the step) thread; its OpenMP team inherits it
+        runner = ModelRunner(group.config, checkpoint, comm=GlooCommunicator())
+        group.wait_ready(config.dist_timeout_s + 600)
+    except BaseException:
+        group.close()
+        raise
+    return GroupRunner(runner, group)

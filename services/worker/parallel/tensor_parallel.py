@@ -1,0 +1,212 @@
+"""Tensor parallelism as an addition to a plain model: shard its config and checkpoint, then
+let a few hooks sum and gather across the group. No model class has a parallel copy.
+
+Each rank builds the registry's own class from a rank-local config (its heads, its share of
+the MLP and of the vocabulary) and loads its slices of the HF-named checkpoint tensors:
+- q/k/v (and a Phi-3 fused qkv) column-parallel by head; o row-parallel by the same heads.
+  With more ranks than KV heads each KV head is replicated on the ranks whose query heads
+  read it (tp must then be a multiple of the KV heads).
+- gate/up column-parallel, down row-parallel, over the intermediate size; a sparse MoE
+  block's experts likewise over moe_intermediate_size (the router stays whole).
+- the embedding and the LM head vocabulary-parallel: rank r holds rows [r V/tp, (r+1) V/tp)
+  (the last shard padded with zero rows).
+Then (install): the attention block's and the MLP block's outputs are summed over the group
+(one all-reduce each per layer); the embedding looks up only its rows, zeroes the others and
+is summed; the LM head's logits are gathered and cut back to the vocabulary.
+
+Norms, RoPE, q/k norms and the router are replicated. Every rank ends a step with the same
+float32 logits, bit for bit, so every rank samples the same tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from services.worker.model.config import ModelConfig
+from services.worker.parallel.communicator import Communicator
+
+
+def tp_refusal(mc: ModelConfig, tp: int) -> str | None:
+    """Why a model cannot be split over tp ranks, or None when it can."""
+    if tp < 1:
+        return f"--tp-size must be >= 1, got {tp}"
+    heads, kv = mc.num_attention_heads, mc.num_key_value_heads
+    if heads % tp:
+        return f"--tp-size {tp} does not divide the model's {heads} attention heads"
+    if kv % tp and tp % kv:
+        return (f"--tp-size {tp} neither divides the model's {kv} KV heads nor is a multiple of them "
+                "(so KV heads cannot be split or replicated evenly)")
+    if mc.intermediate_size % tp:
+        return f"--tp-size {tp} does not divide the MLP's intermediate size {mc.intermediate_size}"
+    if mc.num_experts and mc.moe_intermediate_size % tp:
+        return f"--tp-size {tp} does not divide the experts' intermediate size {mc.moe_intermediate_size}"
+    return None
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """Rank `rank` of `size`: which heads, MLP columns and vocabulary rows it holds."""
+    full: ModelConfig
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        why = tp_refusal(self.full, self.size)
+        if why is not None:
+            raise ValueError(why)
+
+    @property
+    def heads(self) -> int:
+        return self.full.num_attention_heads // self.size
+
+    @property
+    def kv_heads(self) -> int:
+        return max(1, self.full.num_key_value_heads // self.size)
+
+    @property
+    def first_kv_head(self) -> int:
+        """The full model's index of this rank's first KV head."""
+        full = self.full
+        if full.num_key_value_heads >= self.size:
+            return self.rank * self.kv_heads
+        group = full.num_attention_heads // full.num_key_value_heads  # query heads per KV head
+        return self.rank * self.heads // group
+
+    @property
+    def vocab_rows(self) -> int:
+        return -(-self.full.vocab_size // self.size)
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model this rank builds: its heads, MLP share and vocabulary rows."""
+        f = self.full
+        return replace(f, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                       intermediate_size=f.intermediate_size // self.size,
+                       moe_intermediate_size=f.moe_intermediate_size // self.size,
+                       vocab_size=self.vocab_rows)
+
+    # --- the checkpoint ------------------------------------------------------------------
+
+    def tensors(self, full_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF name → this rank's slice, for every tensor of the full checkpoint."""
+        return {name: self.slice(name, t) for name, t in _unfused(full_tensors, self.full).items()}
+
+    def slice(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """One HF-named tensor → this rank's part of it (a replicated one as it is)."""
+        f, D = self.full, self.full.head_dim
+        leaf = name.rsplit(".", 1)[-1] if name.endswith((".weight", ".bias")) else ""
+        base = name.removesuffix(f".{leaf}") if leaf else name
+        if base.endswith("self_attn.q_proj"):
+            return _rows(t, self.rank * self.heads * D, self.heads * D)
+        if base.endswith(("self_attn.k_proj", "self_attn.v_proj")):
+            return _rows(t, self.first_kv_head * D, self.kv_heads * D)
+        if base.endswith("self_attn.o_proj"):
+            return self._row_parallel(t, leaf, self.rank * self.heads * D, self.heads * D)
+        if base.endswith(("mlp.gate_proj", "mlp.up_proj")):
+            return _rows(t, *self._share(f.intermediate_size))
+        if base.endswith("mlp.gate_up_proj"):  # Phi-3 stores [gate; up] fused: split each half
+            gate, up = t.chunk(2, dim=0)
+            return torch.cat([_rows(gate, *self._share(f.intermediate_size)),
+                              _rows(up, *self._share(f.intermediate_size))], 0)
+        if base.endswith("mlp.down_proj"):
+            return self._row_parallel(t, leaf, *self._share(f.intermediate_size))
+        if ".mlp.experts." in name:
+            return self._expert(name, t)
+        if base.endswith(("embed_tokens", "lm_head")):
+            return _padded_rows(t, self.rank * self.vocab_rows, self.vocab_rows)
+        return t
+
+    def _share(self, n: int) -> tuple[int, int]:
+        """(start, length) of this rank's equal share of n columns or rows."""
+        part = n // self.size
+        return self.rank * part, part
+
+    def _row_parallel(self, t: torch.Tensor, leaf: str, start: int, length: int) -> torch.Tensor:
+        """A row-parallel linear's weight [out, in] → its input columns; a bias is added once
+        (rank 0 keeps it, the others hold zeros) since the outputs are summed."""
+        if leaf == "bias":
+            return t if self.rank == 0 else torch.zeros_like(t)
+        return t[:, start:start + length].contiguous()
+
+    def _expert(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Per-expert (experts.{e}.gate_proj ...) or stacked (experts.gate_up_proj [E, 2I, H],
+        experts.down_proj [E, H, I]) expert weights → this rank's share of their intermediate size."""
+        start, length = self._share(self.full.moe_intermediate_size)
+        if name.endswith(("gate_proj.weight", "up_proj.weight")) and t.dim() == 2:
+            return _rows(t, start, length)
+        if name.endswith("down_proj.weight") and t.dim() == 2:
+            return t[:, start:start + length].contiguous()
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            return torch.cat([gate[:, start:start + length], up[:, start:start + length]], 1).contiguous()
+        if name.endswith("experts.down_proj"):
+            return t[:, :, start:start + length].contiguous()
+        raise ValueError(f"tensor parallelism does not know how to split expert tensor {name!r}")
+
+    # --- the model ------------------------------------------------------------------------
+
+    def install(self, model: nn.Module, comm: Communicator) -> None:
+        """Make the rank's model compute its part of the full model: sums and gathers as hooks."""
+        if comm.world_size != self.size or comm.rank != self.rank:
+            raise ValueError(f"shard {self.rank}/{self.size} given communicator {comm.rank}/{comm.world_size}")
+
+        def summed(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+            return comm.all_reduce(out)
+
+        for layer in model.layers:
+            layer.self_attn.register_forward_hook(summed)
+            layer.mlp.register_forward_hook(summed)
+        _vocab_parallel_embedding(model.embed_tokens, self.rank * self.vocab_rows, comm)
+        vocab = self.full.vocab_size
+        if model.lm_head is None:
+            raise ValueError("install() needs the model's LM head: call it after build_model (tie_lm_head)")
+        model.lm_head.register_forward_hook(lambda _m, _i, out: comm.all_gather(out)[..., :vocab])
+
+
+def _vocab_parallel_embedding(embedding: nn.Module, first_row: int, comm: Communicator) -> None:
+    """Rank r's embedding holds rows [first_row, first_row + n): it looks up the ids in its range,
+    zero rows for the rest, and the group sums the rows."""
+    rows = embedding.weight.shape[0]
+    outside: list[torch.Tensor] = []  # the mask of the call in flight: the pre-hook's, for the hook
+
+    def local_ids(_module, inputs):
+        (ids,) = inputs  # [T] int64
+        local = ids - first_row
+        mask = (local < 0) | (local >= rows)  # [T] bool
+        outside[:] = [mask]
+        return (local.masked_fill(mask, 0),)
+
+    def summed(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+        out = out.masked_fill(outside.pop().unsqueeze(-1), 0)  # [T, hidden]
+        return comm.all_reduce(out)
+
+    embedding.register_forward_pre_hook(local_ids)
+    embedding.register_forward_hook(summed)
+
+
+def _rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    return t[start:start + length].contiguous()
+
+
+def _padded_rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Rows [start, start + length) of t, zero rows past its end."""
+    part = t[start:start + length]
+    if part.shape[0] == length:
+        return part.contiguous()
+    pad = torch.zeros((length - part.shape[0], *t.shape[1:]), dtype=t.dtype)
+    return torch.cat([part, pad], 0)
+
+
+def _unfused(tensors: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
+    """A checkpoint with Phi-3's fused qkv_proj split into q/k/v (each is split by heads of its own)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if ".self_attn.qkv_proj." in name:
+            q, k, v = t.split([mc.q_size, mc.kv_size, mc.kv_size], dim=0)
+            for part, value in zip("qkv", (q, k, v)):
+                out[name.replace("qkv_proj", f"{part}_proj")] = value
+        else:
+            out[name] = t
+    return out
