@@ -173,7 +173,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         steps = StepLoop(self.runner, self._step, lambda item: loop.call_soon_threadsafe(results.put_nowait, item))
         reader = None
         try:
-            await loop.run_in_executor(self._executor, self._reset)
+            try:
+                await loop.run_in_executor(self._executor, self._reset)
+            except Exception as exc:  # a broken worker group: no step can run
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"the worker cannot step: {exc}")
             log.info("step stream opened", extra={"peer": context.peer()})
             loop.run_in_executor(self._executor, steps.run)  # the next stream's _reset queues behind it
             reader = asyncio.create_task(self._read_plans(request_iterator, steps))

@@ -141,6 +141,10 @@ class Follower:
         self.replies.close()
 
 
+class GroupLost(RuntimeError):
+    """A rank of the group is gone: the group cannot step any more."""
+
+
 class WorkerGroup:
     """The leader's side: its followers, started and watched."""
 
@@ -152,6 +156,7 @@ class WorkerGroup:
         self.config = rank_config(config, self.cpus[0])
         self.on_lost = on_lost or (lambda why: log.error("worker group lost a rank", extra={"error": why}))
         self.followers: list[Follower] = []
+        self.lost: str | None = None  # why the group broke, once a rank is gone
         self._closing = False
         try:
             for rank in range(1, tp):
@@ -173,8 +178,14 @@ class WorkerGroup:
                                                "cpus": [list(c) for c in self.cpus]})
 
     def send(self, command: tuple) -> None:
-        for f in self.followers:
-            f.send(command)
+        if self.lost is not None:
+            raise GroupLost(f"the worker group is broken: {self.lost}")
+        try:
+            for f in self.followers:
+                f.send(command)
+        except RuntimeError as exc:
+            self.lost = self.lost or str(exc)
+            raise GroupLost(f"the worker group is broken: {self.lost}") from None
 
     def _watchdog(self) -> None:
         while not self._closing:
@@ -182,7 +193,8 @@ class WorkerGroup:
                 code = f.proc.poll()
                 if code is not None and not self._closing:
                     self._closing = True
-                    self.on_lost(f"worker rank {f.rank} (pid {f.proc.pid}) exited with code {code}")
+                    self.lost = f"worker rank {f.rank} (pid {f.proc.pid}) exited with code {code}"
+                    self.on_lost(self.lost)
                     return
             time.sleep(WATCH_S)
 

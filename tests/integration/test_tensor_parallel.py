@@ -1,0 +1,121 @@
+"""Tensor parallelism over real processes joined by torch.distributed (services/worker/parallel):
+a group of N ranks computes the logits of a group of one, in float32, within 1e-4, on a random
+tiny configuration of every registered architecture (TP 2) and on the default model (TP 3,
+greedy text and logprobs through the Engine). A TP size the model cannot take is refused before
+any process starts, and a rank that hangs fails the leader's step within the group's timeout
+instead of hanging it."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.engine.engine import Engine
+from services.worker.config import WorkerConfig
+from services.worker.loader.checkpoint import load_checkpoint
+from services.worker.model.registry import ARCHITECTURES
+from services.worker.parallel.group import create_runner
+from tests.unit.tiny_models import BASE, BATCHES, CONFIGS, logits_by_position, save_tiny, sequences
+
+pytestmark = pytest.mark.slow
+
+# One tiny configuration per registered architecture (Llama and Qwen2 below, the rest tiny_models').
+PER_ARCHITECTURE = ["qwen3_gqa_tied_wide_heads", "phi3_window", "mistral_no_window", "gemma2", "qwen3_moe"]
+EXTRA = {  # name → (transformers config class, model class, fields)
+    "llama_gqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
+    "qwen2_bias_one_kv_head": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1)),  # replicated KV
+}
+ATOL = 1e-4
+
+
+def _save(tmp_path, name: str) -> str:
+    if name in CONFIGS:
+        return save_tiny(tmp_path, name)[0]
+    import transformers
+    config_cls, model_cls, extra = EXTRA[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**BASE, **extra})).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return str(tmp_path)
+
+
+def _logits(path: str, tp: int, **flags) -> dict:
+    config = WorkerConfig(dtype="float32", page_size=4, kv_cache_bytes=4 << 20, max_requests=4, tp_size=tp,
+                          num_threads=1, **flags)
+    runner = create_runner(config, load_checkpoint(path))
+    try:
+        seqs = sequences("three_chunked")
+        return logits_by_position(runner, seqs, {rid: c for rid, (_, c) in BATCHES["three_chunked"].items()}, 4)
+    finally:
+        runner.close()
+
+
+def test_every_registered_architecture_has_a_configuration_here():
+    covered = {CONFIGS[n][1] for n in PER_ARCHITECTURE} | {EXTRA[n][1] for n in EXTRA}
+    assert covered == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("name", PER_ARCHITECTURE + list(EXTRA))
+def test_tp2_logits_equal_tp1_on_every_architecture(tmp_path, name):
+    path = _save(tmp_path, name)
+    one, two = _logits(path, 1), _logits(path, 2)
+    for rid, rows in one.items():
+        for (pos, a), (pos2, b) in zip(rows, two[rid], strict=True):
+            assert pos == pos2
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=0, msg=lambda m: f"{name} {rid} position {pos}: {m}")
+            assert int(a.argmax()) == int(b.argmax())
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+
+
+def _greedy(engine: Engine) -> list:
+    sp = SamplingParams(temperature=0.0, max_new_tokens=16, logprobs=True)
+    return [engine.generate(p, sp, timeout=300) for p in PROMPTS]
+
+
+def test_tp3_on_the_default_model_generates_tp1s_greedy_text_and_logprobs(checkpoint, tokenizer):
+    """9 query heads and 3 KV heads over 3 ranks: 3 and 1 each; the vocabulary in 3 row blocks."""
+    outs = {}
+    for tp in (1, 3):
+        engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=4, tp_size=tp),
+                        checkpoint=checkpoint, tokenizer=tokenizer)
+        try:
+            outs[tp] = _greedy(engine)
+        finally:
+            engine.shutdown()
+    for one, three in zip(outs[1], outs[3], strict=True):
+        assert three.token_ids == one.token_ids and three.text == one.text
+        diffs = [abs(a.logprob - b.logprob) for a, b in zip(one.logprobs, three.logprobs, strict=True)]
+        assert max(diffs) < ATOL, diffs
+
+
+def test_a_tp_size_the_heads_cannot_take_is_refused_before_any_rank_starts(checkpoint, tokenizer):
+    with pytest.raises(ValueError, match="--tp-size 2 does not divide the model's 9 attention heads"):
+        Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, tp_size=2), checkpoint=checkpoint,
+               tokenizer=tokenizer)
+
+
+def test_a_hung_rank_fails_the_leaders_step_within_the_groups_timeout(tmp_path):
+    from services.step.contract import NewRequestSpec, StepItem, StepPlan
+    path = _save(tmp_path, "llama_gqa")
+    config = WorkerConfig(dtype="float32", page_size=4, kv_cache_bytes=4 << 20, max_requests=4, tp_size=2,
+                          num_threads=1, dist_timeout_s=3.0)
+    runner = create_runner(config, load_checkpoint(path))
+    follower = runner.group.followers[0].proc
+    try:
+        sp = SamplingParams(temperature=0.0)
+        runner.execute(StepPlan(0, [NewRequestSpec("a", [1, 2, 3], [], sp, 0)]))
+        os.kill(follower.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            runner.execute(StepPlan(1, [], [StepItem("a", [1, 2, 3], 0, [0], True)]))
+        assert time.monotonic() - started < 3.0 + 5.0
+    finally:
+        os.kill(follower.pid, signal.SIGCONT)
+        runner.close()
+    assert follower.poll() is not None  # closing the group ended the follower
