@@ -70,6 +70,15 @@ def test_tp2_logits_equal_tp1_on_every_architecture(tmp_path, name):
             assert int(a.argmax()) == int(b.argmax())
 
 
+def test_tp2_with_an_fp8_kv_cache_equals_tp1_with_it(tmp_path):
+    """Each rank's pool holds its own KV heads in FP8, each head rotated and scaled on its own."""
+    path = _save(tmp_path, "llama_gqa")
+    one, two = _logits(path, 1, kv_cache_dtype="fp8_e4m3"), _logits(path, 2, kv_cache_dtype="fp8_e4m3")
+    for rid, rows in one.items():
+        for (_, a), (_, b) in zip(rows, two[rid], strict=True):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
 
