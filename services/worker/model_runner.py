@@ -85,14 +85,15 @@ class ModelRunner:
         self.model_config: ModelConfig = mc  # the whole model's; its shard's (local) is self.model.config
         self.comm = comm or Solo()
         local = mc  # the model this rank computes
+        self.shard: TensorShard | None = None
         if self.comm.world_size > 1:  # its heads, MLP share and vocabulary rows
-            shard = TensorShard(mc, self.comm.rank, self.comm.world_size)
-            local = shard.config
-            checkpoint = Checkpoint(local, shard.tensors(checkpoint.tensors), checkpoint.source)
+            self.shard = TensorShard(mc, self.comm.rank, self.comm.world_size)
+            local = self.shard.config
+            checkpoint = Checkpoint(local, self.shard.tensors(checkpoint.tensors), checkpoint.source)
         self.model = build_model(local, checkpoint.tensors, config.torch_dtype, self.device,
                                  checkpoint.quantized, config.quantization)
-        if self.comm.world_size > 1:
-            shard.install(self.model, self.comm)
+        if self.shard is not None:
+            self.shard.install(self.model, self.comm)
         # oneDNN prepacking is a CPU layout; on CUDA the linears run on the dense weights.
         self.prepacked = config.prepack_weights and self.device.type == "cpu" and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
@@ -119,7 +120,8 @@ class ModelRunner:
         self.max_loras = config.max_loras
         self.loras: LoraManager | None = LoraManager(
             self.model, config.max_loras, config.max_lora_rank,
-            in_use=lambda name: any(r.adapter == name for r in self.requests.values())) if config.max_loras else None
+            in_use=lambda name: any(r.adapter == name for r in self.requests.values()),
+            shard_pair=self.shard.lora_pair if self.shard else None) if config.max_loras else None
         for name, path in config.lora_adapters:
             self.loras.load(name, path)
         self.grammars = GrammarCache(lambda: create_grammar_backend(

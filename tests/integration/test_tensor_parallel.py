@@ -79,6 +79,29 @@ def test_tp2_with_an_fp8_kv_cache_equals_tp1_with_it(tmp_path):
             torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
 
 
+def test_tp2_serves_lora_adapters_as_peft_merges_them(tmp_path):
+    """Adapters given at start and loaded at run time: each rank keeps B's rows of its column-parallel
+    modules and A's columns of o and down; the mixed batch equals PEFT's merged models."""
+    from tests.unit.lora_fixtures import assert_matches, make_random_adapter, merged, run_together, save_tiny_llama
+    path, hf = save_tiny_llama(tmp_path / "base")
+    dirs = {n: make_random_adapter(hf, str(tmp_path / n), 4, 9, seed=i + 1) for i, n in enumerate(("a", "b"))}
+    config = WorkerConfig(dtype="float32", page_size=4, kv_cache_bytes=8 << 20, max_requests=8, tp_size=2,
+                          num_threads=1, lora_paths=(f"a={dirs['a']}",))
+    runner = create_runner(config, load_checkpoint(path))
+    try:
+        runner.loras.load("b", dirs["b"])  # at run time: on every rank
+        seqs = sequences("three_chunked")
+        requests = {"a": (seqs["a"], "a"), "b": (seqs["b"], "b"), "c": (seqs["c"], "")}
+        ours = run_together(runner, requests, {rid: c for rid, (_, c) in BATCHES["three_chunked"].items()})
+        for rid, (tokens, adapter) in requests.items():
+            ref = merged(hf, dirs[adapter]) if adapter else hf
+            assert_matches(ours[rid], ref, tokens, f"tp2 {rid}", atol=ATOL)
+        runner.loras.unload("b")
+        assert "b" not in runner.loras
+    finally:
+        runner.close()
+
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
 

@@ -1,6 +1,7 @@
 """`radixmesh up --tp-size 3`: the OpenAI API of a mesh whose worker is a group of three ranks
 (processes joined by gloo), driven with the official client. Greedy text and logprobs equal the
-in-process Engine's at TP 1 (float32), streaming and structured output work, and killing one rank
+in-process Engine's at TP 1 (float32), with and without a LoRA adapter; streaming and
+structured output work; and killing one rank
 mid-stream gives the client a clean error within 10 s, stops the mesh naming the rank, and
 leaves no process behind."""
 from __future__ import annotations
@@ -27,19 +28,28 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def expected(checkpoint, tokenizer) -> list:
-    engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=4),
-                    checkpoint=checkpoint, tokenizer=tokenizer)
+def adapter(tmp_path_factory, hf_model) -> str:
+    """A random rank-8 LoRA adapter of every linear of the default model (PEFT's format)."""
+    from bench.common.random_adapter import make_random_adapter
+    return make_random_adapter(hf_model, str(tmp_path_factory.mktemp("lora") / "a"), 8, 16, seed=3)
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint, tokenizer, adapter) -> dict:
+    """The TP 1 Engine's greedy outputs: (adapter, prompt index) → RequestOutput."""
+    engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=4,
+                                        lora_paths=(f"a={adapter}",)), checkpoint=checkpoint, tokenizer=tokenizer)
     try:
         sp = SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS, logprobs=True)
-        return [engine.generate(p, sp, timeout=120) for p in PROMPTS]
+        return {(name, i): engine.generate(p, sp, timeout=120, adapter=name)
+                for name in ("", "a") for i, p in enumerate(PROMPTS)}
     finally:
         engine.shutdown()
 
 
 @pytest.fixture(scope="module")
-def mesh(expected):
-    m = Mesh(*SMALL_MESH, "--tp-size", "3", gateway=True)
+def mesh(expected, adapter):
+    m = Mesh(*SMALL_MESH, "--tp-size", "3", "--lora-paths", f"a={adapter}", gateway=True)
     try:
         m.wait_ready()
         listening = {e["service"]: e for e in m.log if e.get("msg") == "listening"}
@@ -59,18 +69,20 @@ def client(mesh):
 
 @pytest.fixture(scope="module")
 def model(client) -> str:
-    return client.models.list().data[0].id
+    return next(m.id for m in client.models.list().data if m.id != "a")
 
 
 def test_the_worker_runs_as_three_ranks(mesh):
     assert len(mesh.ranks) == 2  # ranks 1 and 2; rank 0 is the worker itself
 
 
+@pytest.mark.parametrize("adapter_name", ["", "a"])
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
-def test_greedy_text_and_logprobs_equal_the_tp1_engine(client, model, expected, i):
-    resp = client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0,
-                                     logprobs=1)
-    want = expected[i]
+def test_greedy_text_and_logprobs_equal_the_tp1_engine(client, model, expected, i, adapter_name):
+    """The base model, and the LoRA adapter named as the model."""
+    resp = client.completions.create(model=adapter_name or model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS,
+                                     temperature=0, logprobs=1)
+    want = expected[adapter_name, i]
     assert resp.choices[0].text == want.text
     got = resp.choices[0].logprobs.token_logprobs
     assert max(abs(a - b.logprob) for a, b in zip(got, want.logprobs, strict=True)) < 1e-4

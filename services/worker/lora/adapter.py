@@ -15,10 +15,13 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from services.worker.lora.targets import ATTENTION_MODULES, MODULES, Target, TargetKey
+
+ShardPair = Callable[[TargetKey, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _TENSOR = re.compile(r"base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
@@ -57,9 +60,11 @@ def check_name(name: str) -> str:
 
 
 def load_adapter(name: str, path: str, targets: dict[TargetKey, Target], max_rank: int,
-                 dtype: torch.dtype) -> LoraAdapter:
+                 dtype: torch.dtype, shard_pair: ShardPair | None = None) -> LoraAdapter:
     """Read and check the PEFT LoRA adapter in directory `path` for the model whose targets are
-    `targets` (targets.model_targets) → its weights in `dtype`. Raises AdapterError."""
+    `targets` (targets.model_targets) → its weights in `dtype`. Raises AdapterError.
+    shard_pair: a tensor-parallel rank's part of each (layer, module)'s {"A", "B"}
+    (services/worker/parallel/tensor_parallel.py), taken before the shapes are checked."""
     check_name(name)
     config_bytes, weights_bytes = _read(path, CONFIG_FILE), _read(path, WEIGHTS_FILE)
     config = _parse_config(config_bytes, path)
@@ -77,6 +82,8 @@ def load_adapter(name: str, path: str, targets: dict[TargetKey, Target], max_ran
         if key not in targets:
             raise AdapterError(f"{path}: the base model has no dense {module} in layer {layer} "
                                "(a mixture-of-experts MLP's experts cannot take LoRA here)")
+        if shard_pair is not None:
+            pair = shard_pair(key, pair)
         weights[key] = _check_pair(key, pair, targets[key], rank, scaling, dtype, path)
     if not weights:
         raise AdapterError(f"{path}: {WEIGHTS_FILE} holds no LoRA weights")

@@ -40,10 +40,11 @@ class LoraManager:
     """in_use(name): whether a live request runs under that adapter (unload is refused then)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int,
-                 in_use: Callable[[str], bool] = lambda name: False):
+                 in_use: Callable[[str], bool] = lambda name: False, shard_pair=None):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank, self._in_use = max_loras, max_rank, in_use
+        self._shard_pair = shard_pair  # a tensor-parallel rank's slice of each adapter (adapter.load_adapter)
         # Adapters run on the fused kernel where one serves the device (backend_select: C++ on CPU,
         # Triton SGMV on CUDA), else on stacked.py's torch paths; set_fused_kernel(False) holds them to the torch paths.
         self._fused_on = True
@@ -69,7 +70,7 @@ class LoraManager:
     def load(self, name: str, path: str) -> AdapterInfo:
         """Read and check the PEFT adapter at `path` under `name` → its info. Loading the same
         name again is a no-op when the files are the same, refused (AdapterError) otherwise."""
-        adapter = load_adapter(name, path, self.targets, self.max_rank, self.dtype)
+        adapter = load_adapter(name, path, self.targets, self.max_rank, self.dtype, self._shard_pair)
         with self._lock:
             old = self.adapters.get(name)
             if old is not None and old.identity != adapter.identity:

@@ -1,7 +1,8 @@
 """A follower rank of a worker group (group.py): it runs what its leader sends, in order.
 
 Started by the leader with two pipe descriptors: commands in (a RankSetup first, then
-("execute", plan), ("compute_logits", plan), ("reset",), ("stop",)), and one reply out ("ready" once its shard is built,
+("execute", plan), ("compute_logits", plan), ("lora_load", name, path),
+("lora_unload", name), ("reset",), ("stop",)), and one reply out ("ready" once its shard is built,
 or ("error", why)). It joins the group's process group before loading, so the leader's join
 does not wait for a load. Any failure ends the process: the leader's watchdog names the rank,
 and the leader's next collective fails instead of hanging.
@@ -74,6 +75,10 @@ def _follow(commands: Connection, runner) -> int:
             runner.execute(command[1])  # the leader answers; every rank sampled the same tokens
         elif kind == "compute_logits":
             runner.compute_logits(command[1])
+        elif kind == "lora_load":
+            runner.loras.load(command[1], command[2])
+        elif kind == "lora_unload":
+            runner.loras.unload(command[1])
         elif kind == "reset":
             runner.reset()
         elif kind == "stop":

@@ -59,8 +59,6 @@ def group_refusal(config: WorkerConfig, hicache=None) -> str | None:
         return f"--tp-size {config.tp_size} needs dense weights: --quantization {config.quantization} is not sharded yet"
     if config.speculative_algorithm:
         return f"--tp-size {config.tp_size} with --speculative-algorithm is not supported yet"
-    if config.lora_paths:
-        return f"--tp-size {config.tp_size} with LoRA adapters (--lora-paths) is not supported yet"
     if hicache is not None and (hicache.host_kv_ratio or hicache.kvstore_addr):
         return f"--tp-size {config.tp_size} with a host KV tier or a kvstore is not supported yet"
     return None
@@ -76,9 +74,8 @@ def rank_cpus(tp: int, allowed: list[int] | None = None) -> list[tuple[int, ...]
 
 
 def rank_config(config: WorkerConfig, cpus: tuple[int, ...]) -> WorkerConfig:
-    """The config a rank runs: a thread per CPU of its own (one when it has none), no LoRA slots."""
-    threads = config.num_threads or max(1, len(cpus))
-    return replace(config, num_threads=threads, max_loras=0)
+    """The config a rank runs: a thread per CPU of its own (one when it has none)."""
+    return replace(config, num_threads=config.num_threads or max(1, len(cpus)))
 
 
 def free_init_method(host: str = "127.0.0.1") -> str:
@@ -234,11 +231,40 @@ class GroupRunner:
         finally:
             self.runner.close()
 
+    @property
+    def loras(self):
+        """The leader's adapters, whose loads and unloads every rank repeats."""
+        return None if self.runner.loras is None else GroupLoras(self.runner.loras, self.group)
+
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
     def __setattr__(self, name: str, value) -> None:
         setattr(self.runner, name, value)
+
+
+class GroupLoras:
+    """A LoraManager whose load and unload run on every rank, the leader's first: an adapter the
+    leader refuses (AdapterError) never reaches the followers, and what it accepts they accept.
+    Called between steps (the admin holds the model lock), so each rank sees them in step order."""
+
+    def __init__(self, loras, group: WorkerGroup) -> None:
+        self._loras, self._group = loras, group
+
+    def load(self, name: str, path: str):
+        info = self._loras.load(name, path)
+        self._group.send(("lora_load", name, path))
+        return info
+
+    def unload(self, name: str) -> None:
+        self._loras.unload(name)
+        self._group.send(("lora_unload", name))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._loras
+
+    def __getattr__(self, name: str):
+        return getattr(self._loras, name)
 
 
 def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Callable[[str], None] | None = None):

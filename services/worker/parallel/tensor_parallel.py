@@ -118,6 +118,17 @@ class TensorShard:
             return _padded_rows(t, self.rank * self.vocab_rows, self.vocab_rows)
         return t
 
+    def lora_pair(self, key: tuple[int, str], pair: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A LoRA adapter's {"A": [r, in], "B": [out, r]} of (layer, PEFT module) → this rank's part:
+        a column-parallel module keeps its output rows of B, a row-parallel one (o, down) its input
+        columns of A; the block's all-reduce then sums the row-parallel deltas with the rest."""
+        layer, module = key
+        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        name = f"model.layers.{layer}.{block}.{module}.weight"
+        if module in ("o_proj", "down_proj"):
+            return {"A": self.slice(name, pair["A"]), "B": pair["B"]}
+        return {"A": pair["A"], "B": self.slice(name, pair["B"])}
+
     def _share(self, n: int) -> tuple[int, int]:
         """(start, length) of this rank's equal share of n columns or rows."""
         part = n // self.size
