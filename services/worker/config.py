@@ -10,6 +10,9 @@ from kernels import cpu_isa
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --kv-cache-dtype values other than auto: KV pages stored 1 byte per element (services/worker/kv_pool.py)
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# --speculative-algorithm values: the drafter registry (services/worker/speculative/drafter.py)
+# has a factory for each, and only those (tests/unit/test_ngram_drafter.py)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,9 @@ class WorkerConfig:
         "help": "tensor parallelism: split each layer over this many worker processes (ranks) joined by "
                 "torch.distributed (gloo); the worker is rank 0 and starts the others (services/worker/parallel). "
                 "It must divide the attention heads; each rank holds its share of the weights and KV"})
+    pp_size: int = field(default=1, metadata={
+        "help": "pipeline parallelism: split the layers over this many stages, each its own worker process(es) "
+                "(--tp-size of them); with --tp-size the group has tp x pp ranks (docs/parallelism.md)"})
     dist_init_addr: str | None = field(default=None, metadata={
         "help": "HOST:PORT of the group's torch.distributed rendezvous (default: a free loopback port)"})
     dist_timeout_s: float = field(default=30.0, metadata={
@@ -161,9 +167,8 @@ class WorkerConfig:
         if self.grammar_cache_size < 1:
             raise ValueError(f"--grammar-cache-size must be >= 1, got {self.grammar_cache_size}")
         if self.speculative_algorithm is not None:
-            from services.worker.speculative.drafter import algorithms
-            if self.speculative_algorithm not in algorithms():
-                raise ValueError(f"--speculative-algorithm must be one of {algorithms()}, "
+            if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+                raise ValueError(f"--speculative-algorithm must be one of {sorted(SPECULATIVE_ALGORITHMS)}, "
                                  f"got {self.speculative_algorithm!r}")
             if self.speculative_algorithm == "STANDALONE" and not self.speculative_draft_model_path:
                 raise ValueError("--speculative-algorithm STANDALONE drafts with a second model: give its "
@@ -197,10 +202,15 @@ class WorkerConfig:
         if self.max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
         parse_lora_paths(self.lora_paths)  # raises on a malformed entry
-        if self.tp_size < 1:
-            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise ValueError(f"--tp-size and --pp-size must be >= 1, got {self.tp_size} and {self.pp_size}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"--dist-timeout-s must be > 0, got {self.dist_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        """The processes of this worker's group (1: the worker alone)."""
+        return self.tp_size * self.pp_size
 
     @property
     def lora_adapters(self) -> tuple[tuple[str, str], ...]:

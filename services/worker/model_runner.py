@@ -37,6 +37,7 @@ from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.registry import model_class
 from services.worker.model.weight_bytes import format_bytes, resident_weight_bytes, weight_formats
 from services.worker.parallel.communicator import Communicator, Solo
+from services.worker.parallel.pipeline import PipeLink, PipelineStage
 from services.worker.parallel.tensor_parallel import TensorShard
 from services.worker.sampler_inputs import run_sampler
 from services.worker.speculative.drafter import Drafter, DraftRequest, create_drafter
@@ -70,8 +71,10 @@ class ModelRunner:
     # the previous step's result then: services/worker/step_loop.py). Must be cheap.
     on_compute: Callable[[], None] | None = None
 
-    def __init__(self, config: WorkerConfig, checkpoint: Checkpoint, comm: Communicator | None = None):
-        """comm: this rank's worker group (services/worker/parallel); None: a group of one."""
+    def __init__(self, config: WorkerConfig, checkpoint: Checkpoint, comm: Communicator | None = None,
+                 pipe: PipeLink | None = None):
+        """comm: this rank's tensor-parallel group, pipe: its pipeline stage's links
+        (services/worker/parallel); None: a group of one."""
         if config.num_threads:  # every backend's torch ops
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -85,15 +88,21 @@ class ModelRunner:
         self.model_config: ModelConfig = mc  # the whole model's; its shard's (local) is self.model.config
         self.comm = comm or Solo()
         local = mc  # the model this rank computes
+        stage = PipelineStage(mc, pipe.rank, pipe.size) if pipe is not None else None
+        if stage is not None:  # its layers
+            local = stage.config
+            checkpoint = Checkpoint(local, stage.tensors(checkpoint.tensors), checkpoint.source)
         self.shard: TensorShard | None = None
         if self.comm.world_size > 1:  # its heads, MLP share and vocabulary rows
-            self.shard = TensorShard(mc, self.comm.rank, self.comm.world_size)
+            self.shard = TensorShard(local, self.comm.rank, self.comm.world_size)
             local = self.shard.config
             checkpoint = Checkpoint(local, self.shard.tensors(checkpoint.tensors), checkpoint.source)
         self.model = build_model(local, checkpoint.tensors, config.torch_dtype, self.device,
                                  checkpoint.quantized, config.quantization)
         if self.shard is not None:
             self.shard.install(self.model, self.comm)
+        if stage is not None:
+            stage.install(self.model, pipe)
         # oneDNN prepacking is a CPU layout; on CUDA the linears run on the dense weights.
         self.prepacked = config.prepack_weights and self.device.type == "cpu" and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)

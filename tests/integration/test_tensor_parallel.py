@@ -1,7 +1,8 @@
-"""Tensor parallelism over real processes joined by torch.distributed (services/worker/parallel):
-a group of N ranks computes the logits of a group of one, in float32, within 1e-4, on a random
-tiny configuration of every registered architecture (TP 2) and on the default model (TP 3,
-greedy text and logprobs through the Engine). A TP size the model cannot take is refused before
+"""Tensor and pipeline parallelism over real processes joined by torch.distributed
+(services/worker/parallel): a group of ranks computes the logits of a group of one, in float32,
+within 1e-4, on a random tiny configuration of every registered architecture (TP 2, PP 2 and
+TP 2 × PP 2) and on the default model (TP 3, PP 2 and TP 3 × PP 2: greedy text and logprobs
+through the Engine). A TP size the model cannot take is refused before
 any process starts, and a rank that hangs fails the leader's step within the group's timeout
 instead of hanging it."""
 from __future__ import annotations
@@ -43,9 +44,9 @@ def _save(tmp_path, name: str) -> str:
     return str(tmp_path)
 
 
-def _logits(path: str, tp: int, **flags) -> dict:
+def _logits(path: str, tp: int, pp: int = 1, **flags) -> dict:
     config = WorkerConfig(dtype="float32", page_size=4, kv_cache_bytes=4 << 20, max_requests=4, tp_size=tp,
-                          num_threads=1, **flags)
+                          pp_size=pp, num_threads=1, **flags)
     runner = create_runner(config, load_checkpoint(path))
     try:
         seqs = sequences("three_chunked")
@@ -60,14 +61,17 @@ def test_every_registered_architecture_has_a_configuration_here():
 
 
 @pytest.mark.parametrize("name", PER_ARCHITECTURE + list(EXTRA))
-def test_tp2_logits_equal_tp1_on_every_architecture(tmp_path, name):
+def test_tp2_pp2_and_both_give_the_logits_of_one_rank_on_every_architecture(tmp_path, name):
     path = _save(tmp_path, name)
-    one, two = _logits(path, 1), _logits(path, 2)
-    for rid, rows in one.items():
-        for (pos, a), (pos2, b) in zip(rows, two[rid], strict=True):
-            assert pos == pos2
-            torch.testing.assert_close(b, a, atol=ATOL, rtol=0, msg=lambda m: f"{name} {rid} position {pos}: {m}")
-            assert int(a.argmax()) == int(b.argmax())
+    one = _logits(path, 1)
+    for tp, pp in ((2, 1), (1, 2), (2, 2)):
+        group = _logits(path, tp, pp)
+        for rid, rows in one.items():
+            for (pos, a), (pos2, b) in zip(rows, group[rid], strict=True):
+                assert pos == pos2
+                torch.testing.assert_close(b, a, atol=ATOL, rtol=0,
+                                           msg=lambda m: f"{name} tp {tp} pp {pp} {rid} position {pos}: {m}")
+                assert int(a.argmax()) == int(b.argmax())
 
 
 def test_tp2_with_an_fp8_kv_cache_equals_tp1_with_it(tmp_path):
@@ -102,33 +106,39 @@ def test_tp2_serves_lora_adapters_as_peft_merges_them(tmp_path):
         runner.close()
 
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,"]
 
 
 def _greedy(engine: Engine) -> list:
-    sp = SamplingParams(temperature=0.0, max_new_tokens=16, logprobs=True)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10, logprobs=True)
     return [engine.generate(p, sp, timeout=300) for p in PROMPTS]
 
 
-def test_tp3_on_the_default_model_generates_tp1s_greedy_text_and_logprobs(checkpoint, tokenizer):
-    """9 query heads and 3 KV heads over 3 ranks: 3 and 1 each; the vocabulary in 3 row blocks."""
+def test_tp3_pp2_and_both_on_the_default_model_generate_one_ranks_greedy_text_and_logprobs(checkpoint, tokenizer):
+    """9 query heads and 3 KV heads over 3 ranks: 3 and 1 each; the vocabulary in 3 row blocks;
+    30 layers in 2 stages of 15."""
     outs = {}
-    for tp in (1, 3):
-        engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=4, tp_size=tp),
-                        checkpoint=checkpoint, tokenizer=tokenizer)
+    for tp, pp in ((1, 1), (3, 1), (1, 2), (3, 2)):
+        engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=4, tp_size=tp,
+                                            pp_size=pp), checkpoint=checkpoint, tokenizer=tokenizer)
         try:
-            outs[tp] = _greedy(engine)
+            outs[tp, pp] = _greedy(engine)
         finally:
             engine.shutdown()
-    for one, three in zip(outs[1], outs[3], strict=True):
-        assert three.token_ids == one.token_ids and three.text == one.text
-        diffs = [abs(a.logprob - b.logprob) for a, b in zip(one.logprobs, three.logprobs, strict=True)]
-        assert max(diffs) < ATOL, diffs
+    for sizes, group in outs.items():
+        for one, other in zip(outs[1, 1], group, strict=True):
+            assert other.token_ids == one.token_ids and other.text == one.text, sizes
+            diffs = [abs(a.logprob - b.logprob) for a, b in zip(one.logprobs, other.logprobs, strict=True)]
+            assert max(diffs) < ATOL, (sizes, diffs)
 
 
-def test_a_tp_size_the_heads_cannot_take_is_refused_before_any_rank_starts(checkpoint, tokenizer):
-    with pytest.raises(ValueError, match="--tp-size 2 does not divide the model's 9 attention heads"):
-        Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, tp_size=2), checkpoint=checkpoint,
+@pytest.mark.parametrize("sizes, message", [
+    (dict(tp_size=2), "--tp-size 2 does not divide the model's 9 attention heads"),
+    (dict(pp_size=31), "--pp-size 31 exceeds the model's 30 layers"),
+])
+def test_sizes_the_model_cannot_take_are_refused_before_any_rank_starts(checkpoint, tokenizer, sizes, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, **sizes), checkpoint=checkpoint,
                tokenizer=tokenizer)
 
 

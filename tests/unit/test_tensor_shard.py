@@ -104,3 +104,29 @@ def test_phi3_fused_qkv_and_gate_up_split_by_head_and_half():
             assert torch.equal(split[L + f"self_attn.{n}_proj.weight"], ref[L + f"self_attn.{n}_proj.weight"])
         assert torch.equal(split[L + "mlp.gate_up_proj.weight"],
                            torch.cat([ref[L + "mlp.gate_proj.weight"], ref[L + "mlp.up_proj.weight"]]))
+
+
+# --- pipeline stages (services/worker/parallel/pipeline.py) ---------------------------------------
+
+def test_stages_split_the_layers_evenly_the_earlier_ones_taking_the_extra():
+    from services.worker.parallel.pipeline import PipelineStage
+    assert [PipelineStage(SMOL, s, 4).layers for s in range(4)] == [range(0, 8), range(8, 16), range(16, 23),
+                                                                     range(23, 30)]
+    with pytest.raises(ValueError, match="--pp-size 31 exceeds the model's 30 layers"):
+        PipelineStage(SMOL, 0, 31)
+
+
+def test_a_stage_keeps_its_layers_renumbered_and_their_kinds():
+    from services.worker.parallel.pipeline import PipelineStage
+    gemma = dataclasses.replace(TINY, num_hidden_layers=4,
+                                layer_types=("sliding_attention", "full_attention") * 2, sliding_window=8)
+    stage = PipelineStage(gemma, 1, 2)
+    assert stage.config.num_hidden_layers == 2 and stage.config.layer_types == ("sliding_attention", "full_attention")
+    moe = dataclasses.replace(TINY, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=8, decoder_sparse_step=2)  # layers 1 and 3 sparse
+    local = PipelineStage(moe, 1, 2).config  # layers 2 (dense) and 3 (sparse) → 0 and 1
+    assert [local.is_moe_layer(i) for i in range(2)] == [False, True]
+    tensors = {"model.layers.0.a": torch.zeros(1), "model.layers.2.a": torch.ones(1),
+               "model.layers.3.b": torch.ones(2), "model.norm.weight": torch.ones(3)}
+    assert sorted(PipelineStage(moe, 1, 2).tensors(tensors)) == ["model.layers.0.a", "model.layers.1.b",
+                                                                 "model.norm.weight"]

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.worker.attention.backend import LayerAttention
 from services.worker.model.config import ModelConfig
+from services.worker.model.layer_attention import LayerAttention
 from services.worker.model.layer_ops import LayerOps, TorchLayerOps
 from services.worker.model.linear import Linear
 from services.worker.model.llama import MLP, Attention, load_decoder_tensors, prepack_linears, unpack_linears
@@ -135,11 +135,18 @@ class Gemma2ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → soft-capped float32 logits [len(logits_indices), vocab]."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
-        residual = None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, self.rope, meta, self.ops)
+        return self.head(x, residual, logits_indices)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] → the first layer's input [T, hidden], scaled by sqrt(hidden)."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        return x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+
+    def head(self, x: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The last layer's (x, residual) [T, hidden] → soft-capped float32 logits of the rows logits_indices."""
         x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.scale(), self.norm.eps)
         logits = self.lm_head.logits(x)  # [N, vocab] float32

@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from services.worker.attention.backend import LayerAttention
 from services.worker.model.config import ModelConfig
+from services.worker.model.layer_attention import LayerAttention
 from services.worker.model.layer_ops import LayerOps, TorchLayerOps, gelu_tanh_mul
 from services.worker.model.linear import Linear
 from services.worker.model.quant_embedding import QuantEmbedding
@@ -258,9 +258,17 @@ class LlamaForCausalLM(nn.Module):
         Only the rows that are sampled go through the LM head: a prefill chunk
         of 2,000 tokens needs one row of logits, not 2,000.
         """
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, self.rope, meta, self.ops)
+        return self.head(x, residual, logits_indices)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] → the first layer's input [T, hidden]."""
+        return self.embed_tokens(input_ids)
+
+    def head(self, x: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The last layer's (x, residual) [T, hidden] → float32 logits of the rows logits_indices."""
         x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return self.lm_head.logits(x)

@@ -54,12 +54,14 @@ def _build(setup):
     """On the main thread, which runs every step (load_checkpoint reads on a thread of its own)."""
     from services.worker.loader.checkpoint import load_checkpoint
     from services.worker.model_runner import ModelRunner
-    from services.worker.parallel.communicator import GlooCommunicator, init_group
+    from services.worker.parallel.communicator import init_group
+    from services.worker.parallel.placement import Placement
     if setup.cpus:
         os.sched_setaffinity(0, setup.cpus)
     init_group(setup.init_method, setup.rank, setup.world_size, setup.config.dist_timeout_s)
+    comm, pipe = Placement(setup.rank, setup.config.tp_size, setup.config.pp_size).join()
     checkpoint = load_checkpoint(setup.source, setup.config.quantization)
-    return ModelRunner(setup.config, checkpoint, comm=GlooCommunicator())
+    return ModelRunner(setup.config, checkpoint, comm=comm, pipe=pipe)
 
 
 def _follow(commands: Connection, runner) -> int:

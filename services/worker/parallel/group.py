@@ -1,4 +1,5 @@
-"""A worker group: one replica's model over `--tp-size` processes joined by torch.distributed.
+"""A worker group: one replica's model over `--tp-size` × `--pp-size` processes joined by
+torch.distributed (placement.py says which rank is which).
 
 The leader (the worker service's process, or the Engine's) is rank 0. It starts ranks 1..N-1
 as child processes (follower.py), joins the group with them, and builds its own shard. From
@@ -51,16 +52,19 @@ class RankSetup:
 
 def group_refusal(config: WorkerConfig, hicache=None) -> str | None:
     """Why this configuration cannot run as a group yet, or None."""
-    if config.tp_size == 1:
+    if config.world_size == 1:
         return None
+    what = f"--tp-size {config.tp_size} --pp-size {config.pp_size}"
     if config.device != "cpu":
-        return f"--tp-size {config.tp_size} runs on --device cpu only for now (NCCL groups are not built yet)"
+        return f"{what} runs on --device cpu only for now (NCCL groups are not built yet)"
     if config.quantization in ("gguf", "int8", "fp8"):
-        return f"--tp-size {config.tp_size} needs dense weights: --quantization {config.quantization} is not sharded yet"
+        return f"{what} needs dense weights: --quantization {config.quantization} is not sharded yet"
     if config.speculative_algorithm:
-        return f"--tp-size {config.tp_size} with --speculative-algorithm is not supported yet"
+        return f"{what} with --speculative-algorithm is not supported yet"
     if hicache is not None and (hicache.host_kv_ratio or hicache.kvstore_addr):
-        return f"--tp-size {config.tp_size} with a host KV tier or a kvstore is not supported yet"
+        return f"{what} with a host KV tier or a kvstore is not supported yet"
+    if config.pp_size > 1 and config.lora_paths:
+        return f"{what}: LoRA adapters under pipeline parallelism are not supported yet"
     return None
 
 
@@ -74,8 +78,10 @@ def rank_cpus(tp: int, allowed: list[int] | None = None) -> list[tuple[int, ...]
 
 
 def rank_config(config: WorkerConfig, cpus: tuple[int, ...]) -> WorkerConfig:
-    """The config a rank runs: a thread per CPU of its own (one when it has none)."""
-    return replace(config, num_threads=config.num_threads or max(1, len(cpus)))
+    """The config a rank runs: a thread per CPU of its own (one when it has none); no LoRA slots
+    under pipeline parallelism (an adapter's layers would need renumbering per stage)."""
+    return replace(config, num_threads=config.num_threads or max(1, len(cpus)),
+                   max_loras=config.max_loras if config.pp_size == 1 else 0)
 
 
 def free_init_method(host: str = "127.0.0.1") -> str:
@@ -147,19 +153,19 @@ class WorkerGroup:
 
     def __init__(self, config: WorkerConfig, source: str, on_lost: Callable[[str], None] | None = None) -> None:
         from services.worker.parallel.communicator import init_group
-        tp = config.tp_size
+        world = config.world_size
         self.init_method = config.dist_init_addr and f"tcp://{config.dist_init_addr}" or free_init_method()
-        self.cpus = rank_cpus(tp, list(config.cpu_cores) or None)
+        self.cpus = rank_cpus(world, list(config.cpu_cores) or None)
         self.config = rank_config(config, self.cpus[0])
         self.on_lost = on_lost or (lambda why: log.error("worker group lost a rank", extra={"error": why}))
         self.followers: list[Follower] = []
         self.lost: str | None = None  # why the group broke, once a rank is gone
         self._closing = False
         try:
-            for rank in range(1, tp):
-                self.followers.append(Follower(RankSetup(rank, tp, self.init_method, rank_config(config, self.cpus[rank]),
+            for rank in range(1, world):
+                self.followers.append(Follower(RankSetup(rank, world, self.init_method, rank_config(config, self.cpus[rank]),
                                                          source, self.cpus[rank])))
-            init_group(self.init_method, 0, tp, config.dist_timeout_s)
+            init_group(self.init_method, 0, world, config.dist_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -171,7 +177,8 @@ class WorkerGroup:
         for f in self.followers:
             f.wait_ready(deadline)
         self._watch.start()
-        log.info("worker group ready", extra={"tp_size": len(self.followers) + 1, "init_method": self.init_method,
+        log.info("worker group ready", extra={"tp_size": self.config.tp_size, "pp_size": self.config.pp_size,
+                                               "init_method": self.init_method,
                                                "cpus": [list(c) for c in self.cpus]})
 
     def send(self, command: tuple) -> None:
@@ -271,19 +278,23 @@ def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Calla
     """The worker's runner: a plain ModelRunner for a group of one, else the leader of a group
     (the followers started, joined and loaded). Call on the thread that will run the steps."""
     from services.worker.model_runner import ModelRunner
-    if config.tp_size == 1:
+    if config.world_size == 1:
         return ModelRunner(config, checkpoint)
     why = group_refusal(config, hicache)
     if why is not None:
         raise ValueError(why)
-    from services.worker.parallel.communicator import GlooCommunicator
+    from services.worker.parallel.pipeline import PipelineStage
+    from services.worker.parallel.placement import Placement
     from services.worker.parallel.tensor_parallel import TensorShard
-    TensorShard(checkpoint.config, 0, config.tp_size)  # a TP size the model cannot take: refused before any start
+    # Sizes the model cannot take: refused before any rank starts.
+    stage = PipelineStage(checkpoint.config, 0, config.pp_size)
+    TensorShard(stage.config, 0, config.tp_size)
     group = WorkerGroup(config, checkpoint.source, on_lost)
     try:
         if group.cpus[0]:
             os.sched_setaffinity(0, group.cpus[0])  # this (the step) thread; its OpenMP team inherits it
-        runner = ModelRunner(group.config, checkpoint, comm=GlooCommunicator())
+        comm, pipe = Placement(0, config.tp_size, config.pp_size).join()
+        runner = ModelRunner(group.config, checkpoint, comm=comm, pipe=pipe)
         group.wait_ready(config.dist_timeout_s + 600)
     except BaseException:
         group.close()
