@@ -136,6 +136,10 @@ class WorkerConfig:
     pp_size: int = field(default=1, metadata={
         "help": "pipeline parallelism: split the layers over this many stages, each its own worker process(es) "
                 "(--tp-size of them); with --tp-size the group has tp x pp ranks (docs/parallelism.md)"})
+    all_reduce: str = field(default="auto", metadata={
+        "choices": ("auto", "shm", "gloo"),
+        "help": "a one-stage worker group's all-reduce: shm (shared memory between the ranks of one host), gloo, "
+                "or auto: the faster of the two, measured at start on this model's shapes"})
     dist_init_addr: str | None = field(default=None, metadata={
         "help": "HOST:PORT of the group's torch.distributed rendezvous (default: a free loopback port)"})
     dist_timeout_s: float = field(default=30.0, metadata={

@@ -59,7 +59,8 @@ def _build(setup):
     if setup.cpus:
         os.sched_setaffinity(0, setup.cpus)
     init_group(setup.init_method, setup.rank, setup.world_size, setup.config.dist_timeout_s)
-    comm, pipe = Placement(setup.rank, setup.config.tp_size, setup.config.pp_size).join()
+    comm, pipe = Placement(setup.rank, setup.config.tp_size, setup.config.pp_size).join(
+        setup.group_id, setup.hidden, setup.config.torch_dtype, setup.config.dist_timeout_s, setup.config.all_reduce)
     checkpoint = load_checkpoint(setup.source, setup.config.quantization)
     return ModelRunner(setup.config, checkpoint, comm=comm, pipe=pipe)
 

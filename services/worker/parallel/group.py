@@ -48,6 +48,8 @@ class RankSetup:
     config: WorkerConfig  # the leader's, as each rank runs it (threads and cores its own)
     source: str  # the checkpoint's path; each rank loads it and keeps its shard
     cpus: tuple[int, ...]  # () = no pinning
+    group_id: str  # names the group's shared-memory segment (one per group on a host)
+    hidden: int  # the model's hidden size: the all-reduce probes' width
 
 
 def group_refusal(config: WorkerConfig, hicache=None) -> str | None:
@@ -151,11 +153,14 @@ class GroupLost(RuntimeError):
 class WorkerGroup:
     """The leader's side: its followers, started and watched."""
 
-    def __init__(self, config: WorkerConfig, source: str, on_lost: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: WorkerConfig, source: str, hidden: int,
+                 on_lost: Callable[[str], None] | None = None) -> None:
         from services.worker.parallel.communicator import init_group
         world = config.world_size
         self.init_method = config.dist_init_addr and f"tcp://{config.dist_init_addr}" or free_init_method()
         self.cpus = rank_cpus(world, list(config.cpu_cores) or None)
+        self.group_id = f"{os.getpid()}-{self.init_method.rsplit(':', 1)[-1]}"
+        self.hidden = hidden
         self.config = rank_config(config, self.cpus[0])
         self.on_lost = on_lost or (lambda why: log.error("worker group lost a rank", extra={"error": why}))
         self.followers: list[Follower] = []
@@ -163,8 +168,9 @@ class WorkerGroup:
         self._closing = False
         try:
             for rank in range(1, world):
-                self.followers.append(Follower(RankSetup(rank, world, self.init_method, rank_config(config, self.cpus[rank]),
-                                                         source, self.cpus[rank])))
+                self.followers.append(Follower(RankSetup(
+                    rank, world, self.init_method, rank_config(config, self.cpus[rank]), source, self.cpus[rank],
+                    self.group_id, hidden)))
             init_group(self.init_method, 0, world, config.dist_timeout_s)
         except BaseException:
             self.close()
@@ -289,11 +295,12 @@ def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Calla
     # Sizes the model cannot take: refused before any rank starts.
     stage = PipelineStage(checkpoint.config, 0, config.pp_size)
     TensorShard(stage.config, 0, config.tp_size)
-    group = WorkerGroup(config, checkpoint.source, on_lost)
+    group = WorkerGroup(config, checkpoint.source, checkpoint.config.hidden_size, on_lost)
     try:
         if group.cpus[0]:
             os.sched_setaffinity(0, group.cpus[0])  # this (the step) thread; its OpenMP team inherits it
-        comm, pipe = Placement(0, config.tp_size, config.pp_size).join()
+        comm, pipe = Placement(0, config.tp_size, config.pp_size).join(
+            group.group_id, group.hidden, config.torch_dtype, config.dist_timeout_s, config.all_reduce)
         runner = ModelRunner(group.config, checkpoint, comm=comm, pipe=pipe)
         group.wait_ready(config.dist_timeout_s + 600)
     except BaseException:

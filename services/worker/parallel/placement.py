@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from services.worker.parallel.communicator import Communicator, GlooCommunicator, Solo
 from services.worker.parallel.pipeline import PipeLink
+from services.worker.parallel.shm_allreduce import ShmCommunicator, choose_communicator
 
 
 @dataclass(frozen=True)
@@ -32,11 +34,21 @@ class Placement:
     def pp_rank(self) -> int:
         return self.rank // self.tp
 
-    def join(self) -> tuple[Communicator, PipeLink | None]:
+    def join(self, group_id: str, hidden: int, dtype: torch.dtype, timeout_s: float,
+             all_reduce: str = "auto") -> tuple[Communicator, PipeLink | None]:
         """This rank's TP communicator and pipeline link. Collective: every rank of the group
-        calls it once, after init_group, and creates every stage's TP group in the same order."""
+        calls it once, after init_group, and creates every stage's TP group in the same order.
+        A one-stage group all-reduces through shared memory or gloo, whichever is faster here
+        on [1, hidden] and [64, hidden] (shm_allreduce.choose_communicator; group_id names its
+        segment); all_reduce "shm" or "gloo" takes that one without measuring."""
         if self.pp == 1:
-            return (GlooCommunicator() if self.tp > 1 else Solo()), None
+            if self.tp == 1:
+                return Solo(), None
+            if all_reduce == "gloo":
+                return GlooCommunicator(), None
+            if all_reduce == "shm":
+                return ShmCommunicator(group_id, timeout_s=timeout_s, fallback=GlooCommunicator()), None
+            return choose_communicator(group_id, ((1, hidden), (64, hidden)), dtype, timeout_s=timeout_s), None
         groups = [dist.new_group(list(range(s * self.tp, (s + 1) * self.tp))) for s in range(self.pp)]
         comm = GlooCommunicator(groups[self.pp_rank]) if self.tp > 1 else Solo()
         s, last = self.pp_rank, self.pp - 1
