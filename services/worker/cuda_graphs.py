@@ -23,17 +23,32 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from services.worker.attention.batch_layout import BatchLayout
+from services.worker.config import WorkerConfig
 from services.worker.host_to_device import to_device
-
-if TYPE_CHECKING:
-    from services.worker.model_runner import ModelRunner
+from services.worker.kv_pool import KVPool, KVPoolSpec
 
 log = logging.getLogger(__name__)
+
+
+class GraphRunner(Protocol):
+    """What the graphs read of the runner whose decode steps they capture (ModelRunner is one).
+    Named here because the runner builds the graphs: this module never imports it."""
+
+    config: WorkerConfig  # max_requests bounds the buckets
+    device: torch.device
+    page_table: torch.Tensor  # [N, P] int64: the static inputs hold P pages a row
+    kv_spec: KVPoolSpec
+    pool: KVPool
+    backend: Any  # one with prepare_graph_decode(layout, pool): the triton backend
+    model: torch.nn.Module  # (token_ids, meta, sampled) → logits
+
+    def forward_meta(self, positions: torch.Tensor) -> Any:
+        """What the model's layers see of a step: positions and the backend's attention."""
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -88,7 +103,7 @@ class DecodeGraphs:
     """Capture every bucket's decode step for `runner` (its model, backend and pool on CUDA),
     then replay: run() → logits, or None for a step no bucket holds."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int, scratch_page: int):
+    def __init__(self, runner: GraphRunner, max_bs: int, scratch_page: int):
         self.runner, self.scratch_page = runner, scratch_page
         self.buckets = graph_buckets(min(max_bs, runner.config.max_requests))
         self.max_pages = runner.page_table.shape[1]

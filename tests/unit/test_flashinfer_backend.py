@@ -24,12 +24,13 @@ import torch
 
 from services.worker.attention import backend as registry
 from services.worker.attention import flashinfer_backend
-from services.worker.attention.backend import LayerAttention, create_backend
+from services.worker.attention.backend import create_backend
 from services.worker.attention.batch_layout import BatchLayout, slots_of
 from services.worker.attention.flashinfer_backend import FlashInferBackend
 from services.worker.attention.flashinfer_plan import paged_plan, split_items, step_plans
 from services.worker.attention.torch_backend import TorchAttentionBackend, _build_group
 from services.worker.kv_pool import KVPool, KVPoolSpec
+from services.worker.model.layer_attention import LayerAttention
 
 MIXED = [(0, 7), (23, 1), (40, 9), (64, 1), (0, 1), (5, 12), (31, 1), (16, 16)]  # (start_pos, q_len)
 DECODE = [(23, 1), (63, 1), (1, 1), (100, 1)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.speculative.drafter import DraftRequest, create_drafter
+from services.worker.speculative.drafter import DraftRequest, algorithms, create_drafter
 from services.worker.speculative.ngram import NgramDrafter, NgramIndex
 
 
@@ -62,7 +62,8 @@ def test_the_drafter_keeps_one_index_per_request_and_forgets_released_ones():
 
 
 def test_the_registry_builds_ngram_from_the_flags_and_refuses_unknown_names():
-    from services.worker.config import WorkerConfig
+    from services.worker.config import SPECULATIVE_ALGORITHMS, WorkerConfig
+    assert algorithms() == sorted(SPECULATIVE_ALGORITHMS)  # the flag's values: a drafter for each
     cfg = WorkerConfig(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=2,
                        speculative_ngram_max_match_window_size=5)
     d = create_drafter("NGRAM", cfg, None)

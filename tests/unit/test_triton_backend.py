@@ -10,12 +10,13 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.step.contract import NewRequestSpec, StepItem, StepPlan
-from services.worker.attention.backend import Attached, DecodeStep, LayerAttention, create_backend
+from services.worker.attention.backend import Attached, DecodeStep, create_backend
 from services.worker.attention.batch_layout import BatchLayout, slots_of
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.attention.triton_backend import TritonAttentionBackend
 from services.worker.config import WorkerConfig
 from services.worker.kv_pool import KVPool, KVPoolSpec
+from services.worker.model.layer_attention import LayerAttention
 from services.worker.model_runner import ModelRunner
 
 import triton  # a declared dependency: never skipped

@@ -13,20 +13,11 @@ import torch
 
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.kv_pool import KVPool
+from services.worker.model.layer_attention import LayerAttention
 
 if TYPE_CHECKING:
     from services.worker.config import WorkerConfig
     from services.worker.loader.checkpoint import Checkpoint
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """One layer's attention variant, for models whose layers differ (Gemma 2): the backend's
-    own scale and window apply to a layer that passes none."""
-
-    scale: float  # multiplies q . k
-    window: int | None = None  # a query at position p sees keys p - window + 1 .. p; None = all
-    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from services.worker.attention.backend import Attached, DecodeStep, LayerAttention
+from services.worker.attention.backend import Attached, DecodeStep
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.fallbacks import warn_cpu_fallbacks
 from services.worker.kv_pool import KVPool
 from services.worker.lead_cpu import LeadCpu, LeadPriority
+from services.worker.model.layer_attention import LayerAttention
 
 if TYPE_CHECKING:
     from services.worker.config import WorkerConfig

@@ -36,11 +36,11 @@ from typing import Any, Callable
 import torch
 
 from kernels.kv_fp8 import hadamard_rotate
-from services.worker.attention.backend import (
-    Attached, AttentionBackend, DecodeStep, LayerAttention, create_backend)
+from services.worker.attention.backend import Attached, AttentionBackend, DecodeStep, create_backend
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.attention.flashinfer_plan import PagedPlan, step_plans
 from services.worker.kv_pool import KVPool
+from services.worker.model.layer_attention import LayerAttention
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from services.worker.attention.backend import Attached, DecodeStep, LayerAttention
+from services.worker.attention.backend import Attached, DecodeStep
 from services.worker.attention.batch_layout import BatchLayout, slots_of
 from kernels.kv_fp8 import hadamard_rotate, widen_kv
 from services.worker.kv_pool import KVPool
+from services.worker.model.layer_attention import LayerAttention
 
 
 @dataclass

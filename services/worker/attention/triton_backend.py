@@ -23,10 +23,11 @@ import torch
 from kernels.kv_fp8 import hadamard_rotate
 from kernels.triton.decode_attention import choose_num_splits, decode_attention
 from kernels.triton.extend_attention import extend_attention
-from services.worker.attention.backend import Attached, DecodeStep, LayerAttention
+from services.worker.attention.backend import Attached, DecodeStep
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.host_to_device import to_device
 from services.worker.kv_pool import KVPool
+from services.worker.model.layer_attention import LayerAttention
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ model's context, gets no draft that step: never an error.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from services.common.sampling_params import SamplingParams
 from services.step.contract import NewRequestSpec, StepItem, StepPlan
@@ -37,15 +37,17 @@ class _Draft:
 
 
 class DraftModelDrafter:
-    def __init__(self, config: WorkerConfig, checkpoint: Checkpoint, vocab_size: int):
-        """`config`: the draft runner's own (no speculation); `vocab_size`: the target's. Raises
-        ValueError when the draft model's vocabulary differs (its token ids would mean other text)."""
+    def __init__(self, config: WorkerConfig, checkpoint: Checkpoint, vocab_size: int,
+                 new_runner: Callable[[WorkerConfig, Checkpoint], Any]):
+        """`config`: the draft runner's own (no speculation); `vocab_size`: the target's;
+        `new_runner(config, checkpoint)`: a runner for the draft model (the target runner's class:
+        the runner builds its drafter, so this module never imports it). Raises ValueError when
+        the draft model's vocabulary differs (its token ids would mean other text)."""
         if checkpoint.config.vocab_size != vocab_size:
             raise ValueError(f"the draft model {checkpoint.config.name!r} has a vocabulary of "
                              f"{checkpoint.config.vocab_size} tokens, the target {vocab_size}: "
                              "--speculative-draft-model-path needs a model of the target's tokenizer")
-        from services.worker.model_runner import ModelRunner  # the runner imports the drafter registry
-        self.runner = ModelRunner(config, checkpoint)
+        self.runner = new_runner(config, checkpoint)
         self.page_size = self.runner.kv_spec.page_size
         self.max_positions = self.runner.model_config.max_position_embeddings
         self.free_pages = list(range(self.runner.kv_spec.num_pages - 1, -1, -1))
@@ -55,12 +57,13 @@ class DraftModelDrafter:
     @classmethod
     def from_config(cls, config: WorkerConfig, runner: Any) -> "DraftModelDrafter":
         """The target's config and runner → a drafter on --speculative-draft-model-path, with the
-        target's page size, request rows, dtype and device, and its own KV budget."""
+        target's page size, request rows, dtype and device, and its own KV budget, run by a runner
+        of the target's own class."""
         path = config.speculative_draft_model_path
         draft_config = replace(config, model=path, speculative_algorithm=None, speculative_draft_model_path=None,
                                kv_cache_bytes=config.speculative_draft_kv_cache_bytes, kv_mem_fraction=None,
                                lora_paths=(), max_loras=0)  # the draft model drafts on its base weights
-        return cls(draft_config, load_checkpoint(path), runner.model_config.vocab_size)
+        return cls(draft_config, load_checkpoint(path), runner.model_config.vocab_size, type(runner))
 
     # --- the Drafter protocol ---------------------------------------------------------
     def admit(self, rid: str, tokens: list[int]) -> None:

@@ -1,4 +1,5 @@
-"""What a drafter does, and the registry of drafters (adding one: a file and a line).
+"""What a drafter does, and the registry of drafters (adding one: a file, a line here and its
+name in services/worker/config.py's SPECULATIVE_ALGORITHMS, which the flag is checked against).
 
 Speculative decoding (seed §4.9): a drafter proposes the next few tokens of a request cheaply;
 the target model checks them all in one forward (a verify item: services/worker/jump_forward.py
@@ -44,7 +45,8 @@ class Drafter(Protocol):
         """Forget the request (finished, aborted, retracted)."""
 
 
-# --speculative-algorithm name -> "module:factory"; the factory takes (WorkerConfig, runner).
+# --speculative-algorithm name (config.SPECULATIVE_ALGORITHMS) -> "module:factory"; the factory
+# takes (WorkerConfig, the target's runner).
 _DRAFTERS: dict[str, str] = {
     "NGRAM": "services.worker.speculative.ngram:NgramDrafter.from_config",
     "STANDALONE": "services.worker.speculative.draft_model:DraftModelDrafter.from_config",
