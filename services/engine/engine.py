@@ -46,7 +46,7 @@ from services.worker.config import WorkerConfig
 from services.worker.host_pool import attach_tiers
 from services.worker.info import worker_info
 from services.worker.loader.checkpoint import Checkpoint, load_checkpoint
-from services.worker.parallel.group import create_runner
+from services.worker.group.leader import create_runner
 
 log = logging.getLogger(__name__)
 

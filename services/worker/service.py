@@ -101,7 +101,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # torch is imported here, not at module level: `radixmesh serve` of the
         # other services imports this package's siblings without paying for it.
         from services.worker.loader.checkpoint import load_checkpoint
-        from services.worker.parallel.group import create_runner
+        from services.worker.group.leader import create_runner
 
         from services.worker.attention.cpu_backend import CpuBackend
         from services.worker.lead_cpu import thread_ids

@@ -19,7 +19,7 @@ from services.engine.engine import Engine
 from services.worker.config import WorkerConfig
 from services.worker.loader.checkpoint import load_checkpoint
 from services.worker.model.registry import ARCHITECTURES
-from services.worker.parallel.group import create_runner
+from services.worker.group.leader import create_runner
 from tests.unit.tiny_models import BASE, BATCHES, CONFIGS, logits_by_position, save_tiny, sequences
 
 pytestmark = pytest.mark.slow

@@ -55,7 +55,7 @@ def mesh(expected, adapter):
         listening = {e["service"]: e for e in m.log if e.get("msg") == "listening"}
         m.url = f"http://127.0.0.1:{listening['gateway']['http_port']}"
         m.ranks = [c.pid for c in psutil.Process(m.pids["worker"]).children()
-                   if "services.worker.parallel.follower" in " ".join(c.cmdline())]
+                   if "services.worker.group.follower" in " ".join(c.cmdline())]
         yield m
     finally:
         m.kill_all()

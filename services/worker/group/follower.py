@@ -1,4 +1,4 @@
-"""A follower rank of a worker group (group.py): it runs what its leader sends, in order.
+"""A follower rank of a worker group (leader.py): it runs what its leader sends, in order.
 
 Started by the leader with two pipe descriptors: commands in (a RankSetup first, then
 ("execute", plan), ("compute_logits", plan), ("lora_load", name, path),
@@ -7,7 +7,7 @@ or ("error", why)). It joins the group's process group before loading, so the le
 does not wait for a load. Any failure ends the process: the leader's watchdog names the rank,
 and the leader's next collective fails instead of hanging.
 
-    python -m services.worker.parallel.follower --cmd-fd N --reply-fd M
+    python -m services.worker.group.follower --cmd-fd N --reply-fd M
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
-log = logging.getLogger("services.worker.parallel.follower")
+log = logging.getLogger("services.worker.group.follower")
 
 _PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.worker.parallel.follower", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m services.worker.group.follower", description=__doc__)
     p.add_argument("--cmd-fd", type=int, required=True)
     p.add_argument("--reply-fd", type=int, required=True)
     args = p.parse_args(argv)

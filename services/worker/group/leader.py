@@ -99,7 +99,7 @@ class Follower:
         self.rank = setup.rank
         cmd_read, cmd_write = os.pipe()
         reply_read, reply_write = os.pipe()
-        argv = [sys.executable, "-m", "services.worker.parallel.follower",
+        argv = [sys.executable, "-m", "services.worker.group.follower",
                 "--cmd-fd", str(cmd_read), "--reply-fd", str(reply_write)]
         self.proc = subprocess.Popen(argv, pass_fds=(cmd_read, reply_write), start_new_session=False)
         os.close(cmd_read)
