@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _build(setup):
     """On the main thread, which runs every step (load_checkpoint reads on a thread of its own)."""
+    import torch
     from services.worker.loader.checkpoint import load_checkpoint
     from services.worker.model_runner import ModelRunner
     from services.worker.parallel.communicator import init_group
@@ -59,6 +60,7 @@ def _build(setup):
     if setup.cpus:
         os.sched_setaffinity(0, setup.cpus)
     init_group(setup.init_method, setup.rank, setup.world_size, setup.config.dist_timeout_s)
+    torch.set_num_threads(setup.config.num_threads)  # before the all-reduce probes: one team per rank
     comm, pipe = Placement(setup.rank, setup.config.tp_size, setup.config.pp_size).join(
         setup.group_id, setup.hidden, setup.config.torch_dtype, setup.config.dist_timeout_s, setup.config.all_reduce)
     checkpoint = load_checkpoint(setup.source, setup.config.quantization)

@@ -31,6 +31,8 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Callable
 
+import torch
+
 from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -299,6 +301,7 @@ def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Calla
     try:
         if group.cpus[0]:
             os.sched_setaffinity(0, group.cpus[0])  # this (the step) thread; its OpenMP team inherits it
+        torch.set_num_threads(group.config.num_threads)  # before the all-reduce probes: one team per rank
         comm, pipe = Placement(0, config.tp_size, config.pp_size).join(
             group.group_id, group.hidden, config.torch_dtype, config.dist_timeout_s, config.all_reduce)
         runner = ModelRunner(group.config, checkpoint, comm=comm, pipe=pipe)
