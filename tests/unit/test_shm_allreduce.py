@@ -25,6 +25,8 @@ import torch.distributed as dist
 from services.worker.parallel.communicator import GlooCommunicator, init_group, leave_group
 from services.worker.parallel.shm_allreduce import NAME_PREFIX, SHM_DIR, ShmCommunicator, choose_communicator
 
+pytestmark = pytest.mark.slow  # real processes joined by gloo: the full suite, not the fast lane
+
 WORLDS = (2, 3)
 MAX_BYTES = 64 * 576 * 4  # a decode step's float32 all-reduce at batch 64; one element more goes to the fallback
 SHM_TIMEOUT_S = 10.0  # generous: five ranks share two cores
