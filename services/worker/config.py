@@ -140,8 +140,14 @@ class WorkerConfig:
         "choices": ("auto", "shm", "gloo"),
         "help": "a one-stage worker group's all-reduce: shm (shared memory between the ranks of one host), gloo, "
                 "or auto: the faster of the two, measured at start on this model's shapes"})
+    nnodes: int = field(default=1, metadata={
+        "help": "the machines (nodes) a worker group spans; each runs tp x pp / nnodes ranks. Node 0's worker "
+                "serves the scheduler; each other node runs `radixmesh serve worker --node-rank K` with the same "
+                "flags and --dist-init-addr (docs/parallelism.md)"})
+    node_rank: int = field(default=0, metadata={"help": "this node's index in the group, 0 .. nnodes - 1"})
     dist_init_addr: str | None = field(default=None, metadata={
-        "help": "HOST:PORT of the group's torch.distributed rendezvous (default: a free loopback port)"})
+        "help": "HOST:PORT of the group's torch.distributed rendezvous, reachable from every node (default, one "
+                "node: a free loopback port)"})
     dist_timeout_s: float = field(default=30.0, metadata={
         "help": "a worker group's collectives fail after this long without every rank (a dead or hung rank "
                 "is an error, never a hang)"})
@@ -208,6 +214,14 @@ class WorkerConfig:
         parse_lora_paths(self.lora_paths)  # raises on a malformed entry
         if self.tp_size < 1 or self.pp_size < 1:
             raise ValueError(f"--tp-size and --pp-size must be >= 1, got {self.tp_size} and {self.pp_size}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--nnodes must be >= 1 and --node-rank in [0, nnodes), got {self.nnodes} and "
+                             f"{self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"--tp-size x --pp-size = {self.world_size} ranks do not split evenly over "
+                             f"--nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT, the same on every node (node 0's address)")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"--dist-timeout-s must be > 0, got {self.dist_timeout_s}")
 
@@ -215,6 +229,10 @@ class WorkerConfig:
     def world_size(self) -> int:
         """The processes of this worker's group (1: the worker alone)."""
         return self.tp_size * self.pp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
     @property
     def lora_adapters(self) -> tuple[tuple[str, str], ...]:

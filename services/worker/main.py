@@ -25,6 +25,11 @@ class WorkerServiceConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixmesh serve worker", description=__doc__)
     config = parse_config(WorkerServiceConfig, argv, parser)
+    if config.worker.node_rank > 0:  # another node of a worker group: no gRPC, node 0's worker serves
+        from services.common.logging import setup_logging
+        from services.worker.group.node import run_node
+        setup_logging(f"worker-node{config.worker.node_rank}", config.common.log_level)
+        return run_node(config.worker)
     from services.worker.admin_service import WorkerAdminService
     from services.worker.service import WorkerService
 

@@ -52,19 +52,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _build(setup):
     """On the main thread, which runs every step (load_checkpoint reads on a thread of its own)."""
-    import torch
+    from services.worker.group.world import join_world
     from services.worker.loader.checkpoint import load_checkpoint
     from services.worker.model_runner import ModelRunner
-    from services.worker.parallel.communicator import init_group
-    from services.worker.parallel.placement import Placement
     if setup.cpus:
         os.sched_setaffinity(0, setup.cpus)
-    init_group(setup.init_method, setup.rank, setup.world_size, setup.config.dist_timeout_s)
-    torch.set_num_threads(setup.config.num_threads)  # before the all-reduce probes: one team per rank
-    comm, pipe = Placement(setup.rank, setup.config.tp_size, setup.config.pp_size).join(
-        setup.group_id, setup.hidden, setup.config.torch_dtype, setup.config.dist_timeout_s, setup.config.all_reduce)
+    joined = join_world(setup.rank, setup.config, setup.init_method, setup.source, setup.group_id, setup.hidden)
     checkpoint = load_checkpoint(setup.source, setup.config.quantization)
-    return ModelRunner(setup.config, checkpoint, comm=comm, pipe=pipe)
+    return ModelRunner(setup.config, checkpoint, comm=joined.comm, pipe=joined.pipe)
 
 
 def _follow(commands: Connection, runner) -> int:
@@ -75,21 +70,28 @@ def _follow(commands: Connection, runner) -> int:
         except EOFError:
             log.info("the leader closed the group's pipe: exiting")
             return 0
-        kind = command[0]
-        if kind == "execute":
-            runner.execute(command[1])  # the leader answers; every rank sampled the same tokens
-        elif kind == "compute_logits":
-            runner.compute_logits(command[1])
-        elif kind == "lora_load":
-            runner.loras.load(command[1], command[2])
-        elif kind == "lora_unload":
-            runner.loras.unload(command[1])
-        elif kind == "reset":
-            runner.reset()
-        elif kind == "stop":
+        if not run_command(runner, command):
             return 0
-        else:
-            raise ValueError(f"unknown worker group command {kind!r}")
+
+
+def run_command(runner, command: tuple) -> bool:
+    """One of the leader's commands on this rank's runner; False for stop."""
+    kind = command[0]
+    if kind == "execute":
+        runner.execute(command[1])  # the leader answers; every rank sampled the same tokens
+    elif kind == "compute_logits":
+        runner.compute_logits(command[1])
+    elif kind == "lora_load":
+        runner.loras.load(command[1], command[2])
+    elif kind == "lora_unload":
+        runner.loras.unload(command[1])
+    elif kind == "reset":
+        runner.reset()
+    elif kind == "stop":
+        return False
+    else:
+        raise ValueError(f"unknown worker group command {kind!r}")
+    return True
 
 
 if __name__ == "__main__":

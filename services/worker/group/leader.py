@@ -20,6 +20,7 @@ and the kernel spreads them.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -30,8 +31,6 @@ import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Callable
-
-import torch
 
 from services.worker.config import WorkerConfig
 
@@ -148,6 +147,20 @@ class Follower:
         self.replies.close()
 
 
+def send_to_nodes(nodes, command: tuple) -> None:
+    """The leader's command to every other node's first rank (node.py), over the control group."""
+    import torch.distributed as dist
+    dist.broadcast_object_list([command], src=0, group=nodes)
+
+
+def receive_from_leader(nodes) -> tuple:
+    """On a node's first rank: the leader's next command (waits as long as the group is idle)."""
+    import torch.distributed as dist
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=nodes)
+    return box[0]
+
+
 class GroupLost(RuntimeError):
     """A rank of the group is gone: the group cannot step any more."""
 
@@ -157,33 +170,45 @@ class WorkerGroup:
 
     def __init__(self, config: WorkerConfig, source: str, hidden: int,
                  on_lost: Callable[[str], None] | None = None) -> None:
-        from services.worker.parallel.communicator import init_group
-        world = config.world_size
+        """Node `config.node_rank`'s first rank (global rank node_rank · ranks_per_node) and the
+        followers it starts: the group's leader on node 0, a node's agent (node.py) elsewhere."""
+        from services.worker.group.world import join_world
+        world, per = config.world_size, config.ranks_per_node
+        first = config.node_rank * per
         self.init_method = config.dist_init_addr and f"tcp://{config.dist_init_addr}" or free_init_method()
-        self.cpus = rank_cpus(world, list(config.cpu_cores) or None)
+        self.cpus = rank_cpus(per, list(config.cpu_cores) or None)
         self.group_id = f"{os.getpid()}-{self.init_method.rsplit(':', 1)[-1]}"
         self.hidden = hidden
         self.config = rank_config(config, self.cpus[0])
         self.on_lost = on_lost or (lambda why: log.error("worker group lost a rank", extra={"error": why}))
         self.followers: list[Follower] = []
+        self.nodes = None  # the nodes' control group (several nodes)
         self.lost: str | None = None  # why the group broke, once a rank is gone
         self._closing = False
         try:
-            for rank in range(1, world):
+            for local in range(1, per):
                 self.followers.append(Follower(RankSetup(
-                    rank, world, self.init_method, rank_config(config, self.cpus[rank]), source, self.cpus[rank],
-                    self.group_id, hidden)))
-            init_group(self.init_method, 0, world, config.dist_timeout_s)
+                    first + local, world, self.init_method, rank_config(config, self.cpus[local]), source,
+                    self.cpus[local], self.group_id, hidden)))
+            if self.cpus[0]:
+                os.sched_setaffinity(0, self.cpus[0])  # this (the step) thread; its OpenMP team inherits it
+            self.joined = join_world(first, self.config, self.init_method, source, self.group_id, hidden)
+            self.nodes = self.joined.nodes
         except BaseException:
             self.close()
             raise
         self._watch = threading.Thread(target=self._watchdog, name="worker-group-watch", daemon=True)
 
     def wait_ready(self, timeout_s: float) -> None:
-        """After the leader built its own shard: every follower built its own."""
+        """After this rank built its own shard: every local follower built its own, and with several
+        nodes every node did (a monitored barrier names the nodes that did not arrive)."""
+        import torch.distributed as dist
         deadline = time.monotonic() + timeout_s
         for f in self.followers:
             f.wait_ready(deadline)
+        if self.nodes is not None:
+            remaining = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+            dist.monitored_barrier(group=self.nodes, timeout=remaining, wait_all_ranks=True)
         self._watch.start()
         log.info("worker group ready", extra={"tp_size": self.config.tp_size, "pp_size": self.config.pp_size,
                                                "init_method": self.init_method,
@@ -195,6 +220,8 @@ class WorkerGroup:
         try:
             for f in self.followers:
                 f.send(command)
+            if self.nodes is not None and self.config.node_rank == 0:
+                send_to_nodes(self.nodes, command)
         except RuntimeError as exc:
             self.lost = self.lost or str(exc)
             raise GroupLost(f"the worker group is broken: {self.lost}") from None
@@ -212,6 +239,11 @@ class WorkerGroup:
 
     def close(self, timeout_s: float = 10.0) -> None:
         from services.worker.parallel.communicator import leave_group
+        if self.nodes is not None and self.config.node_rank == 0 and self.lost is None and not self._closing:
+            try:
+                send_to_nodes(self.nodes, ("stop",))
+            except RuntimeError:  # a node is gone already
+                pass
         self._closing = True
         for f in self.followers:
             f.stop(timeout_s)
@@ -288,23 +320,20 @@ def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Calla
     from services.worker.model_runner import ModelRunner
     if config.world_size == 1:
         return ModelRunner(config, checkpoint)
+    if config.node_rank != 0:
+        raise ValueError(f"--node-rank {config.node_rank}: a node other than 0 serves no requests; run it as "
+                         "`radixmesh serve worker --nnodes N --node-rank K ...` (services/worker/group/node.py)")
     why = group_refusal(config, hicache)
     if why is not None:
         raise ValueError(why)
     from services.worker.parallel.pipeline import PipelineStage
-    from services.worker.parallel.placement import Placement
     from services.worker.parallel.tensor_parallel import TensorShard
     # Sizes the model cannot take: refused before any rank starts.
     stage = PipelineStage(checkpoint.config, 0, config.pp_size)
     TensorShard(stage.config, 0, config.tp_size)
     group = WorkerGroup(config, checkpoint.source, checkpoint.config.hidden_size, on_lost)
     try:
-        if group.cpus[0]:
-            os.sched_setaffinity(0, group.cpus[0])  # this (the step) thread; its OpenMP team inherits it
-        torch.set_num_threads(group.config.num_threads)  # before the all-reduce probes: one team per rank
-        comm, pipe = Placement(0, config.tp_size, config.pp_size).join(
-            group.group_id, group.hidden, config.torch_dtype, config.dist_timeout_s, config.all_reduce)
-        runner = ModelRunner(group.config, checkpoint, comm=comm, pipe=pipe)
+        runner = ModelRunner(group.config, checkpoint, comm=group.joined.comm, pipe=group.joined.pipe)
         group.wait_ready(config.dist_timeout_s + 600)
     except BaseException:
         group.close()

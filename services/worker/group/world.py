@@ -1,0 +1,81 @@
+"""The steps every rank of a worker group takes to join it, in the same order on every rank.
+
+1. join the default process group (`--dist-init-addr`, rank, world size, `--dist-timeout-s`);
+2. compare configurations: every rank contributes the digest of the flags that must agree
+   (the model file's name and size, the group's sizes, dtypes, pages, limits, adapters); a rank
+   started with others fails the group on every rank, with a message naming the flags and ranks;
+3. with several nodes, make the nodes' control group (each node's first rank), over which the
+   leader sends each command to the other nodes, with no timeout while the group is idle;
+4. make the rank's TP communicator and pipeline link (placement.py); across nodes the
+   all-reduce is gloo's (shared memory is one host's).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from services.worker.config import WorkerConfig
+
+# The flags every rank must share: a rank that differs would compute another model or another
+# batch. (Threads, cores, the listen address and logging may differ per rank.)
+MUST_AGREE = ("tp_size", "pp_size", "nnodes", "dtype", "kv_cache_dtype", "quantization", "page_size", "max_requests",
+              "context_length", "kv_cache_bytes", "max_loras", "max_lora_rank", "lora_paths", "all_reduce",
+              "attention_backend", "fused_ops", "prepack_weights")
+CONTROL_TIMEOUT = datetime.timedelta(days=365)  # the nodes wait for the leader's next command
+
+
+@dataclass(frozen=True)
+class Joined:
+    comm: object  # the rank's TP Communicator
+    pipe: object  # its PipeLink, or None
+    nodes: object  # the nodes' control group (several nodes), or None
+
+
+def model_identity(source: str) -> str:
+    """The checkpoint as every node can name it: its file's (or directory's) name and size."""
+    path = os.path.realpath(source)
+    size = os.path.getsize(path) if os.path.isfile(path) else sum(
+        os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path)) if f.endswith(".safetensors"))
+    return f"{os.path.basename(path)} ({size} bytes)"
+
+
+def agreed_settings(config: WorkerConfig, source: str) -> dict[str, str]:
+    values = {f.name: repr(getattr(config, f.name)) for f in fields(config) if f.name in MUST_AGREE}
+    values["resolved dtype"] = config.resolved_dtype
+    values["model"] = model_identity(source)
+    return values
+
+
+def check_same_config(config: WorkerConfig, source: str) -> None:
+    """Collective: ValueError on every rank when any rank's agreed settings differ from rank 0's."""
+    mine = agreed_settings(config, source)
+    everyone: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    leader = everyone[0]
+    differ = {rank: sorted(k for k in leader if theirs.get(k) != leader[k]) for rank, theirs in enumerate(everyone)}
+    differ = {rank: keys for rank, keys in differ.items() if keys}
+    if differ:
+        lines = [f"rank {rank}: " + ", ".join(f"{k} {everyone[rank].get(k)} (rank 0: {leader[k]})" for k in keys)
+                 for rank, keys in sorted(differ.items())]
+        raise ValueError("the worker group's ranks were started with different settings; " + "; ".join(lines))
+
+
+def join_world(rank: int, config: WorkerConfig, init_method: str, source: str, group_id: str,
+               hidden: int) -> Joined:
+    from services.worker.parallel.communicator import init_group
+    from services.worker.parallel.placement import Placement
+    init_group(init_method, rank, config.world_size, config.dist_timeout_s)
+    torch.set_num_threads(config.num_threads or 1)  # before the all-reduce probes: one team per rank
+    check_same_config(config, source)
+    nodes = None
+    if config.nnodes > 1:  # every rank creates it (a collective), only the nodes' first ranks are in it
+        per = config.world_size // config.nnodes
+        nodes = dist.new_group([k * per for k in range(config.nnodes)], timeout=CONTROL_TIMEOUT)
+    all_reduce = "gloo" if config.nnodes > 1 else config.all_reduce
+    comm, pipe = Placement(rank, config.tp_size, config.pp_size).join(
+        group_id, hidden, config.torch_dtype, config.dist_timeout_s, all_reduce)
+    return Joined(comm, pipe, nodes)
