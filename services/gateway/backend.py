@@ -34,6 +34,14 @@ from services.common.outputs_convert import output_from_proto
 from services.common.sampling_params import SamplingParams
 from services.gateway.multiplexer import Multiplexer, StreamBroken
 
+# A shared GenerateStream call that ends with these before this request got anything: the request
+# runs on a Generate call of its own. UNIMPLEMENTED: the backend has no GenerateStream (a router,
+# an older tokenizer), so every later request does too. INTERNAL: grpc's client reports a
+# request written while the server was ending the call as "Internal error from Core" instead of
+# the server's status (seen when the server answers UNIMPLEMENTED at once); the request's own
+# call then gives the real answer.
+FALL_BACK_CODES = ("UNIMPLEMENTED", "INTERNAL")
+
 
 class BackendError(Exception):
     """A failed request or call. `code` is a grpc.StatusCode name, e.g.
@@ -230,9 +238,10 @@ class GrpcBackend:
                     yield batch
                 return
             except StreamBroken as e:
-                if e.code != "UNIMPLEMENTED" or started:
+                if started or e.code not in FALL_BACK_CODES:
                     raise BackendError(e.code, e.message) from None
-                self._multiplexed = False
+                if e.code == "UNIMPLEMENTED":
+                    self._multiplexed = False
         async for batch in self._generate_alone(request, call.rid):
             yield batch
 

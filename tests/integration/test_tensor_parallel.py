@@ -46,7 +46,7 @@ def _save(tmp_path, name: str) -> str:
 
 def _logits(path: str, tp: int, pp: int = 1, **flags) -> dict:
     config = WorkerConfig(dtype="float32", page_size=4, kv_cache_bytes=4 << 20, max_requests=4, tp_size=tp,
-                          pp_size=pp, num_threads=1, **flags)
+                          pp_size=pp, **flags)
     runner = create_runner(config, load_checkpoint(path))
     try:
         seqs = sequences("three_chunked")
@@ -74,6 +74,14 @@ def test_tp2_pp2_and_both_give_the_logits_of_one_rank_on_every_architecture(tmp_
                 assert int(a.argmax()) == int(b.argmax())
 
 
+def test_a_closed_group_gives_the_calling_thread_its_cpus_and_torch_threads_back(tmp_path):
+    """The leader pins its thread to its share of the CPUs and sets its torch threads while the
+    group lives; the thread (the Engine's step thread, here the test's) outlives the group."""
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
+    _logits(_save(tmp_path, "llama_gqa"), 2)
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
+
+
 @pytest.mark.parametrize("all_reduce", ["shm", "gloo"])
 def test_tp2_gives_the_same_logits_over_shared_memory_and_over_gloo(tmp_path, all_reduce):
     path = _save(tmp_path, "qwen3_moe")
@@ -99,7 +107,7 @@ def test_tp2_serves_lora_adapters_as_peft_merges_them(tmp_path):
     path, hf = save_tiny_llama(tmp_path / "base")
     dirs = {n: make_random_adapter(hf, str(tmp_path / n), 4, 9, seed=i + 1) for i, n in enumerate(("a", "b"))}
     config = WorkerConfig(dtype="float32", page_size=4, kv_cache_bytes=8 << 20, max_requests=8, tp_size=2,
-                          num_threads=1, lora_paths=(f"a={dirs['a']}",))
+                          lora_paths=(f"a={dirs['a']}",))
     runner = create_runner(config, load_checkpoint(path))
     try:
         runner.loras.load("b", dirs["b"])  # at run time: on every rank
@@ -155,7 +163,7 @@ def test_a_hung_rank_fails_the_leaders_step_within_the_groups_timeout(tmp_path):
     from services.step.contract import NewRequestSpec, StepItem, StepPlan
     path = _save(tmp_path, "llama_gqa")
     config = WorkerConfig(dtype="float32", page_size=4, kv_cache_bytes=4 << 20, max_requests=4, tp_size=2,
-                          num_threads=1, dist_timeout_s=3.0)
+                          dist_timeout_s=3.0)
     runner = create_runner(config, load_checkpoint(path))
     follower = runner.group.followers[0].proc
     try:

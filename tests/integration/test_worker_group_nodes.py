@@ -20,7 +20,7 @@ from tests.unit.tiny_models import BATCHES, logits_by_position, save_tiny, seque
 
 pytestmark = pytest.mark.slow
 
-FLAGS = dict(dtype="float32", page_size=4, kv_cache_bytes=4 << 20, max_requests=4, num_threads=1)
+FLAGS = dict(dtype="float32", page_size=4, kv_cache_bytes=4 << 20, max_requests=4)
 
 
 def _port() -> int:

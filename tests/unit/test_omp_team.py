@@ -32,10 +32,11 @@ def test_the_engine_builds_its_runner_on_its_step_thread(checkpoint, tokenizer, 
     from services.common.sampling_params import SamplingParams
     from services.engine import engine as engine_module
     from services.scheduler.config import SchedulerConfig
+    from services.worker import model_runner as runner_module
     from services.worker.config import WorkerConfig
 
     built, stepped = [], set()
-    real_runner = engine_module.ModelRunner
+    real_runner = runner_module.ModelRunner  # what the Engine's create_runner builds for a group of one
 
     class Recording(real_runner):
         def __init__(self, *args, **kwargs):
@@ -46,7 +47,7 @@ def test_the_engine_builds_its_runner_on_its_step_thread(checkpoint, tokenizer, 
             stepped.add(threading.get_ident())
             return super().execute(plan, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "ModelRunner", Recording)
+    monkeypatch.setattr(runner_module, "ModelRunner", Recording)
     for overlap in (True, False):
         built.clear(), stepped.clear()
         eng = engine_module.Engine(worker=WorkerConfig(kv_cache_bytes=16 << 20, max_requests=2),

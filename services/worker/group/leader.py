@@ -1,8 +1,10 @@
 """A worker group: one replica's model over `--tp-size` × `--pp-size` processes joined by
 torch.distributed (placement.py says which rank is which).
 
-The leader (the worker service's process, or the Engine's) is rank 0. It starts ranks 1..N-1
-as child processes (follower.py), joins the group with them, and builds its own shard. From
+The leader (the worker service's process, or the Engine's) is rank 0. It starts the other ranks
+of its node as child processes (follower.py), joins the group with them (world.py), and builds
+its own shard; on a group of several machines each other node's first rank does the same for its
+node (node.py) and takes the leader's commands over the nodes' control group. From
 then on everything that changes a rank's state goes to every rank, in the same order: each
 step's plan is sent to the followers (a pipe each, pickled) just before the leader runs it, so
 all ranks run the same batch and meet at the same collectives. Only the leader answers the
@@ -161,6 +163,11 @@ def receive_from_leader(nodes) -> tuple:
     return box[0]
 
 
+def _torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
 class GroupLost(RuntimeError):
     """A rank of the group is gone: the group cannot step any more."""
 
@@ -182,6 +189,9 @@ class WorkerGroup:
         self.config = rank_config(config, self.cpus[0])
         self.on_lost = on_lost or (lambda why: log.error("worker group lost a rank", extra={"error": why}))
         self.followers: list[Follower] = []
+        # The calling thread's CPUs and the process's torch threads, given back on close: the
+        # Engine's step thread (or a test's) outlives the group.
+        self._restore = (os.sched_getaffinity(0), _torch_threads())
         self.nodes = None  # the nodes' control group (several nodes)
         self.lost: str | None = None  # why the group broke, once a rank is gone
         self._closing = False
@@ -249,6 +259,10 @@ class WorkerGroup:
             f.stop(timeout_s)
         self.followers = []
         leave_group()
+        cpus, threads = self._restore
+        os.sched_setaffinity(0, cpus)
+        import torch
+        torch.set_num_threads(threads)
 
 
 class GroupRunner:
