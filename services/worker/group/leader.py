@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -129,9 +130,10 @@ class Follower:
         except EOFError:
             return "error", "it closed its reply pipe"
 
-    def send(self, command: tuple) -> None:
+    def send(self, payload: bytes) -> None:
+        """A command pickled once by the group (WorkerGroup.send) for all its followers."""
         try:
-            self.commands.send(command)
+            self.commands.send_bytes(payload)
         except (BrokenPipeError, OSError) as exc:
             raise RuntimeError(f"worker rank {self.rank} (pid {self.proc.pid}) is gone: {exc}") from None
 
@@ -228,8 +230,9 @@ class WorkerGroup:
         if self.lost is not None:
             raise GroupLost(f"the worker group is broken: {self.lost}")
         try:
+            payload = pickle.dumps(command)  # once per step, not once per follower; recv() unpickles it
             for f in self.followers:
-                f.send(command)
+                f.send(payload)
             if self.nodes is not None and self.config.node_rank == 0:
                 send_to_nodes(self.nodes, command)
         except RuntimeError as exc:

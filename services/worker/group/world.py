@@ -2,7 +2,7 @@
 
 1. join the default process group (`--dist-init-addr`, rank, world size, `--dist-timeout-s`);
 2. compare configurations: every rank contributes the digest of the flags that must agree
-   (the model file's name and size, the group's sizes, dtypes, pages, limits, adapters); a rank
+   (the model files' content identity, the group's sizes, dtypes, pages, limits, adapters); a rank
    started with others fails the group on every rank, with a message naming the flags and ranks;
 3. with several nodes, make the nodes' control group (each node's first rank), over which the
    leader sends each command to the other nodes, with no timeout while the group is idle;
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from services.worker.config import WorkerConfig
+from services.worker.host_pool import model_identity
 
 # The flags every rank must share: a rank that differs would compute another model or another
 # batch. (Threads, cores, the listen address and logging may differ per rank.)
@@ -35,18 +36,12 @@ class Joined:
     nodes: object  # the nodes' control group (several nodes), or None
 
 
-def model_identity(source: str) -> str:
-    """The checkpoint as every node can name it: its file's (or directory's) name and size."""
-    path = os.path.realpath(source)
-    size = os.path.getsize(path) if os.path.isfile(path) else sum(
-        os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path)) if f.endswith(".safetensors"))
-    return f"{os.path.basename(path)} ({size} bytes)"
-
-
 def agreed_settings(config: WorkerConfig, source: str) -> dict[str, str]:
     values = {f.name: repr(getattr(config, f.name)) for f in fields(config) if f.name in MUST_AGREE}
     values["resolved dtype"] = config.resolved_dtype
-    values["model"] = model_identity(source)
+    # The KV namespace's content identity (host_pool.py): the same bytes give the same identity on every node.
+    path = os.path.realpath(source)
+    values["model"] = model_identity(os.path.basename(path), path)
     return values
 
 
