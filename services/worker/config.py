@@ -136,6 +136,9 @@ class WorkerConfig:
     pp_size: int = field(default=1, metadata={
         "help": "pipeline parallelism: split the layers over this many stages, each its own worker process(es) "
                 "(--tp-size of them); with --tp-size the group has tp x pp ranks (docs/parallelism.md)"})
+    pp_micro_batches: int | None = field(default=None, metadata={
+        "help": "pipeline parallelism: split each step's batch by request into this many micro-batches, in "
+                "flight through the stages at once (a step of one request runs whole; default: --pp-size)"})
     all_reduce: str = field(default="auto", metadata={
         "choices": ("auto", "shm", "gloo"),
         "help": "a one-stage worker group's all-reduce: shm (shared memory between the ranks of one host), gloo, "
@@ -224,11 +227,19 @@ class WorkerConfig:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT, the same on every node (node 0's address)")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"--dist-timeout-s must be > 0, got {self.dist_timeout_s}")
+        if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
+            raise ValueError(f"--pp-micro-batches must be >= 1 (1: a step's batch crosses the stages whole), "
+                             f"got {self.pp_micro_batches}")
 
     @property
     def world_size(self) -> int:
         """The processes of this worker's group (1: the worker alone)."""
         return self.tp_size * self.pp_size
+
+    @property
+    def resolved_pp_micro_batches(self) -> int:
+        """--pp-micro-batches, or --pp-size when not given."""
+        return self.pp_size if self.pp_micro_batches is None else self.pp_micro_batches
 
     @property
     def ranks_per_node(self) -> int:

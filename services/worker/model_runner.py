@@ -37,7 +37,7 @@ from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.registry import model_class
 from services.worker.model.weight_bytes import format_bytes, resident_weight_bytes, weight_formats
 from services.worker.parallel.communicator import Communicator, Solo
-from services.worker.parallel.pipeline import PipeLink, PipelineStage
+from services.worker.parallel.pipeline import MicroBatch, PipeLink, PipelineStage, split_by_request
 from services.worker.parallel.tensor_parallel import TensorShard
 from services.worker.sampler_inputs import run_sampler
 from services.worker.speculative.drafter import Drafter, DraftRequest, create_drafter
@@ -390,7 +390,8 @@ class ModelRunner:
             logits = self.device_stats.timed(lambda: self.backend.one_call_step(step, self._computing))
             if logits is not None:
                 return logits, sampled
-        layout = self._layout(plan, reqs)
+        parts = self._micro_batches(plan.items)  # None: the step runs whole
+        layout = self._layout(plan.items, reqs) if parts is None else None
         flat_ids = [t for item in plan.items for t in item.input_ids]
         ends = list(itertools.accumulate(len(item.input_ids) for item in plan.items))
         wanted: list[int] = []  # the token indices whose logits come back
@@ -400,14 +401,16 @@ class ModelRunner:
         input_ids, logits_indices = to_device(
             [torch.tensor(flat_ids, dtype=torch.int64), torch.tensor(wanted, dtype=torch.int64)], self.device)
         self._fill_last_sampled(input_ids, on_device)
-        meta = self.forward_meta(layout.positions)
+        meta = self.forward_meta(layout.positions) if parts is None else None
         lora = None  # the step's rows by adapter slot (services/worker/lora/batch.py); None: all base
         if self.loras is not None and any(req.adapter for req in reqs):
             lora = self.loras.batch([(req.adapter, len(item.input_ids)) for req, item in zip(reqs, plan.items)])
         with self.loras.active(lora) if lora is not None else contextlib.nullcontext():
             if self.device.type != "cuda":  # the CPU computes as it goes: post the previous result first
                 self._computing()
-            logits = self.device_stats.timed(lambda: self.model(input_ids, meta, logits_indices))
+            logits = self.device_stats.timed(
+                lambda: self.model(input_ids, meta, logits_indices) if parts is None
+                else self._pipelined(plan.items, reqs, parts, input_ids, wanted))
             if self.device.type == "cuda":  # queued on the GPU: post (and finish) the previous step meanwhile
                 self._computing()
             return logits, sampled
@@ -432,11 +435,39 @@ class ModelRunner:
         self._computing()  # the replay is queued: the previous result posts while the GPU runs it
         return logits[step.sampled]
 
-    def _layout(self, plan: StepPlan, reqs: list) -> BatchLayout:
-        """The step's batch layout (query lengths, positions, its rows of the page table),
-        prepared by the attention backend."""
-        q_lens = [len(item.input_ids) for item in plan.items]
-        start = [item.start_pos for item in plan.items]
+    def _micro_batches(self, items: list) -> list[range] | None:
+        """A pipelined step's micro-batches: contiguous ranges of its items, by request
+        (pipeline.split_by_request); None when the step runs whole (no pipeline, a single request,
+        or --pp-micro-batches 1)."""
+        if getattr(self.model, "pipeline", None) is None or len(items) < 2:
+            return None
+        k = self.config.resolved_pp_micro_batches
+        return split_by_request([len(item.input_ids) for item in items], k) if k > 1 else None
+
+    def _pipelined(self, items: list, reqs: list, parts: list[range], input_ids: torch.Tensor,
+                   wanted: list[int]) -> torch.Tensor:
+        """The step as micro-batches in flight through the pipeline's stages (StageForward.run):
+        each its own requests' layout and attention metadata, built just before its turn (the
+        backend holds one at a time), its slice of input_ids [T] and of the wanted token indices
+        (ascending) → the logits of every wanted index, in order."""
+        ends = [0, *itertools.accumulate(len(item.input_ids) for item in items)]
+        micro = []
+        for part in parts:
+            lo, hi = ends[part.start], ends[part.stop]
+            rows = [w - lo for w in wanted if lo <= w < hi]
+
+            def build(part=part, lo=lo, hi=hi, rows=rows):
+                layout = self._layout(items[part.start:part.stop], reqs[part.start:part.stop])
+                indices, = to_device([torch.tensor(rows, dtype=torch.int64)], self.device)
+                return input_ids[lo:hi], self.forward_meta(layout.positions), indices
+            micro.append(MicroBatch(hi - lo, len(rows), build))
+        return self.model.pipeline.run(micro)
+
+    def _layout(self, items: list, reqs: list) -> BatchLayout:
+        """The batch layout of these items (query lengths, positions, their rows of the page
+        table), prepared by the attention backend."""
+        q_lens = [len(item.input_ids) for item in items]
+        start = [item.start_pos for item in items]
         max_pages = -(-max(s + q for s, q in zip(start, q_lens)) // self.kv_spec.page_size)
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
         # Built on the host from the host page table, then moved in one copy (host_to_device.py).
@@ -458,9 +489,11 @@ class ModelRunner:
         reqs = [self.requests[item.rid] for item in plan.items]
         for req, item in zip(reqs, plan.items):
             self._append_pages(req, item.new_pages, item.reset_pages)
-        layout = self._layout(plan, reqs)
         input_ids, = to_device([torch.tensor([t for item in plan.items for t in item.input_ids],
                                              dtype=torch.int64)], self.device)
+        if (parts := self._micro_batches(plan.items)) is not None:
+            return self._pipelined(plan.items, reqs, parts, input_ids, list(range(input_ids.shape[0])))
+        layout = self._layout(plan.items, reqs)
         meta = self.forward_meta(layout.positions)
         every = torch.arange(input_ids.shape[0], device=self.device)
         return self.model(input_ids, meta, every).float()

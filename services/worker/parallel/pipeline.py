@@ -8,14 +8,22 @@ computes the logits and shares them with every rank, so that every rank samples 
 tokens, as under tensor parallelism. With TP as well, each stage's TP ranks form a group of
 their own, and TP rank t of stage s sends to TP rank t of stage s + 1.
 
-Schedule: one micro-batch per step. A step's batch goes through the stages in order and each
-stage waits while the others compute (a bubble of (pp - 1) / pp of each stage's time). Keeping
-several micro-batches in flight needs the scheduler to plan disjoint batches ahead; that is not
-built yet.
+Schedule: a GPipe-style forward fill within each step. The runner splits a step's batch by
+request into K contiguous micro-batches (`--pp-micro-batches`, default the number of stages; one
+when the step has a single request), each with its own attention metadata. Every stage runs them
+in order: it receives micro-batch i (the first stage embeds it), runs its layers and sends it on
+without waiting (dist.isend), then goes on to i + 1 while the next stage computes i; the last
+stage keeps each micro-batch's logits. Once every micro-batch is through, each rank waits for its
+sends and the last stage broadcasts the logits of all K in one collective, so that no rank waits
+on a broadcast while a later micro-batch is still in its sends. Each stage idles (pp - 1) /
+(K + pp - 1) of a step (the fill and drain), against (pp - 1) / pp with one micro-batch. Micro-
+batches are independent: a request's KV writes and attention stay inside its own micro-batch.
+Steps do not overlap each other (the next step's batch depends on this one's tokens).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,15 +49,16 @@ class PipeLink:
     def last(self) -> bool:
         return self.next is None
 
-    def receive(self, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = (torch.empty(tokens, hidden, dtype=dtype) for _ in range(2))  # [T, hidden] each
-        dist.recv(x, self.prev)
-        dist.recv(residual, self.prev)
-        return x, residual
+    def receive(self, tokens: int, hidden: int, dtype: torch.dtype, tag: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's (hidden state, residual) [T, hidden] each, sent as one [2, T, hidden] message."""
+        both = torch.empty(2, tokens, hidden, dtype=dtype)
+        dist.recv(both, self.prev, tag=tag)
+        return both[0], both[1]
 
-    def send(self, x: torch.Tensor, residual: torch.Tensor) -> None:
-        dist.send(x.contiguous(), self.next)
-        dist.send(residual.contiguous(), self.next)
+    def send(self, x: torch.Tensor, residual: torch.Tensor, tag: int = 0) -> dist.Work:
+        """Start sending (x, residual) to the next stage → its handle (wait() before the step ends);
+        the message holds its own copy, so the caller may go on at once."""
+        return dist.isend(torch.stack((x, residual)), self.next, tag=tag)
 
     def share_logits(self, logits: torch.Tensor | None, rows: int, vocab: int) -> torch.Tensor:
         """The last stage's float32 logits [rows, vocab], on every rank."""
@@ -57,6 +66,64 @@ class PipeLink:
             logits = torch.empty(rows, vocab, dtype=torch.float32)
         dist.broadcast(logits.contiguous(), self.logits_from)
         return logits
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a step, as a stage computes it: built (its attention metadata prepared)
+    right before its turn, since a backend keeps one step's metadata at a time."""
+    tokens: int  # T: its tokens (every stage knows them from the plan)
+    rows: int  # its logits rows
+    build: Callable[[], tuple[torch.Tensor, object, torch.Tensor]]  # → (input_ids [T], meta, logits_indices)
+
+
+class StageForward:
+    """A stage's part of a step: its forward (one micro-batch, model.forward's signature) and
+    run (several in flight). Counts what it computed (micro_batches, steps) for tests and benches."""
+
+    def __init__(self, model: nn.Module, link: PipeLink, vocab: int, hidden: int) -> None:
+        self.model, self.link, self.vocab, self.hidden = model, link, vocab, hidden
+        self.micro_batches = 0  # micro-batches this stage has computed
+        self.steps = 0
+
+    def __call__(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> torch.Tensor:
+        """One micro-batch: the model's forward."""
+        return self.run([MicroBatch(input_ids.shape[0], logits_indices.shape[0],
+                                    lambda: (input_ids, meta, logits_indices))])
+
+    def run(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Every micro-batch through this stage, in order, sends left in flight → the float32
+        logits of all of them [sum of rows, vocab], in order, on every rank."""
+        link, sends, parts = self.link, [], []
+        for i, mb in enumerate(micro_batches):
+            logits = self._compute(i, mb)
+            if link.last:
+                parts.append(logits)
+            else:
+                sends.append(link.send(*logits, tag=i))
+        for work in sends:  # the next stage has received every micro-batch once these end
+            work.wait()
+        self.steps += 1
+        rows = sum(mb.rows for mb in micro_batches)
+        logits = (parts[0] if len(parts) == 1 else torch.cat(parts)) if link.last else None
+        return link.share_logits(logits, rows, self.vocab)
+
+    def _compute(self, i: int, mb: MicroBatch):
+        """Micro-batch i on this stage → its logits (the last stage) or its (x, residual) to send."""
+        model, link = self.model, self.link
+        input_ids, meta, logits_indices = mb.build()
+        if link.first:
+            x, residual = model.embed(input_ids), None  # [T, hidden]
+        else:
+            x, residual = link.receive(mb.tokens, self.hidden, model.norm.weight.dtype, tag=i)
+        for layer in model.layers:
+            x, residual = layer(x, residual, model.rope, meta, model.ops)
+        self.micro_batches += 1
+        if not link.last:
+            return x, residual
+        if mb.rows == 0:  # nothing sampled in it (a prefill chunk's middle)
+            return torch.empty(0, self.vocab, dtype=torch.float32)
+        return model.head(x, residual, logits_indices).float()
 
 
 def pp_refusal(mc: ModelConfig, pp: int) -> str | None:
@@ -112,22 +179,27 @@ class PipelineStage:
 
     def install(self, model: nn.Module, link: PipeLink) -> None:
         """Replace the model's forward with this stage's part of it (the model's own embed, layers
-        and head), sending and receiving at the stage boundaries."""
-        vocab, hidden = self.full.vocab_size, self.full.hidden_size
+        and head), sending and receiving at the stage boundaries; model.pipeline runs several
+        micro-batches in flight (StageForward.run)."""
+        model.pipeline = StageForward(model, link, self.full.vocab_size, self.full.hidden_size)
+        model.forward = model.pipeline
 
-        def forward(input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> torch.Tensor:
-            if link.first:
-                x, residual = model.embed(input_ids), None  # [T, hidden]
-            else:
-                x, residual = link.receive(input_ids.shape[0], hidden, model.norm.weight.dtype)
-            for layer in model.layers:
-                x, residual = layer(x, residual, model.rope, meta, model.ops)
-            logits = model.head(x, residual, logits_indices) if link.last else None
-            if not link.last:
-                link.send(x, residual)
-            return link.share_logits(logits, logits_indices.shape[0], vocab)
 
-        model.forward = forward
+def split_by_request(tokens: list[int], parts: int) -> list[range]:
+    """Requests 0..n-1 with these token counts → at most `parts` contiguous, non-empty ranges of
+    them, cut where the running token count crosses each 1/parts of the total (so a long prefill
+    chunk and many decodes end up in micro-batches of similar work)."""
+    n = len(tokens)
+    parts = max(1, min(parts, n))
+    total = sum(tokens)
+    cuts, seen = [0], 0
+    for i in range(n - 1):
+        seen += tokens[i]
+        need, left = parts - len(cuts), n - (i + 1)  # micro-batches still to open, requests after i
+        if need and left >= need and (seen * parts >= total * len(cuts) or left == need):
+            cuts.append(i + 1)
+    cuts.append(n)
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
 def _layer_of(name: str) -> int | None:
