@@ -8,12 +8,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from services.worker.config import WorkerConfig
-from services.worker.group.leader import create_runner
+from services.worker.group.leader import GroupLost, create_runner
 from services.worker.loader.checkpoint import load_checkpoint
 from tests.integration.mesh_harness import REPO
 from tests.unit.tiny_models import BATCHES, logits_by_position, save_tiny, sequences
@@ -80,6 +81,33 @@ def test_a_node_started_with_another_setting_is_refused_on_both_sides(tiny):
         assert node.wait(30) != 0
         assert "page_size 8 (rank 0: 4)" in node.stderr.read()
     finally:
+        node.kill()
+
+
+def test_a_dead_node_fails_the_leaders_next_command_and_reports_the_group_lost(tiny):
+    """The watchdog sees the leader's own followers only: a node gone is found by the next command
+    the leader sends, which fails at once (gloo sees the connection closed) and reports the group
+    lost (on_lost: the worker service exits, so its health and its container's restart follow)."""
+    port = _port()
+    node = _node(tiny, port, 1, 2)
+    lost = []
+    leader = create_runner(WorkerConfig(**FLAGS, pp_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}"),
+                           load_checkpoint(tiny), on_lost=lost.append)
+    try:
+        node.kill()
+        node.wait(30)
+        with pytest.raises(GroupLost, match="a node of the worker group is gone"):
+            leader.reset()
+        deadline = time.monotonic() + 5
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(lost) == 1 and "a node of the worker group is gone" in lost[0], lost
+        with pytest.raises(GroupLost):  # broken for good, reported once
+            leader.reset()
+        time.sleep(0.2)
+        assert len(lost) == 1
+    finally:
+        leader.close()
         node.kill()
 
 

@@ -234,9 +234,17 @@ class WorkerGroup:
             for f in self.followers:
                 f.send(payload)
             if self.nodes is not None and self.config.node_rank == 0:
-                send_to_nodes(self.nodes, command)
+                try:
+                    send_to_nodes(self.nodes, command)
+                except RuntimeError as exc:  # gloo: "Connection closed by peer" when a node is gone
+                    raise RuntimeError(f"a node of the worker group is gone: {exc}") from None
         except RuntimeError as exc:
+            first = self.lost is None and not self._closing
             self.lost = self.lost or str(exc)
+            if first:  # the watchdog sees local followers only: a node lost here is reported here, once,
+                # off the step thread so that this step's error still reaches the scheduler
+                self._closing = True
+                threading.Thread(target=self.on_lost, args=(self.lost,), name="worker-group-lost", daemon=True).start()
             raise GroupLost(f"the worker group is broken: {self.lost}") from None
 
     def _watchdog(self) -> None:
