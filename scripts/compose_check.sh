@@ -13,6 +13,16 @@
 # build/wheels (scripts/make_wheels.sh) when missing. Environment: KEEP=1 leaves the stack up;
 # LOAD_STREAMS (8) and LOAD_MAX_TOKENS (192) size the stop-under-load check: its streams
 # must still run when `stop` starts, and end within the gateway's 30 s drain (see docs/mesh.md).
+#
+# GROUP=1 checks the two-node worker group instead (compose.group.yaml over compose.yaml):
+#
+#   GROUP=1 scripts/compose_check.sh | tee bench/results/compose-group-check-$(date +%F).txt
+#
+# up and healthy, both nodes joined one group (each container's log), a streamed chat completion
+# and its trace, then node 1 killed mid-stream: the stream must end with an error, the leader
+# exit and the gateway's /ready turn 503 within seconds; node 1 started again: the group
+# re-forms and serves; node 1 killed while idle: the next request fails and the leader exits.
+# CUT_MAX_TOKENS (400) sizes the stream.
 # Not part of the pytest suite: it takes minutes and a Docker engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +30,8 @@ cd "$(dirname "$0")/.."
 project=radixmesh-check
 base=(-f compose.yaml)
 fleet=(-f compose.yaml -f compose.fleet.yaml)
+group=(-f compose.yaml -f compose.group.yaml)
+files=("${fleet[@]}"); [[ ${GROUP:-0} == 1 ]] && files=("${group[@]}")  # what cleanup and build use
 url=http://127.0.0.1:8000
 collector=http://127.0.0.1:16686
 prometheus=http://127.0.0.1:9090
@@ -43,7 +55,7 @@ elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'
 
 cleanup() {
   if [[ ${KEEP:-0} != 1 ]] && docker info >/dev/null 2>&1; then
-    "${compose[@]}" -p "$project" "${fleet[@]}" down -v --remove-orphans >"$work/down.log" 2>&1
+    "${compose[@]}" -p "$project" "${files[@]}" down -v --remove-orphans >"$work/down.log" 2>&1
   fi
   if [[ -n $started_dockerd ]]; then
     kill "$started_dockerd" 2>/dev/null && wait "$started_dockerd" 2>/dev/null
@@ -52,7 +64,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-say "== radixmesh compose check, $(date -u +%FT%TZ), $(uname -m), $(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB"
+say "== radixmesh compose check${GROUP:+ (GROUP=$GROUP: the worker group)}, $(date -u +%FT%TZ), $(uname -m), $(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB"
 loadavg() { say "load average (1, 5, 15 min): $(cut -d' ' -f1-3 /proc/loadavg)"; }
 loadavg
 
@@ -82,7 +94,7 @@ say "base image and wheels: $(elapsed "$t") s"
 t=$(date +%s.%N)
 # One service per image: every radixmesh service shares radixmesh:latest, which the collector's
 # build makes (building each service would send the context a dozen times). NO_CACHE=1: cold.
-if "${compose[@]}" -p "$project" "${fleet[@]}" build ${NO_CACHE:+--no-cache} collector prometheus \
+if "${compose[@]}" -p "$project" "${files[@]}" build ${NO_CACHE:+--no-cache} collector prometheus \
      >"$work/build.log" 2>&1; then
   say "PASS  build ($(elapsed "$t") s; log $work/build.log)"
 else
@@ -135,49 +147,146 @@ chat_and_trace() {  # chat_and_trace NAME SERVICE...: a streamed completion; its
     "${probe[@]}" trace "$collector" "$trace_id" "${@/#/radixmesh-}"
 }
 
-if up one-replica "${base[@]}"; then
-  chat_and_trace one-replica gateway tokenizer scheduler worker detokenizer
-  check "/metrics answers on all 5 services: Prometheus scrapes every target up (one-replica)" \
-    "${probe[@]}" targets "$prometheus" 5
-fi
-
-# From one replica to the fleet: down first (volumes kept). In place, compose would recreate the
-# worker with its new flags while leaving its scheduler up, which reports NOT_SERVING (unhealthy)
-# until the worker is back, and `up` stops at that unhealthy dependency.
-t=$(date +%s.%N)
-"${compose[@]}" -p "$project" "${base[@]}" down >"$work/down-one-replica.log" 2>&1
-say "down (one-replica): $(elapsed "$t") s"
-if up fleet "${fleet[@]}"; then
-  check "the router reports 2 replicas (fleet)" "${probe[@]}" replicas "$url" 2
-  chat_and_trace fleet gateway router tokenizer scheduler worker detokenizer
-  check "/metrics answers on all 11 services: Prometheus scrapes every target up (fleet)" \
-    "${probe[@]}" targets "$prometheus" 11
-
-  # --- stop under load: every in-flight stream ends with length or abort, nothing hangs ------
-  ready="$work/load-ready"; rm -f "$ready"
-  "${probe[@]}" load "$url" "${LOAD_STREAMS:-8}" "${LOAD_MAX_TOKENS:-192}" "$ready" >"$work/load.json" 2>&1 &
-  load_pid=$!
-  for _ in $(seq 240); do [[ -e $ready ]] && break; kill -0 $load_pid 2>/dev/null || break; sleep 0.5; done
-  if [[ -e $ready ]]; then
-    t=$(date +%s.%N)
-    "${compose[@]}" -p "$project" "${fleet[@]}" stop >"$work/stop.log" 2>&1
-    say "compose stop under load: $(elapsed "$t") s (stop_grace_period 40 s, drain 30 s)"
+fleet_checks() {  # compose.yaml's one replica, then the fleet, stopped under load
+  if up one-replica "${base[@]}"; then
+    chat_and_trace one-replica gateway tokenizer scheduler worker detokenizer
+    check "/metrics answers on all 5 services: Prometheus scrapes every target up (one-replica)" \
+      "${probe[@]}" targets "$prometheus" 5
   fi
-  wait $load_pid; load_rc=$?
-  sed 's/^/    /' "$work/load.json"
-  if [[ -e $ready && $load_rc == 0 ]]; then
-    say "PASS  stop under load: all ${LOAD_STREAMS:-8} streams in flight at stop ended cleanly (length or abort)"
-  else say "FAIL  stop under load"; failed=1; fi
-  killed=$(docker ps -aq --filter "label=com.docker.compose.project=$project" | xargs -r docker inspect \
-    -f '{{.Name}} {{.State.ExitCode}}' | awk '$2 != 0 {print}')
-  if [[ -z $killed ]]; then say "PASS  every container exited 0 on stop (drained, none SIGKILLed)"
-  else sed 's/^/    exit status: /' <<<"$killed"; say "FAIL  containers that did not exit 0"; failed=1; fi
-fi
+
+  # From one replica to the fleet: down first (volumes kept). In place, compose would recreate the
+  # worker with its new flags while leaving its scheduler up, which reports NOT_SERVING (unhealthy)
+  # until the worker is back, and `up` stops at that unhealthy dependency.
+  t=$(date +%s.%N)
+  "${compose[@]}" -p "$project" "${base[@]}" down >"$work/down-one-replica.log" 2>&1
+  say "down (one-replica): $(elapsed "$t") s"
+  if up fleet "${fleet[@]}"; then
+    check "the router reports 2 replicas (fleet)" "${probe[@]}" replicas "$url" 2
+    chat_and_trace fleet gateway router tokenizer scheduler worker detokenizer
+    check "/metrics answers on all 11 services: Prometheus scrapes every target up (fleet)" \
+      "${probe[@]}" targets "$prometheus" 11
+
+    # --- stop under load: every in-flight stream ends with length or abort, nothing hangs ------
+    ready="$work/load-ready"; rm -f "$ready"
+    "${probe[@]}" load "$url" "${LOAD_STREAMS:-8}" "${LOAD_MAX_TOKENS:-192}" "$ready" >"$work/load.json" 2>&1 &
+    load_pid=$!
+    for _ in $(seq 240); do [[ -e $ready ]] && break; kill -0 $load_pid 2>/dev/null || break; sleep 0.5; done
+    if [[ -e $ready ]]; then
+      t=$(date +%s.%N)
+      "${compose[@]}" -p "$project" "${fleet[@]}" stop >"$work/stop.log" 2>&1
+      say "compose stop under load: $(elapsed "$t") s (stop_grace_period 40 s, drain 30 s)"
+    fi
+    wait $load_pid; load_rc=$?
+    sed 's/^/    /' "$work/load.json"
+    if [[ -e $ready && $load_rc == 0 ]]; then
+      say "PASS  stop under load: all ${LOAD_STREAMS:-8} streams in flight at stop ended cleanly (length or abort)"
+    else say "FAIL  stop under load"; failed=1; fi
+    killed=$(docker ps -aq --filter "label=com.docker.compose.project=$project" | xargs -r docker inspect \
+      -f '{{.Name}} {{.State.ExitCode}}' | awk '$2 != 0 {print}')
+    if [[ -z $killed ]]; then say "PASS  every container exited 0 on stop (drained, none SIGKILLed)"
+    else sed 's/^/    exit status: /' <<<"$killed"; say "FAIL  containers that did not exit 0"; failed=1; fi
+  fi
+}
+
+group_checks() {  # compose.group.yaml: the two-node worker group, then node 1 killed mid-stream
+  local leader node1 out kill_at restarts0 t
+  up group "${group[@]}" || return
+  leader=$("${compose[@]}" -p "$project" "${group[@]}" ps -q worker)
+  node1=$("${compose[@]}" -p "$project" "${group[@]}" ps -q worker-node1)
+  check "both nodes joined one group: rank 0 in worker, rank 1 in worker-node1, world size 2, ready" \
+    group_formed "$leader" "$node1"
+  chat_and_trace group gateway tokenizer scheduler worker detokenizer
+  check "/metrics answers on all 5 services: Prometheus scrapes every target up (group)" \
+    "${probe[@]}" targets "$prometheus" 5
+
+  # --- node 1 dies mid-stream: an error to the client, the leader down, /ready 503 ------------
+  local ready="$work/cut-ready"; rm -f "$ready"
+  restarts0=$(docker inspect -f '{{.RestartCount}}' "$leader")
+  "${probe[@]}" cut "$url" "${CUT_MAX_TOKENS:-400}" "$ready" >"$work/cut.json" 2>&1 &
+  local cut_pid=$!
+  for _ in $(seq 240); do [[ -e $ready ]] && break; kill -0 $cut_pid 2>/dev/null || break; sleep 0.1; done
+  kill_at=$(date +%s.%N)  # the times below count from here, the kill's start
+  docker kill "$node1" >/dev/null
+  say "killed worker-node1 mid-stream (docker kill, SIGKILL: returned after $(elapsed "$kill_at") s)"
+  "${probe[@]}" ready "$url" 0 60 >"$work/unready.json" 2>&1 &
+  local unready_pid=$!
+  wait $cut_pid; local cut_rc=$?
+  out=$(cat "$work/cut.json"); sed 's/^/    /' <<<"$out"
+  local ended; ended=$(sed -n 's/.*"ended_at_epoch": \([0-9.]*\).*/\1/p' <<<"$out")
+  if [[ $cut_rc == 0 ]]; then
+    say "PASS  the stream in flight ended with an error $(awk -v a="$kill_at" -v b="$ended" 'BEGIN { printf "%.1f", b - a }') s after the kill"
+  else say "FAIL  the stream in flight did not end with an error"; failed=1; fi
+  local down_s=
+  for _ in $(seq 300); do
+    if [[ $(docker inspect -f '{{.RestartCount}} {{.State.Running}}' "$leader") != "$restarts0 true" ]]; then
+      down_s=$(elapsed "$kill_at"); break
+    fi
+    sleep 0.1
+  done
+  docker logs "$leader" 2>&1 | grep -m1 'worker group broken' | cut -c1-400 | sed 's/^/    /'
+  if [[ -n $down_s ]]; then say "PASS  the leader exited $down_s s after the kill (worker group broken; compose restarts it)"
+  else say "FAIL  the leader still runs 30 s after node 1 died"; failed=1; fi
+  wait $unready_pid; local unready_rc=$?
+  out=$(cat "$work/unready.json"); sed 's/^/    /' <<<"$out"
+  ended=$(sed -n 's/.*"ended_at_epoch": \([0-9.]*\).*/\1/p' <<<"$out")
+  if [[ $unready_rc == 0 ]]; then
+    say "PASS  the gateway's /ready turned 503 $(awk -v a="$kill_at" -v b="$ended" 'BEGIN { printf "%.1f", b - a }') s after the kill"
+  else say "FAIL  the gateway's /ready stayed 200 after node 1 died"; failed=1; fi
+
+  # --- node 1 back: the group re-forms and serves ---------------------------------------------
+  t=$(date +%s.%N)
+  docker start "$node1" >/dev/null
+  for _ in $(seq 300); do healthy && break; sleep 2; done
+  if healthy; then say "PASS  node 1 started again: the group re-formed, every container healthy in $(elapsed "$t") s"
+  else
+    docker ps -a --filter "label=com.docker.compose.project=$project" --format '    {{.Names}}: {{.Status}}'
+    say "FAIL  the group did not re-form within 600 s of node 1's start"; failed=1; return 1
+  fi
+  check "the group, re-formed, serves: ready, then a streamed chat completion" \
+    bash -c '"$@" ready "$0" 1 60 && "$@" chat "$0"' "$url" "${probe[@]}"
+
+  # --- node 1 dies while the group is idle: the leader learns it at its next step -------------
+  restarts0=$(docker inspect -f '{{.RestartCount}}' "$leader")
+  docker kill "$node1" >/dev/null
+  sleep 3
+  say "killed worker-node1 while idle; 3 s later the leader: $(docker inspect -f 'running {{.State.Running}}, restarts {{.RestartCount}}' "$leader") (it notices a node's death at its next step)"
+  t=$(date +%s.%N)
+  if out=$("${probe[@]}" chat "$url" 2>&1); then
+    sed 's/^/    /' <<<"$out"; say "FAIL  the first request after node 1's death while idle succeeded"; failed=1
+  else
+    tail -1 <<<"$out" | cut -c1-300 | sed 's/^/    /'
+    say "PASS  the first request after node 1's death while idle failed with an error after $(elapsed "$t") s"
+  fi
+  down_s=
+  for _ in $(seq 300); do
+    if [[ $(docker inspect -f '{{.RestartCount}} {{.State.Running}}' "$leader") != "$restarts0 true" ]]; then
+      down_s=$(elapsed "$t"); break
+    fi
+    sleep 0.1
+  done
+  if [[ -n $down_s ]]; then say "PASS  then the leader exited, $down_s s after that request began"
+  else say "FAIL  the leader still runs 30 s after that request"; failed=1; fi
+}
+
+group_formed() {  # group_formed LEADER NODE1: each container's log says it joined as its rank and is ready
+  local lead node
+  lead=$(docker logs "$1" 2>&1); node=$(docker logs "$2" 2>&1)
+  grep -m1 '"msg": "joined the worker group"' <<<"$lead" | cut -c1-300
+  grep -m1 '"msg": "worker group ready"' <<<"$lead" | cut -c1-300
+  grep -m1 '"msg": "joined the worker group"' <<<"$node" | cut -c1-300
+  grep -m1 '"msg": "node ready"' <<<"$node" | cut -c1-300
+  grep '"msg": "joined the worker group"' <<<"$lead" | grep -q '"rank": 0, "world_size": 2' \
+    && grep -q '"msg": "worker group ready"' <<<"$lead" \
+    && grep '"msg": "joined the worker group"' <<<"$node" | grep -q '"rank": 1, "world_size": 2' \
+    && grep '"msg": "node ready"' <<<"$node" | grep -q '"node_rank": 1'
+}
+
+if [[ ${GROUP:-0} == 1 ]]; then group_checks; else fleet_checks; fi
 
 if [[ ${KEEP:-0} != 1 ]]; then
-  if "${compose[@]}" -p "$project" "${fleet[@]}" down -v --remove-orphans >"$work/down.log" 2>&1 \
+  if "${compose[@]}" -p "$project" "${files[@]}" down -v --remove-orphans >"$work/down.log" 2>&1 \
      && [[ -z $(docker ps -aq --filter "label=com.docker.compose.project=$project") ]]; then
-    say "PASS  down -v: containers, network and the kvstore volume removed"
+    say "PASS  down -v: containers, network and volumes removed"
   else say "FAIL  down -v"; failed=1; fi
 fi
 if [[ $failed == 0 ]]; then say "== compose check: PASS"; else say "== compose check: FAIL"; fi

@@ -13,6 +13,13 @@ one JSON line per call and exits 0 when the check holds.
                                                stack), then waits for every one to end: cleanly,
                                                with finish_reason length or abort, after the stop
                                                began (a load that ends first proves nothing)
+    compose_probe.py cut URL MAX_TOKENS READY_FILE
+                                               one stream; touches READY_FILE once it has its first
+                                               token (the caller then kills a worker node), then
+                                               waits for it to end: with an error, not a hang and
+                                               not a clean finish (the group lost a node mid-stream)
+    compose_probe.py ready URL WANT TIMEOUT_S  the gateway's /ready answers 200 (WANT=1) or not
+                                               (WANT=0) within TIMEOUT_S; prints when it did
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import json
 import secrets
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -158,6 +166,46 @@ async def _load(url: str, n: int, max_tokens: int, ready: Path) -> bool:
     return all(clean) and in_flight == n
 
 
+def cut(url: str, max_tokens: int, ready_file: Path) -> bool:
+    """A stream whose worker group loses a node while it runs must end with an error, soon."""
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    chunks, finish, error = 0, None, None
+    try:
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens,
+            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    chunks += 1
+                    if chunks == 1:
+                        ready_file.write_text("streaming\n")  # the check kills the node now
+                finish = choice.finish_reason or finish
+    except Exception as e:  # the SSE error event, raised by the client; or a cut connection
+        error = f"{type(e).__name__}: {e}"
+    print(json.dumps({"chunks": chunks, "finish_reason": finish, "error": error and error[:300],
+                      "ended_at_epoch": round(time.time(), 3)}))
+    return chunks > 0 and error is not None and finish is None
+
+
+def ready(url: str, want: bool, timeout_s: float) -> bool:
+    """/ready is 200 when the gateway can serve (its tokenizer's Ready: scheduler, worker, detokenizer)."""
+    def status() -> int:
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+    t0 = time.monotonic()
+    got = _until(lambda: (status() == 200) == want, timeout_s, 0.25)
+    print(json.dumps({"ready": want if got else not want, "after_s": round(time.monotonic() - t0, 2),
+                      "ended_at_epoch": round(time.time(), 3)}))
+    return bool(got)
+
+
 def main(argv: list[str]) -> int:
     cmd, args = argv[0], argv[1:]
     if cmd == "chat":
@@ -168,6 +216,10 @@ def main(argv: list[str]) -> int:
         ok = targets(args[0], int(args[1]))
     elif cmd == "replicas":
         ok = replicas(args[0], int(args[1]))
+    elif cmd == "cut":
+        ok = cut(args[0], int(args[1]), Path(args[2]))
+    elif cmd == "ready":
+        ok = ready(args[0], args[1] == "1", float(args[2]))
     elif cmd == "load":
         ok = asyncio.run(_load(args[0], int(args[1]), int(args[2]), Path(args[3])))
     else:
