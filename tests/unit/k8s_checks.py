@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +20,11 @@ K8S = ROOT / "deploy" / "k8s"
 VERSIONS = ("1.29", kubernetes_validate.latest_version())  # the oldest release we claim, the newest bundled
 FLAGS_DIR = "/etc/radixmesh"  # where a container's flags ConfigMap is mounted: <service>.flags
 SERVE = "set -f; exec radixmesh serve \"$0\" $(grep -v '^[[:space:]]*#' \"/etc/radixmesh/$0.flags\")"
+# A worker group's pods (overlays/worker-group): the same, plus the pod's node rank from its env.
+NODE_RANK_ENV = "RADIXMESH_NODE_RANK"
+GROUP_SERVE = SERVE + f' --node-rank "${NODE_RANK_ENV}"'
+POD_INDEX = "apps.kubernetes.io/pod-index"  # labels the StatefulSet controller adds to each pod
+POD_NAME = "statefulset.kubernetes.io/pod-name"
 CONFIGS = {  # `radixmesh serve <service>` -> its config dataclass (the flags it accepts)
     "tokenizer": "services.tokenizer.main:TokenizerServiceConfig",
     "detokenizer": "services.detokenizer.main:DetokenizerServiceConfig",
@@ -37,8 +42,13 @@ class Container:
     workload: dict  # the Deployment or StatefulSet
     spec: dict  # the container
     service: str  # radixmesh serve <service>
-    argv: list[str]  # its flags
+    argv: list[str]  # its flags (a worker group's: as pod 0 runs them)
     config: Any  # its config dataclass, parsed from argv
+    pods: list[tuple[list[str], Any]] | None = None  # a worker group's: each pod's (argv, config), by ordinal
+
+    @property
+    def group(self) -> bool:
+        return self.pods is not None
 
     @property
     def port(self) -> int:
@@ -70,6 +80,28 @@ class Rendered:
 
 
 # --- reading the manifests ----------------------------------------------------------------
+def pod_labels(workload: dict) -> list[dict]:
+    """The labels of each pod a workload makes: a StatefulSet's pods by ordinal (the template's
+    plus the controller's pod-name and pod-index), any other workload's as its template's."""
+    labels = workload["spec"]["template"]["metadata"].get("labels", {})
+    if workload["kind"] != "StatefulSet":
+        return [dict(labels)]
+    name = workload["metadata"]["name"]
+    return [{**labels, POD_NAME: f"{name}-{i}", POD_INDEX: str(i)}
+            for i in range(workload["spec"].get("replicas", 1))]
+
+
+def downward(field_path: str, workload: dict, ordinal: int) -> str:
+    """What the downward API gives pod `ordinal` of `workload` for `field_path` (the fields used here)."""
+    m = re.fullmatch(r"metadata\.labels\['([^']+)'\]", field_path)
+    if m:
+        value = pod_labels(workload)[ordinal].get(m.group(1))
+        assert value is not None, f"{workload['metadata']['name']}: no pod label {m.group(1)}"
+        return value
+    assert field_path == "metadata.name", f"{workload['metadata']['name']}: downward API field {field_path}"
+    return pod_labels(workload)[ordinal].get(POD_NAME, workload["metadata"]["name"])
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # not SystemExit: the failing test says which flag
         raise AssertionError(f"{self.prog}: {message}")
@@ -96,7 +128,8 @@ def parse_flags(service: str, argv: list[str]) -> Any:
 def read_container(objects: list[dict], workload: dict, spec: dict) -> Container:
     where = f"{workload['metadata']['name']}/{spec['name']}"
     command = spec.get("command", [])
-    assert command[:3] == ["sh", "-c", SERVE] and len(command) == 4, f"{where}: command {command}"
+    assert command[:2] == ["sh", "-c"] and command[2] in (SERVE, GROUP_SERVE) and len(command) == 4, \
+        f"{where}: command {command}"
     service = command[3]
     assert service in CONFIGS, f"{where}: unknown service {service}"
     mounts = {m["mountPath"]: m["name"] for m in spec.get("volumeMounts", [])}
@@ -108,7 +141,20 @@ def read_container(objects: list[dict], workload: dict, spec: dict) -> Container
     text = configmap["data"].get(f"{service}.flags")
     assert text is not None, f"{where}: ConfigMap {configmap['metadata']['name']} has no {service}.flags"
     argv = flag_argv(text)
-    return Container(workload, spec, service, argv, parse_flags(service, argv))
+    if command[2] == SERVE:
+        return Container(workload, spec, service, argv, parse_flags(service, argv))
+    # A worker group: the flags plus each pod's --node-rank, as the downward API fills the env.
+    env = {e["name"]: e for e in spec.get("env", [])}
+    assert workload["kind"] == "StatefulSet", f"{where}: --node-rank from the pod needs a StatefulSet's ordinals"
+    assert NODE_RANK_ENV in env, f"{where}: no env {NODE_RANK_ENV}"
+    source = env[NODE_RANK_ENV]
+    pods = []
+    for ordinal in range(len(pod_labels(workload))):
+        rank = source["value"] if "value" in source else downward(
+            source["valueFrom"]["fieldRef"]["fieldPath"], workload, ordinal)
+        pod_argv = [*argv, "--node-rank", rank]
+        pods.append((pod_argv, parse_flags(service, pod_argv)))
+    return Container(workload, spec, service, pods[0][0], pods[0][1], pods)
 
 
 def inspect(objects: list[dict]) -> Rendered:
@@ -135,9 +181,20 @@ def prestop_sleep(c: Container) -> int:
     return int(command[1])
 
 
+def group_leader(c: Container) -> str:
+    """A worker group's leader as every pod reaches it: pod 0 by name in the governing Service."""
+    return f"{c.workload['metadata']['name']}-0.{c.workload['spec']['serviceName']}"
+
+
 def check_probes(r: Rendered) -> None:
     for c in r.containers:
-        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if c.group:  # every pod asks the leader (pod 1 serves nothing): ready while the group serves
+            health = ["radixmesh", "healthcheck", f"{group_leader(c)}:{c.port}"]
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = c.spec.get(kind)
+                assert probe is not None and probe.get("exec", {}).get("command") == health, \
+                    f"{c.where}: {kind} {probe} does not run {' '.join(health)}"
+        for kind in () if c.group else ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c.spec.get(kind)
             assert probe is not None or kind == "startupProbe", f"{c.where}: no {kind}"
             if probe is not None:
@@ -183,8 +240,15 @@ def mount_name(c: Container, path: str) -> str:
 
 
 def _pods_selected(r: Rendered, selector: dict, namespace: str | None) -> list[dict]:
-    return [w for w in r.workloads() if w["metadata"].get("namespace") == namespace
-            and selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+    """The workloads with a pod that `selector` selects."""
+    return [w for w in r.workloads() if _ordinals_selected(w, selector, namespace)]
+
+
+def _ordinals_selected(w: dict, selector: dict, namespace: str | None) -> list[int]:
+    """Which of w's pods (by ordinal: a StatefulSet's, else [0]) `selector` selects."""
+    if w["metadata"].get("namespace") != namespace:
+        return []
+    return [i for i, labels in enumerate(pod_labels(w)) if selector.items() <= labels.items()]
 
 
 def check_services_select_pods(r: Rendered) -> None:
@@ -221,11 +285,32 @@ def check_addresses(r: Rendered) -> None:
                 peers = [p for p in r.containers if p.workload is c.workload and p.port == int(port)]
                 assert peers, f"{c.where}: --{name} {address}: nothing in the pod listens on {port}"
                 continue
+            pod = _stateful_pod(r, host, c.workload["metadata"].get("namespace"))
+            if pod is not None:  # POD.SERVICE: one pod of a StatefulSet, by name; any port it declares
+                w, _ = pod
+                assert any(_container_port(p, int(port)) for p in r.containers if p.workload is w), \
+                    f"{c.where}: --{name} {address}: the pod declares no port {port}"
+                continue
             svc, svc_port = _service_port(r, address)
             listening = [p for p in r.containers if p.workload in _pods_selected(r, svc["spec"]["selector"],
                                                                                  svc["metadata"].get("namespace"))
                          and _container_port(p, svc_port.get("targetPort", svc_port["port"])) == p.port]
             assert listening, f"{c.where}: --{name} {address} leads to no listening container"
+
+
+def _stateful_pod(r: Rendered, host: str, namespace: str | None) -> tuple[dict, int] | None:
+    """`<statefulset>-<i>.<headless service>[...]`: (the StatefulSet, i), if it names one's pod."""
+    parts = host.split(".")
+    if len(parts) < 2:
+        return None
+    for w in r.of_kind("StatefulSet"):
+        name = w["metadata"]["name"]
+        if w["spec"].get("serviceName") == parts[1] and w["metadata"].get("namespace") == namespace \
+                and parts[0].startswith(name + "-") and parts[0][len(name) + 1:].isdigit():
+            ordinal = int(parts[0][len(name) + 1:])
+            assert ordinal < w["spec"].get("replicas", 1), f"{host}: {name} has no pod {ordinal}"
+            return w, ordinal
+    return None
 
 
 def _addresses(config: Any) -> list[tuple[str, str]]:
@@ -269,8 +354,13 @@ def adapter_metric_name(series: str) -> str:
 
 def check_hpa(r: Rendered) -> None:
     hpas = r.of_kind("HorizontalPodAutoscaler")
+    scheduler = r.serving("scheduler")
+    if r.serving("worker").group:  # a worker takes one scheduler's Step stream: one engine per group
+        assert not hpas, "an HPA would scale the schedulers of one worker group"
+        assert scheduler.workload["spec"].get("replicas") == 1, f"{scheduler.where}: not one replica"
+        return
     assert len(hpas) == 1
-    hpa, scheduler = hpas[0], r.serving("scheduler")
+    hpa = hpas[0]
     ref = hpa["spec"]["scaleTargetRef"]
     target = r.get(ref["kind"], ref["name"])
     assert target is scheduler.workload and ref["apiVersion"] == target["apiVersion"], f"HPA targets {ref}"
@@ -306,9 +396,9 @@ def check_security_and_resources(r: Rendered) -> None:
         for part in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(res.get(part, {})), f"{c.where}: no {part}"
     worker = r.serving("worker")
-    threads = worker.config.worker.num_threads
-    assert threads is not None and threads <= cpus(worker.spec["resources"]["limits"]["cpu"]), \
-        f"{worker.where}: --num-threads {threads} beyond its CPU limit"
+    threads, ranks = worker.config.worker.num_threads, worker.config.worker.ranks_per_node
+    assert threads is not None and threads * ranks <= cpus(worker.spec["resources"]["limits"]["cpu"]), \
+        f"{worker.where}: --num-threads {threads} x {ranks} ranks beyond its CPU limit"
 
 
 def check_ingress(r: Rendered) -> None:
@@ -324,9 +414,59 @@ def check_ingress(r: Rendered) -> None:
                 is r.serving("gateway").workload
 
 
+def check_worker_group(r: Rendered) -> None:
+    """A worker over several pods: pod ordinal = --node-rank, every pod's --dist-init-addr names
+    pod 0 through the headless Service that governs the StatefulSet (and lists pods before they
+    are ready), the pods start together and agree on every flag but their rank, the group can run
+    (group_refusal), and the scheduler dials pod 0 alone."""
+    from services.worker.group.leader import group_refusal
+    for c in (c for c in r.containers if c.group):
+        w, name = c.workload, c.workload["metadata"]["name"]
+        configs = [config for _, config in c.pods]
+        nnodes = configs[0].worker.nnodes
+        assert nnodes > 1, f"{c.where}: --nnodes {nnodes}: not a group over several pods"
+        assert len(configs) == nnodes, f"StatefulSet {name}: replicas {len(configs)} != --nnodes {nnodes}"
+        assert w["spec"].get("podManagementPolicy") == "Parallel", \
+            f"StatefulSet {name}: podManagementPolicy {w['spec'].get('podManagementPolicy')}: the leader is " \
+            "ready only once the other pods joined, so they must start together (Parallel)"
+        ranks = [config.worker.node_rank for config in configs]
+        assert ranks == list(range(nnodes)), f"StatefulSet {name}: pods 0..{nnodes - 1} run --node-rank {ranks}"
+        leader = configs[0]
+        for ordinal, config in enumerate(configs):
+            assert replace(config, worker=replace(config.worker, node_rank=0)) == leader, \
+                f"StatefulSet {name}: pod {ordinal}'s flags differ from pod 0's beyond --node-rank"
+        why = group_refusal(leader.worker, leader.hicache)
+        assert why is None, f"{c.where}: {why}"
+        host, _, port = leader.worker.dist_init_addr.rpartition(":")
+        pod = _stateful_pod(r, host, w["metadata"].get("namespace"))
+        assert pod == (w, 0), f"{c.where}: --dist-init-addr {leader.worker.dist_init_addr} does not name pod 0 " \
+            f"of {name} ({group_leader(c)})"
+        assert _container_port(c, int(port)) == int(port), f"{c.where}: no containerPort {port} (the rendezvous)"
+        governing = r.get("Service", w["spec"]["serviceName"])
+        assert governing is not None and governing["spec"].get("clusterIP") == "None", \
+            f"StatefulSet {name}: its serviceName {w['spec']['serviceName']} is no headless Service"
+        assert governing["spec"].get("publishNotReadyAddresses") is True, \
+            f"Service {w['spec']['serviceName']}: pod 0 must resolve before it is ready (publishNotReadyAddresses)"
+        assert _ordinals_selected(w, governing["spec"]["selector"], w["metadata"].get("namespace")) == \
+            list(range(nnodes)), f"Service {w['spec']['serviceName']} does not select every pod of {name}"
+        # The schedulers that dial this group reach its pod 0 and no other pod.
+        dialers = 0
+        for s in (s for s in r.containers if s.service == "scheduler"):
+            svc, svc_port = _service_port(r, s.config.worker_addr)
+            selected = {(id(x), i) for x in r.workloads()
+                        for i in _ordinals_selected(x, svc["spec"]["selector"], svc["metadata"].get("namespace"))}
+            if any(key == id(w) for key, _ in selected):
+                dialers += 1
+                assert selected == {(id(w), 0)}, f"{s.where}: --worker-addr {s.config.worker_addr}: Service " \
+                    f"{svc['metadata']['name']} selects pods {sorted(i for _, i in selected)} of {name}, " \
+                    "not only the leader"
+                assert _container_port(c, svc_port.get("targetPort", svc_port["port"])) == c.port
+        assert dialers == 1, f"{dialers} schedulers dial worker group {name}"
+
+
 CHECKS: list[Callable[[Rendered], None]] = [
     check_schemas, check_probes, check_grace_covers_drain, check_configmaps, check_services_select_pods,
     check_addresses, check_router_discovers_engine_by_dns, check_hpa, check_pdbs, check_security_and_resources,
-    check_ingress]
+    check_ingress, check_worker_group]
 
 

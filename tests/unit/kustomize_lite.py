@@ -3,7 +3,9 @@
 Supports the kustomization fields deploy/k8s uses and refuses any other, so a manifest tree that
 starts using one fails loudly here instead of being rendered wrong:
   resources   files (multi-document YAML) and directories holding a kustomization.yaml
-  patches     `- path: FILE`: strategic merge patches, each aimed by its kind and metadata.name
+  patches     `- path: FILE`: strategic merge patches, each aimed by its kind and metadata.name;
+              `$patch: delete` on the document removes the object, on an item of a merged list
+              (a container, a volume) removes that item
   namespace   set on every namespaced object
   images      `name` -> `newName` / `newTag`
   replicas    `name` -> `count` on a Deployment or StatefulSet
@@ -74,12 +76,17 @@ def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
         key = MERGE_KEYS[field]
         out = copy.deepcopy(base)
         index = {item[key]: i for i, item in enumerate(out)}
+        deleted = set()
         for item in patch:
-            if item[key] in index:
+            if item.get("$patch") == "delete":
+                if item[key] not in index:
+                    raise ValueError(f"$patch: delete of {field} {item[key]}, which the base lacks")
+                deleted.add(item[key])
+            elif item[key] in index:
                 out[index[item[key]]] = strategic_merge(out[index[item[key]]], item)
             else:
                 out.append(copy.deepcopy(item))
-        return out
+        return [item for item in out if item[key] not in deleted]
     return copy.deepcopy(patch)
 
 
@@ -88,7 +95,10 @@ def _apply_patch(objects: list[dict], patch: dict, where: str) -> None:
         if obj["kind"] == patch["kind"] and obj["metadata"]["name"] == patch["metadata"]["name"]:
             if obj["apiVersion"] != patch["apiVersion"]:
                 raise ValueError(f"{where}: apiVersion {patch['apiVersion']} != {obj['apiVersion']}")
-            objects[i] = strategic_merge(obj, patch)
+            if patch.get("$patch") == "delete":
+                del objects[i]
+            else:
+                objects[i] = strategic_merge(obj, patch)
             return
     raise ValueError(f"{where}: no {patch['kind']} {patch['metadata']['name']} to patch")
 

@@ -4,7 +4,9 @@ misspelt field fails), then the fleet's invariants (tests/unit/k8s_checks.py): g
 service's own port, grace periods and liveness windows that cover the drains, flags that the
 services accept, the router discovering the engine pods through a headless Service, the HPA on the
 scheduler's queue depth as the metrics adapter names it, PDBs and Services that select real pods,
-ConfigMaps that exist. The breakage tests damage a manifest on purpose to show that the checks bite."""
+ConfigMaps that exist; in overlays/worker-group, a worker over two pods of a StatefulSet wired as one
+group (ordinal = node rank, pod 0 the rendezvous and the only pod the scheduler dials). The breakage
+tests damage a manifest on purpose to show that the checks bite."""
 from __future__ import annotations
 
 import copy
@@ -19,11 +21,14 @@ import yaml
 
 from services.launcher.serve import SERVICES
 from tests.unit.k8s_checks import (CHECKS, CONFIGS, K8S, QUEUE_METRIC, ROOT, Rendered, adapter_metric_name,
-                                   check_grace_covers_drain, check_hpa, check_pdbs, check_probes,
-                                   check_router_discovers_engine_by_dns, check_schemas, inspect, mount_name)
+                                   check_addresses, check_grace_covers_drain, check_hpa, check_pdbs, check_probes,
+                                   check_router_discovers_engine_by_dns, check_schemas, check_security_and_resources,
+                                   check_worker_group,
+                                   inspect, mount_name)
 from tests.unit.kustomize_lite import load_documents, pod_spec, render, strategic_merge
 
-TREES = ("base", "overlays/cpu-small", "overlays/model-pvc")
+TREES = ("base", "overlays/cpu-small", "overlays/model-pvc", "overlays/worker-group")
+GROUP = "overlays/worker-group"
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,7 +50,8 @@ def test_manifests(tree: str, check: Callable[[Rendered], None]) -> None:
 def test_every_service_has_a_config_and_runs_in_the_fleet():
     assert set(CONFIGS) == set(SERVICES)
     for tree in TREES:
-        assert sorted(c.service for c in rendered(tree).containers) == sorted(SERVICES), tree
+        want = [s for s in SERVICES if not (tree == GROUP and s == "kvstore")]  # a group runs without one
+        assert sorted(c.service for c in rendered(tree).containers) == sorted(want), tree
 
 
 def test_the_queue_metric_is_the_schedulers():
@@ -70,6 +76,25 @@ def test_overlays_change_what_they_say():
         model = c.config.worker.model if service == "worker" else c.config.model
         assert model.startswith("/models/") and mount_name(c, "/models") == "models"
     assert pvc.get("PersistentVolumeClaim", "radixmesh-models") is not None
+
+
+def test_the_worker_group_overlay_is_one_engine_over_a_two_pod_group():
+    r = rendered(GROUP)
+    worker, scheduler = r.serving("worker"), r.serving("scheduler")
+    group = r.get("StatefulSet", "radixmesh-worker-group")
+    assert worker.workload is group and worker.group
+    assert [(config.worker.node_rank, config.worker.nnodes, config.worker.tp_size, config.worker.pp_size)
+            for _, config in worker.pods] == [(0, 2, 1, 2), (1, 2, 1, 2)]
+    assert {config.worker.dist_init_addr for _, config in worker.pods} == \
+        {"radixmesh-worker-group-0.radixmesh-worker-group:29500"}
+    assert [argv[-2:] for argv, _ in worker.pods] == [["--node-rank", "0"], ["--node-rank", "1"]]
+    assert scheduler.config.worker_addr == "radixmesh-worker:50053"
+    assert r.get("Service", "radixmesh-worker")["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == \
+        "radixmesh-worker-group-0"
+    engine = r.get("Deployment", "radixmesh-engine")
+    assert "worker" not in [c["name"] for c in pod_spec(engine)["containers"]]
+    assert "worker.flags" not in r.get("ConfigMap", "radixmesh-engine-flags")["data"]
+    assert not r.of_kind("HorizontalPodAutoscaler") and r.get("StatefulSet", "radixmesh-kvstore") is None
 
 
 def _named(objects: list[dict], kind: str, name: str) -> dict:
@@ -135,6 +160,87 @@ BREAKAGES: list[tuple[Callable[[list[dict]], None], Callable[[Rendered], None], 
     (pass_an_unknown_flag, _read, "unrecognized arguments: --kv-cache-bytes 1")]
 
 
+def _group(objects: list[dict]) -> dict:
+    return _named(objects, "StatefulSet", "radixmesh-worker-group")
+
+
+def _group_worker(objects: list[dict]) -> dict:
+    return pod_spec(_group(objects))["containers"][0]
+
+
+def _group_flags(objects: list[dict], old: str, new: str) -> None:
+    data = _named(objects, "ConfigMap", "radixmesh-worker-group-flags")["data"]
+    assert old in data["worker.flags"]
+    data["worker.flags"] = data["worker.flags"].replace(old, new)
+
+
+def rank_every_pod_0(objects: list[dict]) -> None:
+    rank = next(e for e in _group_worker(objects)["env"] if e["name"] == "RADIXMESH_NODE_RANK")
+    rank.pop("valueFrom")
+    rank["value"] = "0"
+
+
+def meet_at_pod_1(objects: list[dict]) -> None:
+    _group_flags(objects, "radixmesh-worker-group-0.", "radixmesh-worker-group-1.")
+
+
+def meet_at_a_service_address(objects: list[dict]) -> None:
+    _group_flags(objects, "radixmesh-worker-group-0.radixmesh-worker-group:29500", "radixmesh-worker:29500")
+
+
+def dial_every_pod_of_the_group(objects: list[dict]) -> None:
+    del _named(objects, "Service", "radixmesh-worker")["spec"]["selector"]["statefulset.kubernetes.io/pod-name"]
+
+
+def run_one_pod_for_two_nodes(objects: list[dict]) -> None:
+    _group(objects)["spec"]["replicas"] = 1
+
+
+def start_the_pods_in_order(objects: list[dict]) -> None:
+    del _group(objects)["spec"]["podManagementPolicy"]
+
+
+def hide_unready_pods(objects: list[dict]) -> None:
+    del _named(objects, "Service", "radixmesh-worker-group")["spec"]["publishNotReadyAddresses"]
+
+
+def probe_only_its_own_port(objects: list[dict]) -> None:
+    _group_worker(objects)["readinessProbe"] = {"grpc": {"port": 50053}, "periodSeconds": 5}
+
+
+def give_the_group_a_kvstore(objects: list[dict]) -> None:
+    _group_flags(objects, "--dist-timeout-s 60", "--dist-timeout-s 60 --kvstore-addr radixmesh-engine:50051")
+
+
+def ask_for_too_many_threads(objects: list[dict]) -> None:
+    _group_flags(objects, "--tp-size 1 --pp-size 2", "--tp-size 3 --pp-size 2")
+
+
+GROUP_BREAKAGES: list[tuple[Callable[[list[dict]], None], Callable[[Rendered], None], str]] = [
+    (rank_every_pod_0, check_worker_group, r"pods 0..1 run --node-rank \[0, 0\]"),
+    (meet_at_pod_1, check_worker_group, "does not name pod 0 of radixmesh-worker-group"),
+    (meet_at_a_service_address, check_worker_group, "does not name pod 0"),
+    (dial_every_pod_of_the_group, check_worker_group, r"selects pods \[0, 1\] of radixmesh-worker-group, not only"),
+    (run_one_pod_for_two_nodes, check_worker_group, "replicas 1 != --nnodes 2"),
+    (start_the_pods_in_order, check_worker_group, "must start together"),
+    (hide_unready_pods, check_worker_group, "publishNotReadyAddresses"),
+    (probe_only_its_own_port, check_probes, "readinessProbe .* does not run radixmesh healthcheck "
+                                            "radixmesh-worker-group-0.radixmesh-worker-group:50053"),
+    (give_the_group_a_kvstore, check_worker_group, "with a host KV tier or a kvstore is not supported"),
+    (ask_for_too_many_threads, check_security_and_resources, "--num-threads 2 x 3 ranks beyond its CPU limit")]
+
+
+@pytest.mark.parametrize(("breaking", "check", "message"), GROUP_BREAKAGES,
+                         ids=[b.__name__ for b, _, _ in GROUP_BREAKAGES])
+def test_a_broken_worker_group_fails(breaking: Callable[[list[dict]], None], check: Callable[[Rendered], None],
+                                     message: str) -> None:
+    objects = copy.deepcopy(_rendered(GROUP))
+    check(inspect(copy.deepcopy(objects)))  # fine before
+    breaking(objects)
+    with pytest.raises(AssertionError, match=message):
+        check(inspect(objects))
+
+
 @pytest.mark.parametrize(("breaking", "check", "message"), BREAKAGES, ids=[b.__name__ for b, _, _ in BREAKAGES])
 def test_a_broken_manifest_fails(breaking: Callable[[list[dict]], None], check: Callable[[Rendered], None],
                                  message: str) -> None:
@@ -155,6 +261,10 @@ def test_renderer_merges_named_lists_and_refuses_what_it_does_not_know(tmp_path:
     assert merged["spec"]["containers"][0]["image"] == "x"
     assert [m["mountPath"] for m in merged["spec"]["containers"][0]["volumeMounts"]] == ["/m", "/n"]
     assert merged["spec"]["args"] == ["3"]
+    dropped = strategic_merge(merged, {"spec": {"containers": [{"name": "a", "$patch": "delete"}]}})
+    assert [c["name"] for c in dropped["spec"]["containers"]] == ["b"]
+    with pytest.raises(ValueError, match="containers c, which the base lacks"):
+        strategic_merge(merged, {"spec": {"containers": [{"name": "c", "$patch": "delete"}]}})
     (tmp_path / "kustomization.yaml").write_text("resources: []\nconfigMapGenerator: []\n")
     with pytest.raises(ValueError, match="configMapGenerator"):
         render(tmp_path)
