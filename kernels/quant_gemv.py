@@ -102,6 +102,28 @@ class QuantWeight:
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
         return cls(parts[0].qtype, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
 
+    def row_slice(self, start: int, length: int) -> "QuantWeight":
+        """Output rows [start, start + length) as a weight of their own (a tensor-parallel shard of a
+        column-parallel linear), rows past N all zeros (scale 0, min 0: they compute 0)."""
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            part = t[start:start + length]
+            pad = length - part.shape[0]
+            return torch.cat([part, part.new_zeros((pad, *t.shape[1:]))]) if pad else part.contiguous()
+        return QuantWeight(self.qtype, rows(self.qs), rows(self.d), None if self.m is None else rows(self.m))
+
+    def column_slice(self, start: int, length: int) -> "QuantWeight":
+        """Input columns [start, start + length) (a row-parallel linear's shard): whole groups of 32,
+        sliced in the packed layout with no dense copy. ValueError when they cut a group."""
+        f = self.format
+        if start % GROUP or length % GROUP or start + length > self.shape[1]:
+            raise ValueError(f"columns [{start}, {start + length}) of a {self.qtype} weight of "
+                             f"{self.shape[1]} columns do not fall on groups of {GROUP}")
+        g0, g1 = start // GROUP, (start + length) // GROUP  # packed groups
+        s0, s1 = start // f.scale_group, (start + length) // f.scale_group
+        m = None if self.m is None else self.m[:, g0:g1].contiguous()
+        return QuantWeight(self.qtype, self.qs[:, g0 * f.group_bytes:g1 * f.group_bytes].contiguous(),
+                           self.d[:, s0:s1].contiguous(), m)
+
     def dequantize(self) -> torch.Tensor:
         """→ float32 [N, K]: the weights the kernel multiplies by (bit-exact with gguf's dequantize)."""
         return quant_formats.dequantize(self.format, self.qs, self.d, self.m)

@@ -13,6 +13,7 @@
 //   add_linear(qs, d, m?, qtype, bias?) -> id      a split quantized weight (QuantWeight.code:
 //                                                   any format of kernels/quant_gemv.py)
 //   add_layer(input_norm [Hd], qkv, o, post_norm [Hd], gate_up, down)   ids from add_linear
+//   set_all_reduce(fn)                              tensor parallelism: fn sums [B, Hd] over the group
 //   set_head(embed [V, Hd], final_norm [Hd], lm_head)   embed [0, Hd]: no table (an embedding
 //                                                   held only quantized, QuantEmbedding)
 //   forward(input_ids [B], positions [B], page_table [N, P], rows [B], page_size,
@@ -222,6 +223,11 @@ class DecodeStack {
 
   // Q4_1 and Q8_0 linears quantize their input to int8 and use VNNI dot products (where
   // compiled in: quant_gemv's int8_activations()); the worker's --quant-activations int8.
+  // Tensor parallelism: the o and down projections hold a rank's input columns, so their
+  // outputs are partial sums; `fn(x [B, hidden]) -> summed` (the worker's Communicator.all_reduce)
+  // sums them over the group, as the op-by-op path's hooks do. None: a group of one.
+  void set_all_reduce(py::object fn) { all_reduce_ = fn.is_none() ? py::object() : fn; }
+
   void set_int8_activations(bool on) {
     std::lock_guard<std::mutex> hold(busy_);
     int8_activations_ = on && radixmesh::qint8::compiled();
@@ -364,6 +370,17 @@ class DecodeStack {
     }
   }
 
+  template <typename S>
+  void sum_over_group(S* x, int64_t B, int64_t Hd) {
+    if (!all_reduce_) return;
+    py::gil_scoped_acquire gil;  // forward runs without it
+    auto partial = torch::from_blob(x, {B, Hd}, embed_.options());
+    auto summed = all_reduce_(partial).template cast<torch::Tensor>().contiguous();
+    TORCH_CHECK(summed.sizes() == partial.sizes() && summed.scalar_type() == partial.scalar_type(),
+                "all_reduce must return a tensor of its input's shape and dtype");
+    if (summed.data_ptr() != static_cast<void*>(x)) std::memcpy(x, summed.data_ptr(), B * Hd * sizeof(S));
+  }
+
   struct Step {  // one call's request-level inputs, checked
     const int64_t *ids, *pos, *slots, *lens, *new_slots;
     int64_t Lk, B;
@@ -405,6 +422,7 @@ class DecodeStack {
       write_kv(qkv, W, ns, B, k, v);
       attend<S, KV>(qkv, W, k, v, st.slots, st.lens, B, st.Lk, attn.data());
       linear(layer.o, attn.data(), B, x.data());
+      sum_over_group(x.data(), B, Hd);
       for (int64_t b = 0; b < B; ++b) {
         add_row(&residual[b * Hd], &x[b * Hd], Hd, false);
         norm_row(&residual[b * Hd], layer.post_norm.data_ptr<S>(), &h[b * Hd], Hd, eps_, tmp.data());
@@ -412,6 +430,7 @@ class DecodeStack {
       linear(layer.gate_up, h.data(), B, gu.data());
       for (int64_t b = 0; b < B; ++b) silu_mul_row(&gu[b * 2 * I], &gu[b * 2 * I + I], &act[b * I], I);
       linear(layer.down, act.data(), B, x.data());
+      sum_over_group(x.data(), B, Hd);
     }
     const int64_t R = st.R;
     const int64_t* rows = st.logits_rows;
@@ -442,6 +461,7 @@ class DecodeStack {
   std::vector<int8_t> xq_;        // with int8 activations: the input quantized, its scales, its sums
   std::vector<float> dx_pair_, xs_;
   bool int8_activations_ = false;
+  py::object all_reduce_;  // null: no group
   std::vector<unsigned char> qkv_;
   std::vector<int64_t> slots_, lens_;
   torch::Tensor k_held_, v_held_;  // the pools the last step attended over
@@ -469,6 +489,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("set_helper_cpus", &DecodeStack::set_helper_cpus, "the CPUs the step team's helpers run on",
            py::arg("cpus"))
+      .def("set_all_reduce", &DecodeStack::set_all_reduce,
+           "tensor parallelism: sum the o and down projections' outputs over the group with fn (None: off)",
+           py::arg("fn"))
       .def("set_int8_activations", &DecodeStack::set_int8_activations,
            "Q4_1/Q8_0 linears on int8-quantized inputs with VNNI dot products (ignored where not compiled in)",
            py::arg("on"))

@@ -45,8 +45,8 @@ from services.tokenizer.text_tokenizer import TextTokenizer, load_tokenizer
 from services.worker.config import WorkerConfig
 from services.worker.host_pool import attach_tiers
 from services.worker.info import worker_info
-from services.worker.loader.checkpoint import Checkpoint, load_checkpoint
-from services.worker.group.leader import create_runner
+from services.worker.loader.checkpoint import Checkpoint
+from services.worker.group.leader import create_runner, load_rank_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,8 @@ class Engine:
         (services/worker/omp_team.py): the model, the KV pool and the host tiers are built
         here, where every step runs. Measured: the offline throughput workload 545 → 634
         tok/s on 2 cores (docs/benchmarks.md)."""
-        checkpoint = checkpoint or load_checkpoint(path, worker.quantization)  # gguf: no float32 copy of the blocks
+        # gguf: no float32 copy of the blocks; a group's leader: its own part only
+        checkpoint = checkpoint or load_rank_checkpoint(worker, path)
         runner = create_runner(worker, checkpoint, hicache)  # a worker group's leader with --tp-size > 1
         kvstore, tiers = attach_tiers(runner, hicache, checkpoint.source, cache_on=cache_on)
         return runner, kvstore, tiers

@@ -11,7 +11,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -38,6 +38,7 @@ from services.worker.model.registry import model_class
 from services.worker.model.weight_bytes import format_bytes, resident_weight_bytes, weight_formats
 from services.worker.parallel.communicator import Communicator, Solo
 from services.worker.parallel.pipeline import MicroBatch, PipeLink, PipelineStage, split_by_request
+from services.worker.parallel.rank_part import RankPart
 from services.worker.parallel.tensor_parallel import TensorShard
 from services.worker.sampler_inputs import run_sampler
 from services.worker.speculative.drafter import Drafter, DraftRequest, create_drafter
@@ -87,22 +88,21 @@ class ModelRunner:
             mc = _with_context(mc, config.context_length)
         self.model_config: ModelConfig = mc  # the whole model's; its shard's (local) is self.model.config
         self.comm = comm or Solo()
-        local = mc  # the model this rank computes
-        stage = PipelineStage(mc, pipe.rank, pipe.size) if pipe is not None else None
-        if stage is not None:  # its layers
-            local = stage.config
-            checkpoint = Checkpoint(local, stage.tensors(checkpoint.tensors), checkpoint.source)
         self.shard: TensorShard | None = None
-        if self.comm.world_size > 1:  # its heads, MLP share and vocabulary rows
-            self.shard = TensorShard(local, self.comm.rank, self.comm.world_size)
-            local = self.shard.config
-            checkpoint = Checkpoint(local, self.shard.tensors(checkpoint.tensors), checkpoint.source)
+        stage: PipelineStage | None = None
+        local = mc  # the model this rank computes
+        if self.comm.world_size > 1 or pipe is not None:  # a group's rank: its layers, heads, MLP share, vocabulary rows
+            part = RankPart(mc, (pipe.rank if pipe else 0) * self.comm.world_size + self.comm.rank,
+                            self.comm.world_size, pipe.size if pipe else 1)
+            checkpoint = _rank_checkpoint(checkpoint, part)
+            stage, self.shard, local = part.stage, part.shard, part.config
         self.model = build_model(local, checkpoint.tensors, config.torch_dtype, self.device,
                                  checkpoint.quantized, config.quantization)
         if self.shard is not None:
             self.shard.install(self.model, self.comm)
         if stage is not None:
             stage.install(self.model, pipe)
+            self.model.pipeline_stage = stage
         # oneDNN prepacking is a CPU layout; on CUDA the linears run on the dense weights.
         self.prepacked = config.prepack_weights and self.device.type == "cpu" and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
@@ -572,6 +572,17 @@ class ModelRunner:
         if self._weight_groups is not None:
             self._weight_groups.close(group_name)
 
+
+
+def _rank_checkpoint(checkpoint: Checkpoint, part: RankPart) -> Checkpoint:
+    """The checkpoint of a group's rank: the one its loader read as this part, or the whole one cut now."""
+    if checkpoint.part is None:
+        return replace(checkpoint, tensors=part.take(checkpoint.tensors), quantized=part.take(checkpoint.quantized),
+                       part=part)
+    if (checkpoint.part.rank, checkpoint.part.tp, checkpoint.part.pp) != (part.rank, part.tp, part.pp):
+        raise ValueError(f"the checkpoint holds rank {checkpoint.part.rank}'s part of a TP {checkpoint.part.tp} x "
+                         f"PP {checkpoint.part.pp} group; this runner is rank {part.rank} of TP {part.tp} x PP {part.pp}")
+    return checkpoint
 
 
 def _last_sampled(rid: str, req: _Request, start_pos: int) -> int:

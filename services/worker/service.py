@@ -100,15 +100,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def _load(self):
         # torch is imported here, not at module level: `radixmesh serve` of the
         # other services imports this package's siblings without paying for it.
-        from services.worker.loader.checkpoint import load_checkpoint
-        from services.worker.group.leader import create_runner
+        from services.worker.group.leader import create_runner, load_rank_checkpoint
 
         from services.worker.attention.cpu_backend import CpuBackend
         from services.worker.lead_cpu import thread_ids
 
         before = thread_ids() - {threading.get_native_id()}  # the event loop's and gRPC's threads
         path = resolve_model_path(self.config.model)
-        checkpoint = load_checkpoint(path, self.config.quantization)  # gguf: no float32 copy of the blocks
+        # gguf: no float32 copy of the blocks; a group's leader: its own part only
+        checkpoint = load_rank_checkpoint(self.config, path)
         runner = create_runner(self.config, checkpoint, self.hicache, on_lost=self._group_lost)
         lead_cpu = runner.backend.lead_cpu if isinstance(runner.backend, CpuBackend) else None
         if lead_cpu is not None:  # threads they start later inherit their CPUs

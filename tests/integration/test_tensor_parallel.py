@@ -2,7 +2,8 @@
 (services/worker/parallel): a group of ranks computes the logits of a group of one, in float32,
 within 1e-4, on a random tiny configuration of every registered architecture (TP 2, PP 2 and
 TP 2 × PP 2) and on the default model (TP 3, PP 2 and TP 3 × PP 2: greedy text and logprobs
-through the Engine). A TP size the model cannot take is refused before
+through the Engine), and TP 3 on the file's quantized blocks with the one-call decode stack, each
+rank loading only its part. A TP size the model cannot take is refused before
 any process starts, and a rank that hangs fails the leader's step within the group's timeout
 instead of hanging it."""
 from __future__ import annotations
@@ -19,7 +20,8 @@ from services.engine.engine import Engine
 from services.worker.config import WorkerConfig
 from services.worker.loader.checkpoint import load_checkpoint
 from services.worker.model.registry import ARCHITECTURES
-from services.worker.group.leader import create_runner
+from services.worker.group.leader import create_runner, group_refusal
+from services.worker.weights.errors import WeightUpdateError
 from tests.unit.tiny_models import BASE, BATCHES, CONFIGS, logits_by_position, save_tiny, sequences
 
 pytestmark = pytest.mark.slow
@@ -149,6 +151,36 @@ def test_tp3_pp2_and_both_on_the_default_model_generate_one_ranks_greedy_text_an
             assert max(diffs) < ATOL, (sizes, diffs)
 
 
+def test_tp3_on_the_files_quantized_blocks_runs_the_one_call_decode_stack_on_each_ranks_part(model_path, checkpoint,
+                                                                                               tokenizer):
+    """--quantization gguf: each rank loads only its part of the Q4_1/Q8_0 blocks (no dense copy),
+    the one-call decode stack sums over the group; greedy text equals one rank's on the same blocks."""
+    def engine(tp: int) -> Engine:
+        config = WorkerConfig(dtype="float32", quantization="gguf", kv_cache_bytes=32 << 20, max_requests=4,
+                              tp_size=tp)
+        return (Engine(model_path, worker=config) if tp > 1  # the leader loads its own part too
+                else Engine(worker=config, checkpoint=load_checkpoint(model_path, "gguf"), tokenizer=tokenizer))
+
+    outs, weight_bytes = {}, {}
+    for tp in (1, 3):
+        eng = engine(tp)
+        try:
+            runner = eng.runner
+            assert runner.decode_stack and runner.quantized_weights > 0
+            weight_bytes[tp] = runner.weight_bytes
+            outs[tp] = _greedy(eng)
+            if tp > 1:  # each rank holds a slice: an update to the leader alone would break the group
+                with pytest.raises(WeightUpdateError, match="not supported on a worker group"):
+                    runner.update_weights_from_disk(model_path)
+        finally:
+            eng.shutdown()
+    for one, group in zip(outs[1], outs[3], strict=True):
+        assert group.token_ids == one.token_ids and group.text == one.text
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(one.logprobs, group.logprobs, strict=True)) < ATOL
+    # Every weight split three ways but the norms: the leader holds about a third.
+    assert weight_bytes[3] < 0.36 * weight_bytes[1], weight_bytes
+
+
 @pytest.mark.parametrize("sizes, message", [
     (dict(tp_size=2), "--tp-size 2 does not divide the model's 9 attention heads"),
     (dict(pp_size=31), "--pp-size 31 exceeds the model's 30 layers"),
@@ -157,6 +189,12 @@ def test_sizes_the_model_cannot_take_are_refused_before_any_rank_starts(checkpoi
     with pytest.raises(ValueError, match=message):
         Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, **sizes), checkpoint=checkpoint,
                tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantizations_made_from_each_ranks_slice_are_refused_by_name(quantization):
+    why = group_refusal(WorkerConfig(tp_size=3, quantization=quantization))
+    assert f"--quantization {quantization} is not supported" in why and "gguf, auto or none" in why
 
 
 def test_a_hung_rank_fails_the_leaders_step_within_the_groups_timeout(tmp_path):

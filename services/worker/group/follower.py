@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _build(setup):
     """On the main thread, which runs every step (load_checkpoint reads on a thread of its own)."""
+    from services.worker.group.leader import load_rank_checkpoint
     from services.worker.group.world import join_world
-    from services.worker.loader.checkpoint import load_checkpoint
     from services.worker.model_runner import ModelRunner
     if setup.cpus:
         os.sched_setaffinity(0, setup.cpus)
     joined = join_world(setup.rank, setup.config, setup.init_method, setup.source, setup.group_id, setup.hidden)
-    checkpoint = load_checkpoint(setup.source, setup.config.quantization)
+    checkpoint = load_rank_checkpoint(setup.config, setup.source, setup.rank)  # its part only
     return ModelRunner(setup.config, checkpoint, comm=joined.comm, pipe=joined.pipe)
 
 

@@ -63,8 +63,9 @@ def group_refusal(config: WorkerConfig, hicache=None) -> str | None:
     what = f"--tp-size {config.tp_size} --pp-size {config.pp_size}"
     if config.device != "cpu":
         return f"{what} runs on --device cpu only for now (NCCL groups are not built yet)"
-    if config.quantization in ("gguf", "int8", "fp8"):
-        return f"{what} needs dense weights: --quantization {config.quantization} is not sharded yet"
+    if config.quantization in ("int8", "fp8"):  # REQUANTIZED: made from each rank's slice at load
+        return (f"{what} with --quantization {config.quantization} is not supported: each rank would quantize "
+                "its own slice, with other scales than one rank's; use --quantization gguf, auto or none")
     if config.speculative_algorithm:
         return f"{what} with --speculative-algorithm is not supported yet"
     if hicache is not None and (hicache.host_kv_ratio or hicache.kvstore_addr):
@@ -303,6 +304,17 @@ class GroupRunner:
         finally:
             self.runner.close()
 
+    def _no_weight_updates(self, *_args, **_kwargs):
+        """Each rank holds its own slice of every weight: an update would have to reach every rank,
+        sliced; until it does, it is refused before any weight changes."""
+        from services.worker.weights.errors import WeightUpdateError
+        raise WeightUpdateError(f"weight updates are not supported on a worker group (--tp-size "
+                                f"{self.group.config.tp_size} --pp-size {self.group.config.pp_size}) yet; "
+                                "restart the worker with the new weights")
+
+    update_weights_from_disk = update_weights_from_tensor = _no_weight_updates
+    init_weights_update_group = update_weights_from_distributed = _no_weight_updates
+
     @property
     def loras(self):
         """The leader's adapters, whose loads and unloads every rank repeats."""
@@ -339,6 +351,17 @@ class GroupLoras:
         return getattr(self._loras, name)
 
 
+def load_rank_checkpoint(config: WorkerConfig, source: str, rank: int = 0):
+    """The checkpoint global rank `rank` of config's group holds: only its part (rank_part.py),
+    each tensor cut as it is read; the whole checkpoint for a group of one."""
+    from services.worker.loader.checkpoint import load_checkpoint
+    if config.world_size == 1:
+        return load_checkpoint(source, config.quantization)
+    from services.worker.parallel.rank_part import RankPart
+    return load_checkpoint(source, config.quantization,
+                           part=lambda full: RankPart(full, rank, config.tp_size, config.pp_size))
+
+
 def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Callable[[str], None] | None = None):
     """The worker's runner: a plain ModelRunner for a group of one, else the leader of a group
     (the followers started, joined and loaded). Call on the thread that will run the steps."""
@@ -355,7 +378,9 @@ def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Calla
     from services.worker.parallel.tensor_parallel import TensorShard
     # Sizes the model cannot take: refused before any rank starts.
     stage = PipelineStage(checkpoint.config, 0, config.pp_size)
-    TensorShard(stage.config, 0, config.tp_size)
+    why = TensorShard(stage.config, 0, config.tp_size).blocks_refusal() if checkpoint.quantized else None
+    if why is not None:
+        raise ValueError(why)
     group = WorkerGroup(config, checkpoint.source, checkpoint.config.hidden_size, on_lost)
     try:
         runner = ModelRunner(group.config, checkpoint, comm=group.joined.comm, pipe=group.joined.pipe)

@@ -28,8 +28,7 @@ def run_node(config: WorkerConfig) -> int:
     """Node config.node_rank (> 0) of a worker group, until the leader stops it → exit status."""
     from services.common.model_path import resolve_model_path
     from services.worker.group.follower import run_command
-    from services.worker.group.leader import WorkerGroup, receive_from_leader
-    from services.worker.loader.checkpoint import load_checkpoint
+    from services.worker.group.leader import WorkerGroup, load_rank_checkpoint, receive_from_leader
     from services.worker.model_runner import ModelRunner
     if config.node_rank == 0:
         raise ValueError("node 0's worker is the group's leader: run it without --node-rank (or 0) as usual")
@@ -37,7 +36,7 @@ def run_node(config: WorkerConfig) -> int:
     group = WorkerGroup(config, source, hidden=0, on_lost=_exit)  # across nodes the all-reduce is gloo's: no probe
     runner = None
     try:
-        checkpoint = load_checkpoint(source, config.quantization)
+        checkpoint = load_rank_checkpoint(config, source, config.node_rank * config.ranks_per_node)  # its part only
         runner = ModelRunner(group.config, checkpoint, comm=group.joined.comm, pipe=group.joined.pipe)
         group.wait_ready(config.dist_timeout_s + 600)
         log.info("node ready", extra={"node_rank": config.node_rank, "ranks": config.ranks_per_node})

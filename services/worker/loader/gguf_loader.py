@@ -27,12 +27,15 @@ SUPPORTED_TYPES = frozenset({QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's encoding of Llama-3.1 rope scaling
 
 
-def load_gguf(path: str, dense_quantized: bool = True) -> Checkpoint:
+def load_gguf(path: str, dense_quantized: bool = True, part=None) -> Checkpoint:
     """Read `path` (a GGUF of an architecture in gguf_archs.ARCHS) into float32 HF-named tensors.
 
     Matrices in a kernel format (QTYPES) also come as their blocks (Checkpoint.quantized);
     dense_quantized False leaves their float32 values out (--quantization gguf holds only the
     blocks, so they are never dequantized whole).
+
+    part: a worker group's rank (load_checkpoint): each tensor, dense or blocks, is cut to its
+    part on the thread that read it, so only the parts stay resident.
 
     Raises FileNotFoundError for a missing file and ValueError for a file that is not GGUF, an
     unsupported architecture, an unknown tensor name or an unsupported tensor type.
@@ -62,20 +65,32 @@ def load_gguf(path: str, dense_quantized: bool = True) -> Checkpoint:
                 f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
         jobs.append((name, t, gguf_archs.permute_heads(arch, name, config)))
 
+    rank_part = part(config) if part is not None else None
+
+    def read(job: tuple[str, gguf.ReaderTensor, int | None]) -> tuple[dict, dict]:
+        """One GGUF tensor → its HF tensors (dense, blocks), cut to the rank's part when there is one."""
+        name, t, heads = job
+        values, raw = _dequantize(t, heads, dense_quantized)
+        dense, blocks = {}, {}
+        for hf, v, b in gguf_archs.hf_tensors(arch, name, values, raw, config, path):
+            if b is None or dense_quantized:
+                dense[hf] = torch.from_numpy(v)
+            if b is not None:
+                blocks[hf] = QuantWeight.from_blocks(torch.from_numpy(b), t.tensor_type.name)
+        if rank_part is not None:
+            dense, blocks = rank_part.take(dense), rank_part.take(blocks)
+        return dense, blocks
+
     # gguf's numpy kernels release the GIL on large arrays, so tensors dequantize in parallel.
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        results = list(pool.map(lambda job: _dequantize(job[1], job[2], dense_quantized), jobs))
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantWeight] = {}
-    for (name, t, _), (values, raw) in zip(jobs, results):
-        for hf, v, blocks in gguf_archs.hf_tensors(arch, name, values, raw, config, path):
-            if blocks is None or dense_quantized:
-                tensors[hf] = torch.from_numpy(v)
-            if blocks is not None:
-                quantized[hf] = QuantWeight.from_blocks(torch.from_numpy(blocks), t.tensor_type.name)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        for dense, blocks in pool.map(read, jobs):
+            tensors.update(dense)
+            quantized.update(blocks)
     if arch.moe:
         gguf_archs.stack_experts(tensors)
-    return Checkpoint(config=config, tensors=tensors, source=path, quantized=quantized)
+    return Checkpoint(config=config, tensors=tensors, source=path, quantized=quantized, part=rank_part)
 
 
 def _dequantize(t: gguf.ReaderTensor, n_heads: int | None,

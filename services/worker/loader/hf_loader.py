@@ -17,8 +17,9 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
-def load_hf_dir(path: str) -> Checkpoint:
-    """Read `path/config.json` and every tensor of its safetensors shards as float32.
+def load_hf_dir(path: str, part=None) -> Checkpoint:
+    """Read `path/config.json` and every tensor of its safetensors shards as float32 (with
+    `part`, a worker group rank's part of each: load_checkpoint).
 
     Shards come from `model.safetensors.index.json` when present, otherwise every `*.safetensors`
     in the directory. Raises FileNotFoundError when config.json or the weights are missing and
@@ -41,17 +42,19 @@ def load_hf_dir(path: str) -> Checkpoint:
     config = dataclasses.replace(config, architecture=arch, **fields)
     config = _with_generation_eos(config, path)
 
+    rank_part = part(config) if part is not None else None  # a worker group's rank: its part of each tensor
     tensors: dict[str, torch.Tensor] = {}
     for shard in _shards(path):
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # a buffer old checkpoints saved; the model recomputes it from the config
+                if config.tie_word_embeddings and name == "lm_head.weight":
+                    continue  # some exports save the tied head; one copy is enough
                 # to(float32) copies bf16/fp16 shards and keeps fp32 ones as loaded (no second copy).
-                tensors[name] = f.get_tensor(name).to(torch.float32).contiguous()
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # some exports save the tied head; one copy is enough
-    return Checkpoint(config=config, tensors=tensors, source=path)
+                one = {name: f.get_tensor(name).to(torch.float32).contiguous()}
+                tensors.update(rank_part.take(one) if rank_part is not None else one)
+    return Checkpoint(config=config, tensors=tensors, source=path, part=rank_part)
 
 
 def check_architecture(raw: dict, where: str) -> str:

@@ -141,6 +141,11 @@ class LlamaForCausalLM(nn.Module):
         # Small pure-decode steps as one C++ call (use_decode_stack); None: op by op.
         self.decode_stack = None
         self.decode_stack_rows = 0
+        # Set when the model is one rank's part of a group (services/worker/parallel): the stack
+        # bypasses the modules' hooks, so it sums and gathers through tensor_parallel itself, and
+        # a pipeline stage (whose forward runs between sends) declines it.
+        self.tensor_parallel = None  # tensor_parallel.GroupSums
+        self.pipeline_stage = None  # pipeline.PipelineStage
 
     def tie_lm_head(self) -> None:
         """A tied model computes logits through a Linear sharing the embedding's parameter, so
@@ -218,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
                             layer.post_attention_layernorm.weight.detach(), add(mlp.gate_up_proj),
                             add(mlp.down_proj))
         stack.set_head(self._stack_embedding(), self.norm.weight.detach(), add(self.lm_head))
+        if self.tensor_parallel is not None:
+            stack.set_all_reduce(self.tensor_parallel.comm.all_reduce)
         rows = min(lin.quant_max_rows for lin in blocks)  # quantized-only linears take any count
         self.decode_stack, self.decode_stack_rows = stack, rows if max_rows is None else min(rows, max_rows)
         return True
@@ -225,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
     def decode_stack_refusal(self) -> str | None:
         """Why the one-call decode stack cannot run this model, or None when it can: the stack
         computes plain Llama attention, with no q/k norm and no sliding window, and dense MLPs."""
+        if self.pipeline_stage is not None:
+            return "pipeline parallelism (a stage runs its layers between receiving and sending)"
         if self.config.num_experts:
             return f"mixture-of-experts MLPs ({self.config.num_experts} experts)"
         if self.config.qk_norm:
@@ -238,9 +247,12 @@ class LlamaForCausalLM(nn.Module):
         """One token per request through the decode stack (use_decode_stack), KV written.
         input_ids, positions, rows [B] int64: request b's pages are page_table[rows[b]]
         ([N, P] int64). → float32 logits [len(logits_rows), vocab]."""
-        embedded = self.embed_tokens(input_ids) if isinstance(self.embed_tokens, QuantEmbedding) else None
-        return self.decode_stack.forward(input_ids, positions, page_table, rows, page_size, pool.k, pool.v,
-                                         logits_rows, embedded)
+        tp = self.tensor_parallel  # a rank's shard: the module's hooks look its vocabulary rows up and sum them
+        looked_up = tp is not None or isinstance(self.embed_tokens, QuantEmbedding)
+        embedded = self.embed_tokens(input_ids) if looked_up else None
+        logits = self.decode_stack.forward(input_ids, positions, page_table, rows, page_size, pool.k, pool.v,
+                                           logits_rows, embedded)  # [R, vocab rows of this rank]
+        return logits if tp is None else tp.gather_logits(logits)
 
     def _stack_embedding(self) -> torch.Tensor:
         """The table the decode stack looks token ids up in: the dense embedding, or, for one

@@ -12,7 +12,9 @@ the MLP and of the vocabulary) and loads its slices of the HF-named checkpoint t
   (the last shard padded with zero rows).
 Then (install): the attention block's and the MLP block's outputs are summed over the group
 (one all-reduce each per layer); the embedding looks up only its rows, zeroes the others and
-is summed; the LM head's logits are gathered and cut back to the vocabulary.
+is summed; the LM head's logits are gathered and cut back to the vocabulary (model.head, the
+one place every path computes them). The one-call decode stack, which no hook sees into, takes
+the same sums from `model.tensor_parallel` (GroupSums).
 
 Norms, RoPE, q/k norms and the router are replicated. Every rank ends a step with the same
 float32 logits, bit for bit, so every rank samples the same tokens.
@@ -24,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from kernels.quant_gemv import GROUP, QuantWeight
 from services.worker.model.config import ModelConfig
 from services.worker.parallel.communicator import Communicator
 
@@ -87,6 +90,19 @@ class TensorShard:
                        moe_intermediate_size=f.moe_intermediate_size // self.size,
                        vocab_size=self.vocab_rows)
 
+    def blocks_refusal(self) -> str | None:
+        """Why a file's quantized blocks cannot be split over this group, or None: a row-parallel
+        linear's input columns are cut in whole groups of 32 (the packed layout), never inside one."""
+        f = self.full
+        cuts = {"o_proj": self.heads * f.head_dim, "down_proj": f.intermediate_size // self.size}
+        if f.num_experts:
+            cuts["the experts' down_proj"] = f.moe_intermediate_size // self.size
+        bad = [f"{name} ({n} columns per rank)" for name, n in cuts.items() if n % GROUP]
+        if bad:
+            return (f"--tp-size {self.size} cuts the quantized blocks of {', '.join(bad)} inside a group of "
+                    f"{GROUP} weights; use --quantization none (dense weights) or another --tp-size")
+        return None
+
     # --- the checkpoint ------------------------------------------------------------------
 
     def tensors(self, full_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -107,9 +123,9 @@ class TensorShard:
         if base.endswith(("mlp.gate_proj", "mlp.up_proj")):
             return _rows(t, *self._share(f.intermediate_size))
         if base.endswith("mlp.gate_up_proj"):  # Phi-3 stores [gate; up] fused: split each half
-            gate, up = t.chunk(2, dim=0)
-            return torch.cat([_rows(gate, *self._share(f.intermediate_size)),
-                              _rows(up, *self._share(f.intermediate_size))], 0)
+            gate, up = _split_rows(t, [f.intermediate_size] * 2)
+            return _cat_rows([_rows(gate, *self._share(f.intermediate_size)),
+                              _rows(up, *self._share(f.intermediate_size))])
         if base.endswith("mlp.down_proj"):
             return self._row_parallel(t, leaf, *self._share(f.intermediate_size))
         if ".mlp.experts." in name:
@@ -139,15 +155,17 @@ class TensorShard:
         (rank 0 keeps it, the others hold zeros) since the outputs are summed."""
         if leaf == "bias":
             return t if self.rank == 0 else torch.zeros_like(t)
-        return t[:, start:start + length].contiguous()
+        return _columns(t, start, length)
 
     def _expert(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Per-expert (experts.{e}.gate_proj ...) or stacked (experts.gate_up_proj [E, 2I, H],
         experts.down_proj [E, H, I]) expert weights → this rank's share of their intermediate size."""
         start, length = self._share(self.full.moe_intermediate_size)
-        if name.endswith(("gate_proj.weight", "up_proj.weight")) and t.dim() == 2:
+        if name.endswith(("gate_proj.weight", "up_proj.weight")) and len(t.shape) == 2:
             return _rows(t, start, length)
-        if name.endswith("down_proj.weight") and t.dim() == 2:
+        if name.endswith("down_proj.weight") and len(t.shape) == 2:
+            return _columns(t, start, length)
+        if name.endswith(("experts.gate_proj", "experts.up_proj")) and len(t.shape) == 3:  # GGUF's [E, I, H]
             return t[:, start:start + length].contiguous()
         if name.endswith("experts.gate_up_proj"):
             gate, up = t.chunk(2, dim=1)
@@ -170,10 +188,24 @@ class TensorShard:
             layer.self_attn.register_forward_hook(summed)
             layer.mlp.register_forward_hook(summed)
         _vocab_parallel_embedding(model.embed_tokens, self.rank * self.vocab_rows, comm)
-        vocab = self.full.vocab_size
-        if model.lm_head is None:
-            raise ValueError("install() needs the model's LM head: call it after build_model (tie_lm_head)")
-        model.lm_head.register_forward_hook(lambda _m, _i, out: comm.all_gather(out)[..., :vocab])
+        sums = GroupSums(comm, self.full.vocab_size)
+        # The head's logits are gathered where every path meets (model.head): its quantized blocks
+        # run in Linear.logits, which no forward hook sees.
+        head = model.head
+        model.head = lambda x, residual, logits_indices: sums.gather_logits(head(x, residual, logits_indices))
+        model.tensor_parallel = sums  # the one-call decode stack, which no hook sees into
+
+
+@dataclass(frozen=True)
+class GroupSums:
+    """The group's sums as the one-call decode stack takes them (LlamaForCausalLM.use_decode_stack):
+    comm.all_reduce after its o and down projections, gather_logits after its LM head."""
+    comm: Communicator
+    vocab: int  # the full model's
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """[..., vocab rows of each rank] → [..., vocab]: every rank's columns, the padding cut."""
+        return self.comm.all_gather(local)[..., :self.vocab]
 
 
 def _vocab_parallel_embedding(embedding: nn.Module, first_row: int, comm: Communicator) -> None:
@@ -197,12 +229,36 @@ def _vocab_parallel_embedding(embedding: nn.Module, first_row: int, comm: Commun
     embedding.register_forward_hook(summed)
 
 
-def _rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+# A checkpoint tensor is a dense tensor or a file's quantized blocks (QuantWeight, from a GGUF):
+# both are cut by output rows and input columns, the blocks in their packed layout.
+Weight = torch.Tensor | QuantWeight
+
+
+def _rows(t: Weight, start: int, length: int) -> Weight:
+    if isinstance(t, QuantWeight):
+        return t.row_slice(start, length)
     return t[start:start + length].contiguous()
 
 
-def _padded_rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+def _columns(t: Weight, start: int, length: int) -> Weight:
+    if isinstance(t, QuantWeight):
+        return t.column_slice(start, length)
+    return t[:, start:start + length].contiguous()
+
+
+def _split_rows(t: Weight, sizes: list[int]) -> list[Weight]:
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [_rows(t, start, n) for start, n in zip(starts, sizes)]
+
+
+def _cat_rows(parts: list[Weight]) -> Weight:
+    return QuantWeight.cat_rows(parts) if isinstance(parts[0], QuantWeight) else torch.cat(parts, 0)
+
+
+def _padded_rows(t: Weight, start: int, length: int) -> Weight:
     """Rows [start, start + length) of t, zero rows past its end."""
+    if isinstance(t, QuantWeight):
+        return t.row_slice(start, length)
     part = t[start:start + length]
     if part.shape[0] == length:
         return part.contiguous()
@@ -210,12 +266,12 @@ def _padded_rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return torch.cat([part, pad], 0)
 
 
-def _unfused(tensors: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
+def _unfused(tensors: dict[str, Weight], mc: ModelConfig) -> dict[str, Weight]:
     """A checkpoint with Phi-3's fused qkv_proj split into q/k/v (each is split by heads of its own)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if ".self_attn.qkv_proj." in name:
-            q, k, v = t.split([mc.q_size, mc.kv_size, mc.kv_size], dim=0)
+            q, k, v = _split_rows(t, [mc.q_size, mc.kv_size, mc.kv_size])
             for part, value in zip("qkv", (q, k, v)):
                 out[name.replace("qkv_proj", f"{part}_proj")] = value
         else:
