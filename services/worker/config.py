@@ -139,6 +139,10 @@ class WorkerConfig:
     pp_micro_batches: int | None = field(default=None, metadata={
         "help": "pipeline parallelism: split each step's batch by request into this many micro-batches, in "
                 "flight through the stages at once (a step of one request runs whole; default: --pp-size)"})
+    pp_micro_batch_tokens: int = field(default=64, metadata={
+        "help": "pipeline parallelism: the fewest tokens a micro-batch holds (a step of fewer than K times this many "
+                "runs as fewer micro-batches): every micro-batch reads the stage's weights again, which a small "
+                "one does not repay on a CPU"})
     all_reduce: str = field(default="auto", metadata={
         "choices": ("auto", "shm", "gloo"),
         "help": "a one-stage worker group's all-reduce: shm (shared memory between the ranks of one host), gloo, "
@@ -230,6 +234,8 @@ class WorkerConfig:
         if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
             raise ValueError(f"--pp-micro-batches must be >= 1 (1: a step's batch crosses the stages whole), "
                              f"got {self.pp_micro_batches}")
+        if self.pp_micro_batch_tokens < 1:
+            raise ValueError(f"--pp-micro-batch-tokens must be >= 1, got {self.pp_micro_batch_tokens}")
 
     @property
     def world_size(self) -> int:

@@ -437,12 +437,13 @@ class ModelRunner:
 
     def _micro_batches(self, items: list) -> list[range] | None:
         """A pipelined step's micro-batches: contiguous ranges of its items, by request
-        (pipeline.split_by_request); None when the step runs whole (no pipeline, a single request,
-        or --pp-micro-batches 1)."""
+        (pipeline.split_by_request), each of at least --pp-micro-batch-tokens tokens; None when the
+        step runs whole (no pipeline, a single request, too few tokens, or --pp-micro-batches 1)."""
         if getattr(self.model, "pipeline", None) is None or len(items) < 2:
             return None
-        k = self.config.resolved_pp_micro_batches
-        return split_by_request([len(item.input_ids) for item in items], k) if k > 1 else None
+        tokens = [len(item.input_ids) for item in items]
+        k = min(self.config.resolved_pp_micro_batches, sum(tokens) // self.config.pp_micro_batch_tokens)
+        return split_by_request(tokens, k) if k > 1 else None
 
     def _pipelined(self, items: list, reqs: list, parts: list[range], input_ids: torch.Tensor,
                    wanted: list[int]) -> torch.Tensor:

@@ -40,6 +40,8 @@ def test_micro_batches_split_a_step_by_request_into_contiguous_ranges():
     assert split_by_request([7], 4) == [range(0, 1)]
     with pytest.raises(ValueError, match="--pp-micro-batches must be >= 1"):
         WorkerConfig(pp_size=2, pp_micro_batches=0)
+    with pytest.raises(ValueError, match="--pp-micro-batch-tokens must be >= 1"):
+        WorkerConfig(pp_size=2, pp_micro_batch_tokens=0)
     assert WorkerConfig(pp_size=3).resolved_pp_micro_batches == 3
 
 
@@ -54,7 +56,7 @@ def test_pp2_micro_batches_give_one_ranks_logits_on_the_default_model(checkpoint
         one = logits_by_position(runner, seqs, chunks, 4)
     finally:
         runner.close()
-    runner = create_runner(WorkerConfig(pp_size=2, pp_micro_batches=3, **flags), checkpoint)
+    runner = create_runner(WorkerConfig(pp_size=2, pp_micro_batches=3, pp_micro_batch_tokens=1, **flags), checkpoint)
     try:
         stage = runner.runner.model.pipeline
         steps: list[int] = []  # the items of each step the leader computed
@@ -88,11 +90,12 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, th
 
 
 def test_pp2_micro_batches_generate_one_ranks_greedy_text_on_the_default_model(checkpoint, tokenizer):
-    """Four prompts of different lengths batched together through the Engine, micro-batches at
-    their default (one per stage)."""
+    """Four prompts of different lengths batched together through the Engine: one micro-batch per
+    stage, of any size (decodes too)."""
     outs, split = {}, 0
     for pp in (1, 2):
-        engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=4, pp_size=pp),
+        engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=4, pp_size=pp,
+                                            pp_micro_batch_tokens=1),
                         checkpoint=checkpoint, tokenizer=tokenizer)
         try:
             outs[pp] = _greedy_together(engine, PROMPTS)
@@ -111,4 +114,4 @@ def test_pp2_micro_batches_generate_one_ranks_greedy_text_on_the_default_model(c
 def test_tp2_pp2_micro_batches_give_one_ranks_logits_on_gemma2(tmp_path):
     """Sliding and full attention layers, renumbered per stage; micro-batches of one and two requests."""
     path = _save(tmp_path, "gemma2")
-    _assert_same_logits(_logits(path, 1), _logits(path, 2, 2, pp_micro_batches=2), "tp 2 pp 2, 2 micro-batches")
+    _assert_same_logits(_logits(path, 1), _logits(path, 2, 2, pp_micro_batches=2, pp_micro_batch_tokens=1), "tp 2 pp 2, 2 micro-batches")
