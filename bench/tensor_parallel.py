@@ -8,15 +8,22 @@
    thread each), the same greedy requests on both;
 3. where a TP 3 decode step's time goes, on the leader: its collectives (all-reduces, the logits'
    all-gather), sending the plan to the followers, and the rest (its share of the compute, and
-   waiting for the slowest rank inside the collectives is counted as collective time).
+   waiting for the slowest rank inside the collectives is counted as collective time);
+4. pipeline parallelism: PP 2 (`--pp-size 2`) with micro-batches in flight (`--pp-micro-batches`,
+   default one per stage) against the same group with none (`--pp-micro-batches 1`: a step's
+   batch crosses the stages whole), same flags and requests, in the same run, alternating
+   (--pp-rounds times each, as other work on a shared machine comes and goes), printed as the
+   ratio of the medians and of each round.
+   A single stream's steps hold one request, so they are never split: its ratio shows the cost
+   of the path, the 64-concurrent one the overlap.
 
-Both Engines use the same flags (--dtype, default bfloat16 where the CPU has it). TP 3 runs on
-dense weights (the file's quantized blocks and the one-call decode stack are not sharded yet),
-so TP 1 is also reported with --quantization none, the like-for-like baseline. On a 2-core
+Both Engines use the same flags (--dtype, default bfloat16 where the CPU has it): the defaults,
+so TP 3's ranks run the file's quantized blocks, cut per rank, and the one-call decode stack, as
+TP 1 does; --dense adds TP 1 and TP 3 with --quantization none. On a 2-core
 machine TP cannot be faster; the bench says by how much it is slower and why. Timings are
 printed, never asserted.
 
-    .venv/bin/python bench/tensor_parallel.py [--tp 3] [--json out.json]
+    .venv/bin/python bench/tensor_parallel.py [--tp 3] [--pp 2] [--only tp|pp] [--json out.json]
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,7 +102,7 @@ async def run_requests(engine, batch: list[list[int]], max_tokens: int, concurre
             "wall_s": wall, "texts": sorted(texts)}
 
 
-def measure(label: str, worker_flags: dict, args) -> dict:
+def measure(label: str, worker_flags: dict, args, timings: bool = True) -> dict:
     from services.engine.engine import Engine
     from services.scheduler.config import SchedulerConfig
     from services.worker.config import WorkerConfig
@@ -103,7 +111,7 @@ def measure(label: str, worker_flags: dict, args) -> dict:
     engine = Engine(model=args.model, worker=worker, scheduler=SchedulerConfig(max_running_requests=64))
     timed = None
     leader = getattr(engine.runner, "runner", None)  # a group's leader (GroupRunner), else None
-    if leader is not None:
+    if leader is not None and timings:
         timed = Timed()
         timed.wrap(leader.comm, "all_reduce", "all_reduce")
         timed.wrap(leader.comm, "all_gather", "all_gather")
@@ -124,6 +132,9 @@ def measure(label: str, worker_flags: dict, args) -> dict:
                                                      args.tp_tokens, 64))
         if timed:
             out["throughput_breakdown"] = breakdown(timed)
+        stage = getattr(getattr(leader, "model", None), "pipeline", None)  # the leader's pipeline stage
+        if stage is not None:
+            out["pp_steps"], out["pp_micro_batches"] = stage.steps, stage.micro_batches
         print(f"{label}: c=1 ITL {out['single']['itl_ms']:.1f} ms, c=64 {out['throughput']['tok_s']:.1f} tok/s",
               flush=True)
         return out
@@ -157,33 +168,77 @@ def main() -> int:
     p.add_argument("--c1-requests", type=int, default=3)
     p.add_argument("--c1-tokens", type=int, default=32)
     p.add_argument("--tp-tokens", type=int, default=16, help="output tokens of each of the 64 concurrent requests")
+    p.add_argument("--pp", type=int, default=2, help="the pipeline rows' stages")
+    p.add_argument("--pp-micro-batches", type=int, default=None, help="the pipeline row's micro-batches "
+                   "(default: one per stage)")
+    p.add_argument("--pp-rounds", type=int, default=2, help="each pipeline configuration this many times, alternating")
+    p.add_argument("--dense", action="store_true", help="also TP 1 and TP N with --quantization none")
+    p.add_argument("--only", choices=("tp", "pp"), default=None, help="only the TP part (1-3) or the PP part (4)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    results = {}
+    if args.only != "pp":
+        tensor_parallel(args, results)
+    if args.only != "tp":
+        pipeline_parallel(args, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def pipeline_parallel(args, results: dict) -> None:
+    """PP with micro-batches in flight against PP without, the same group otherwise."""
+    print(f"CPU: {os.cpu_count()} cores; PP {args.pp} stages get "
+          f"{'one thread each' if os.cpu_count() < args.pp else 'their own cores'}", flush=True)
+    k = args.pp_micro_batches or args.pp
+    configs = [(f"PP {args.pp}, {k} micro-batches", {"pp_size": args.pp, "pp_micro_batches": k}),
+               (f"PP {args.pp}, none (--pp-micro-batches 1)", {"pp_size": args.pp, "pp_micro_batches": 1})]
+    rounds = [[measure(label, flags, args, False) for label, flags in configs] for _ in range(args.pp_rounds)]
+    results["pipeline"] = rounds
+    median = statistics.median
+    print("\n== pipeline: single stream and 64 concurrent, each round ==")
+    print(f"{'':44} {'ITL mean':>10} {'c=64 tok/s':>11} {'micro-batches/step':>19}")
+    for i, runs in enumerate(rounds):
+        for r in runs:
+            print(f"{'round ' + str(i + 1) + ': ' + r['label']:44} {r['single']['itl_ms']:9.1f}ms "
+                  f"{r['throughput']['tok_s']:11.1f} {r['pp_micro_batches'] / max(1, r['pp_steps']):19.2f}")
+    itl = [median(runs[j]['single']['itl_ms'] for runs in rounds) for j in (0, 1)]
+    tok = [median(runs[j]['throughput']['tok_s'] for runs in rounds) for j in (0, 1)]
+    print(f"medians: ITL {itl[0]:.1f} vs {itl[1]:.1f} ms, c=64 {tok[0]:.1f} vs {tok[1]:.1f} tok/s")
+    each = ", ".join(f"{m['throughput']['tok_s'] / w['throughput']['tok_s']:.2f}x" for m, w in rounds)
+    print(f"micro-batches / none: ITL {itl[0] / itl[1]:.2f}x, c=64 throughput {tok[0] / tok[1]:.2f}x "
+          f"(each round: {each})")
+    print(f"greedy texts equal: c=1 {all(m['single']['texts'] == w['single']['texts'] for m, w in rounds)}, "
+          f"c=64 {all(m['throughput']['texts'] == w['throughput']['texts'] for m, w in rounds)} "
+          "(bfloat16 GEMMs of other row counts may round otherwise)")
+
+
+def tensor_parallel(args, results: dict) -> None:
     print(f"CPU: {os.cpu_count()} cores; TP {args.tp} ranks get "
           f"{'one thread each' if os.cpu_count() < args.tp else 'their own cores'}", flush=True)
-    results = {"allreduce": allreduce_rows(args.tp)}
-    runs = [measure("TP 1", {}, args), measure("TP 1 dense (--quantization none)", {"quantization": "none"}, args),
-            measure(f"TP {args.tp}", {"tp_size": args.tp}, args)]
+    results["allreduce"] = allreduce_rows(args.tp)
+    runs = [measure("TP 1", {}, args), measure(f"TP {args.tp}", {"tp_size": args.tp}, args)]
+    if args.dense:
+        runs += [measure("TP 1 dense (--quantization none)", {"quantization": "none"}, args),
+                 measure(f"TP {args.tp} dense", {"tp_size": args.tp, "quantization": "none"}, args)]
     results["runs"] = runs
-    base, dense, tp = runs
     print("\n== single stream and 64 concurrent ==")
     print(f"{'':36} {'ITL mean':>10} {'c=64 tok/s':>11}")
     for r in runs:
         print(f"{r['label']:36} {r['single']['itl_ms']:9.1f}ms {r['throughput']['tok_s']:11.1f}")
-    print(f"TP {args.tp} / TP 1 dense: ITL {tp['single']['itl_ms'] / dense['single']['itl_ms']:.2f}x, "
-          f"throughput {tp['throughput']['tok_s'] / dense['throughput']['tok_s']:.2f}x")
-    print(f"greedy texts equal TP 1 dense: c=1 {tp['single']['texts'] == dense['single']['texts']}, "
-          f"c=64 {tp['throughput']['texts'] == dense['throughput']['texts']} (bfloat16 sums differ in order)")
+    for base, tp in zip(runs[::2], runs[1::2]):
+        print(f"{tp['label']} / {base['label']}: ITL {tp['single']['itl_ms'] / base['single']['itl_ms']:.2f}x, "
+              f"throughput {tp['throughput']['tok_s'] / base['throughput']['tok_s']:.2f}x; greedy texts equal: "
+              f"c=1 {tp['single']['texts'] == base['single']['texts']}, "
+              f"c=64 {tp['throughput']['texts'] == base['throughput']['texts']} (bfloat16 sums differ in order)")
+    tp = runs[1]
     for key in ("single_breakdown", "throughput_breakdown"):
         b = tp[key]
         print(f"\n== TP {args.tp}, where a step goes on the leader ({key.split('_')[0]}; {b['steps']} steps) ==")
         for name in ("plan_send", "step", "all_reduce", "all_gather", "rest"):
             print(f"  {name:12} {b.get(name, 0.0):8.2f} ms/step")
         print(f"  all-reduces per step: {b['all_reduce_calls_per_step']:.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ tokens, as under tensor parallelism. With TP as well, each stage's TP ranks form
 their own, and TP rank t of stage s sends to TP rank t of stage s + 1.
 
 Schedule: a GPipe-style forward fill within each step. The runner splits a step's batch by
-request into K contiguous micro-batches (`--pp-micro-batches`, default the number of stages; one
-when the step has a single request), each with its own attention metadata. Every stage runs them
+request into K contiguous micro-batches (`--pp-micro-batches`, default the number of stages;
+fewer when the step has fewer requests, or fewer than K × `--pp-micro-batch-tokens` tokens), each
+with its own attention metadata. Every stage runs them
 in order: it receives micro-batch i (the first stage embeds it), runs its layers and sends it on
 without waiting (dist.isend), then goes on to i + 1 while the next stage computes i; the last
 stage keeps each micro-batch's logits. Once every micro-batch is through, each rank waits for its
