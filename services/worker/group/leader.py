@@ -66,8 +66,8 @@ def group_refusal(config: WorkerConfig, hicache=None) -> str | None:
     if config.quantization in ("int8", "fp8"):  # REQUANTIZED: made from each rank's slice at load
         return (f"{what} with --quantization {config.quantization} is not supported: each rank would quantize "
                 "its own slice, with other scales than one rank's; use --quantization gguf, auto or none")
-    if config.speculative_algorithm:
-        return f"{what} with --speculative-algorithm is not supported yet"
+    if config.speculative_algorithm not in (None, "", "NGRAM"):  # a draft model would need a group of its own
+        return f"{what} with --speculative-algorithm {config.speculative_algorithm} is not supported yet (NGRAM is)"
     if hicache is not None and (hicache.host_kv_ratio or hicache.kvstore_addr):
         return f"{what} with a host KV tier or a kvstore is not supported yet"
     if config.pp_size > 1 and config.lora_paths:
