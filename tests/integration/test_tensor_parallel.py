@@ -191,23 +191,27 @@ def test_sizes_the_model_cannot_take_are_refused_before_any_rank_starts(checkpoi
                tokenizer=tokenizer)
 
 
-def test_tp3_with_ngram_speculation_verifies_drafts_on_every_rank_and_keeps_one_ranks_text(checkpoint, tokenizer):
+def test_tp3_and_pp2_with_ngram_speculation_verify_drafts_on_every_rank_and_keep_one_ranks_text(checkpoint,
+                                                                                               tokenizer):
     """Every rank drafts from the same accepted tokens, so all verify the same drafts in the same
-    steps; the text is one rank's without speculation, and drafts were accepted."""
+    steps (under PP, split into micro-batches); the text is one rank's without speculation, and
+    drafts were accepted."""
     import json
     from pathlib import Path
     copy_heavy = json.loads((Path(__file__).parents[2] / "bench" / "data" / "copy_heavy.json").read_text())[:2]
     sp = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
     outs = {}
-    for tp, spec in ((1, None), (3, "NGRAM")):
+    for tp, pp, spec in ((1, 1, None), (3, 1, "NGRAM"), (1, 2, "NGRAM")):
         eng = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=4, tp_size=tp,
-                                         speculative_algorithm=spec), checkpoint=checkpoint, tokenizer=tokenizer)
+                                         pp_size=pp, pp_micro_batch_tokens=1, speculative_algorithm=spec),
+                     checkpoint=checkpoint, tokenizer=tokenizer)
         try:
-            outs[tp] = eng.generate_batch([eng.prompt_ids(messages=c["messages"]) for c in copy_heavy], sp)
+            outs[tp, pp] = eng.generate_batch([eng.prompt_ids(messages=c["messages"]) for c in copy_heavy], sp)
         finally:
             eng.shutdown()
-    assert [o.token_ids for o in outs[3]] == [o.token_ids for o in outs[1]]
-    assert sum(o.spec_accepted_tokens for o in outs[3]) > 0
+    for sizes in ((3, 1), (1, 2)):
+        assert [o.token_ids for o in outs[sizes]] == [o.token_ids for o in outs[1, 1]], sizes
+        assert sum(o.spec_accepted_tokens for o in outs[sizes]) > 0, sizes
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
