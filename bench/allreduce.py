@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from services.worker.parallel.communicator import Communicator, GlooCommunicator, init_group, leave_group  # noqa: E402
+from services.worker.parallel.communicator import Communicator, DistCommunicator, init_group, leave_group  # noqa: E402
 from services.worker.parallel.shm_allreduce import ShmCommunicator  # noqa: E402
 
 HIDDEN = 576  # SmolLM2-135M
@@ -69,7 +69,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: m
     torch.set_num_threads(1)
     init_group(f"tcp://127.0.0.1:{port}", rank, world, DIST_TIMEOUT_S)
     try:
-        gloo = GlooCommunicator()
+        gloo = DistCommunicator()
         shm = ShmCommunicator(f"bench-{os.getppid()}-w{world}", fallback=gloo)
         rows = []
         for dtype in args.dtypes:

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.worker.parallel.communicator import GlooCommunicator, init_group, leave_group
+from services.worker.parallel.communicator import DistCommunicator, init_group, leave_group
 from services.worker.parallel.shm_allreduce import NAME_PREFIX, SHM_DIR, ShmCommunicator, choose_communicator
 
 pytestmark = pytest.mark.slow  # real processes joined by gloo: the full suite, not the fast lane
@@ -37,7 +37,7 @@ RUN_TIMEOUT_S = 90.0  # every rank of both groups reports within this
 REPEATS = 200
 
 
-class CountingFallback(GlooCommunicator):
+class CountingFallback(DistCommunicator):
     """Gloo, counting the calls it gets."""
 
     def __init__(self) -> None:
@@ -62,7 +62,7 @@ class Rank:
     group_id: str
     shm: ShmCommunicator
     fallback: CountingFallback
-    gloo: GlooCommunicator = field(default_factory=GlooCommunicator)
+    gloo: DistCommunicator = field(default_factory=DistCommunicator)
 
     def inputs(self, seed: int, shape: tuple[int, ...], dtype: torch.dtype,
                integers: bool = True) -> list[torch.Tensor]:

@@ -61,8 +61,11 @@ def group_refusal(config: WorkerConfig, hicache=None) -> str | None:
     if config.world_size == 1:
         return None
     what = f"--tp-size {config.tp_size} --pp-size {config.pp_size}"
-    if config.device != "cpu":
-        return f"{what} runs on --device cpu only for now (NCCL groups are not built yet)"
+    if torch_device_type(config.device) == "cuda":
+        import torch
+        why = cuda_refusal(config, torch.cuda.device_count())
+        if why is not None:
+            return why
     if config.quantization in ("int8", "fp8"):  # REQUANTIZED: made from each rank's slice at load
         return (f"{what} with --quantization {config.quantization} is not supported: each rank would quantize "
                 "its own slice, with other scales than one rank's; use --quantization gguf, auto or none")
@@ -84,11 +87,31 @@ def rank_cpus(tp: int, allowed: list[int] | None = None) -> list[tuple[int, ...]
     return [tuple(cpus[r * share:(r + 1) * share]) for r in range(tp)]
 
 
-def rank_config(config: WorkerConfig, cpus: tuple[int, ...]) -> WorkerConfig:
+def rank_config(config: WorkerConfig, cpus: tuple[int, ...], local_rank: int = 0) -> WorkerConfig:
     """The config a rank runs: a thread per CPU of its own (one when it has none); no LoRA slots
-    under pipeline parallelism (an adapter's layers would need renumbering per stage)."""
+    under pipeline parallelism (an adapter's layers would need renumbering per stage). On CUDA,
+    local rank r of a node runs on its GPU r, eagerly (no decode graphs: a captured step would
+    hold the group's collectives and sends)."""
+    on_cuda = torch_device_type(config.device) == "cuda"
     return replace(config, num_threads=config.num_threads or max(1, len(cpus)),
-                   max_loras=config.max_loras if config.pp_size == 1 else 0)
+                   max_loras=config.max_loras if config.pp_size == 1 else 0,
+                   device=f"cuda:{local_rank}" if on_cuda else config.device,
+                   disable_cuda_graph=config.disable_cuda_graph or on_cuda)
+
+
+def torch_device_type(device: str) -> str:
+    import torch
+    return torch.device(device).type
+
+
+def cuda_refusal(config: WorkerConfig, gpus: int) -> str | None:
+    """Why a CUDA group cannot run on a node with `gpus` GPUs, or None: one GPU per local rank."""
+    if torch_device_type(config.device) != "cuda":
+        return None
+    if gpus < config.ranks_per_node:
+        return (f"--tp-size {config.tp_size} --pp-size {config.pp_size} on --device cuda runs one rank per GPU: "
+                f"{config.ranks_per_node} on each node, and this one has {gpus}")
+    return None
 
 
 def free_init_method(host: str = "127.0.0.1") -> str:
@@ -189,7 +212,7 @@ class WorkerGroup:
         self.cpus = rank_cpus(per, list(config.cpu_cores) or None)
         self.group_id = f"{os.getpid()}-{self.init_method.rsplit(':', 1)[-1]}"
         self.hidden = hidden
-        self.config = rank_config(config, self.cpus[0])
+        self.config = rank_config(config, self.cpus[0], 0)
         self.on_lost = on_lost or (lambda why: log.error("worker group lost a rank", extra={"error": why}))
         self.followers: list[Follower] = []
         # The calling thread's CPUs and the process's torch threads, given back on close: the
@@ -201,7 +224,7 @@ class WorkerGroup:
         try:
             for local in range(1, per):
                 self.followers.append(Follower(RankSetup(
-                    first + local, world, self.init_method, rank_config(config, self.cpus[local]), source,
+                    first + local, world, self.init_method, rank_config(config, self.cpus[local], local), source,
                     self.cpus[local], self.group_id, hidden)))
             if self.cpus[0]:
                 os.sched_setaffinity(0, self.cpus[0])  # this (the step) thread; its OpenMP team inherits it

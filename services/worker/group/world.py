@@ -45,11 +45,12 @@ def agreed_settings(config: WorkerConfig, source: str) -> dict[str, str]:
     return values
 
 
-def check_same_config(config: WorkerConfig, source: str) -> None:
-    """Collective: ValueError on every rank when any rank's agreed settings differ from rank 0's."""
+def check_same_config(config: WorkerConfig, source: str, group=None) -> None:
+    """Collective: ValueError on every rank when any rank's agreed settings differ from rank 0's.
+    group: a gloo group over every rank (the objects travel on the CPU), None: the default one."""
     mine = agreed_settings(config, source)
     everyone: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=group)
     leader = everyone[0]
     differ = {rank: sorted(k for k in leader if theirs.get(k) != leader[k]) for rank, theirs in enumerate(everyone)}
     differ = {rank: keys for rank, keys in differ.items() if keys}
@@ -61,16 +62,20 @@ def check_same_config(config: WorkerConfig, source: str) -> None:
 
 def join_world(rank: int, config: WorkerConfig, init_method: str, source: str, group_id: str,
                hidden: int) -> Joined:
-    from services.worker.parallel.communicator import init_group
+    from services.worker.parallel.communicator import backend_for, init_group
     from services.worker.parallel.placement import Placement
-    init_group(init_method, rank, config.world_size, config.dist_timeout_s)
+    backend = backend_for(config.device)  # NCCL for a CUDA group (config.device: this rank's GPU)
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(config.device))
+    init_group(init_method, rank, config.world_size, config.dist_timeout_s, backend)
     torch.set_num_threads(config.num_threads or 1)  # before the all-reduce probes: one team per rank
-    check_same_config(config, source)
+    # Settings and commands are pickled objects: they travel over gloo groups, on the CPU.
+    check_same_config(config, source, dist.new_group(backend="gloo") if backend == "nccl" else None)
     nodes = None
     if config.nnodes > 1:  # every rank creates it (a collective), only the nodes' first ranks are in it
         per = config.world_size // config.nnodes
-        nodes = dist.new_group([k * per for k in range(config.nnodes)], timeout=CONTROL_TIMEOUT)
+        nodes = dist.new_group([k * per for k in range(config.nnodes)], timeout=CONTROL_TIMEOUT, backend="gloo")
     all_reduce = "gloo" if config.nnodes > 1 else config.all_reduce
     comm, pipe = Placement(rank, config.tp_size, config.pp_size).join(
-        group_id, hidden, config.torch_dtype, config.dist_timeout_s, all_reduce)
+        group_id, hidden, config.torch_dtype, config.dist_timeout_s, all_reduce, config.device)
     return Joined(comm, pipe, nodes)

@@ -1,8 +1,8 @@
 """What a sharded model needs from its group: sum a tensor across the ranks, gather one.
 
 A `Communicator` is the whole interface the parallel layers see (tensor_parallel.py). `Solo` is
-the group of one (nothing to do); `GlooCommunicator` runs torch.distributed's collectives
-(gloo on CPU, across hosts too). A shared-memory all-reduce for ranks on one host
+the group of one (nothing to do); `DistCommunicator` runs torch.distributed's collectives
+(gloo on CPU, across hosts too; NCCL on CUDA). A shared-memory all-reduce for ranks on one host
 (shm_allreduce.py) plugs in behind the same two methods.
 
 Every collective is bounded: the process group's timeout (`--dist-timeout-s`) turns a dead or
@@ -43,9 +43,9 @@ class Solo:
         return x
 
 
-class GlooCommunicator:
+class DistCommunicator:
     """torch.distributed over a process group: the default one (init_group), or a stage's TP
-    group under pipeline parallelism."""
+    group under pipeline parallelism; gloo's on CPU tensors, NCCL's on a CUDA group's."""
 
     def __init__(self, group=None) -> None:
         self.group = group
@@ -60,6 +60,11 @@ class GlooCommunicator:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+
+def backend_for(device: str) -> str:
+    """The process group's backend for ranks on `device`: NCCL for CUDA, gloo for CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def init_group(init_method: str, rank: int, world_size: int, timeout_s: float, backend: str = "gloo") -> None:

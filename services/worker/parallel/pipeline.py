@@ -41,6 +41,7 @@ class PipeLink:
     prev: int | None  # the global rank this stage receives from (None: the first stage)
     next: int | None  # the global rank it sends to (None: the last stage)
     logits_from: int  # the global rank whose logits every rank takes (the last stage's TP rank 0)
+    device: str = "cpu"  # where the messages live: a CUDA group's (NCCL) are on the rank's GPU
 
     @property
     def first(self) -> bool:
@@ -52,7 +53,7 @@ class PipeLink:
 
     def receive(self, tokens: int, hidden: int, dtype: torch.dtype, tag: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous stage's (hidden state, residual) [T, hidden] each, sent as one [2, T, hidden] message."""
-        both = torch.empty(2, tokens, hidden, dtype=dtype)
+        both = torch.empty(2, tokens, hidden, dtype=dtype, device=self.device)
         dist.recv(both, self.prev, tag=tag)
         return both[0], both[1]
 
@@ -64,7 +65,7 @@ class PipeLink:
     def share_logits(self, logits: torch.Tensor | None, rows: int, vocab: int) -> torch.Tensor:
         """The last stage's float32 logits [rows, vocab], on every rank."""
         if logits is None:
-            logits = torch.empty(rows, vocab, dtype=torch.float32)
+            logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
         dist.broadcast(logits.contiguous(), self.logits_from)
         return logits
 
@@ -123,7 +124,7 @@ class StageForward:
         if not link.last:
             return x, residual
         if mb.rows == 0:  # nothing sampled in it (a prefill chunk's middle)
-            return torch.empty(0, self.vocab, dtype=torch.float32)
+            return torch.empty(0, self.vocab, dtype=torch.float32, device=x.device)
         return model.head(x, residual, logits_indices).float()
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.worker.parallel.communicator import Communicator, GlooCommunicator, Solo
+from services.worker.parallel.communicator import Communicator, DistCommunicator, Solo
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class ShmCommunicator:
     """The Communicator of the ranks of one host, through one shared segment (module docstring).
 
     Built collectively by every rank of the default process group. Tensors of more than
-    max_bytes (per rank) go to `fallback` (GlooCommunicator by default); every rank passes the
+    max_bytes (per rank) go to `fallback` (DistCommunicator by default); every rank passes the
     same shape and dtype, so every rank takes the same path. One thread makes the calls."""
 
     def __init__(self, group_id: str, max_bytes: int = 8 << 20, timeout_s: float = 10.0,
@@ -101,7 +101,7 @@ class ShmCommunicator:
             raise RuntimeError(f"the shared-memory all-reduce needs x86's memory order, not {platform.machine()}")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group_id, self.max_bytes, self.timeout_s = group_id, max_bytes, timeout_s
-        self.fallback = fallback if fallback is not None else GlooCommunicator()
+        self.fallback = fallback if fallback is not None else DistCommunicator()
         self.layout = Layout(self.world_size, -(-max_bytes // LINE) * LINE)
         self._mapping = open_segment(group_id, self.layout.nbytes)
         header = memoryview(self._mapping)[:self.layout.header_bytes]
@@ -292,7 +292,7 @@ def choose_communicator(group_id: str, probe_sizes: Sequence[Sequence[int]] = ((
     cannot be made; Solo for a group of one."""
     if dist.get_world_size() == 1:
         return Solo()
-    gloo = GlooCommunicator()
+    gloo = DistCommunicator()
     try:
         shm = ShmCommunicator(group_id, max_bytes, timeout_s, fallback=gloo)
     except (OSError, RuntimeError) as e:  # alike on every rank: the same host, or open_segment's agreement
