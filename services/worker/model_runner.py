@@ -102,7 +102,6 @@ class ModelRunner:
             self.shard.install(self.model, self.comm)
         if stage is not None:
             stage.install(self.model, pipe)
-            self.model.pipeline_stage = stage
         # oneDNN prepacking is a CPU layout; on CUDA the linears run on the dense weights.
         self.prepacked = config.prepack_weights and self.device.type == "cpu" and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
@@ -439,7 +438,7 @@ class ModelRunner:
         """A pipelined step's micro-batches: contiguous ranges of its items, by request
         (pipeline.split_by_request), each of at least --pp-micro-batch-tokens tokens; None when the
         step runs whole (no pipeline, a single request, too few tokens, or --pp-micro-batches 1)."""
-        if getattr(self.model, "pipeline", None) is None or len(items) < 2:
+        if self.model.pipeline is None or len(items) < 2:
             return None
         tokens = [len(item.input_ids) for item in items]
         k = min(self.config.resolved_pp_micro_batches, sum(tokens) // self.config.pp_micro_batch_tokens)

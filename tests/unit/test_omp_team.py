@@ -20,7 +20,7 @@ def test_on_own_thread_runs_elsewhere_returns_and_raises():
 
 def test_load_checkpoint_loads_off_the_callers_thread(monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr(checkpoint_module, "_load", lambda path, q: seen.append((threading.get_ident(), path, q)))
+    monkeypatch.setattr(checkpoint_module, "_load", lambda path, q, part: seen.append((threading.get_ident(), path, q)))
     checkpoint_module.load_checkpoint("some.gguf", "gguf")
     assert seen and seen[0][0] != threading.get_ident() and seen[0][1:] == ("some.gguf", "gguf")
     monkeypatch.undo()

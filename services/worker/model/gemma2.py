@@ -102,6 +102,8 @@ class Gemma2ForCausalLM(nn.Module):
 
     decode_stack = None
     decode_stack_rows = 0
+    tensor_parallel = None  # a group rank's sums (llama.py says why)
+    pipeline = None  # a pipeline stage's forward
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         # bypasses the modules' hooks, so it sums and gathers through tensor_parallel itself, and
         # a pipeline stage (whose forward runs between sends) declines it.
         self.tensor_parallel = None  # tensor_parallel.GroupSums
-        self.pipeline_stage = None  # pipeline.PipelineStage
+        self.pipeline = None  # pipeline.StageForward, the stage's forward
 
     def tie_lm_head(self) -> None:
         """A tied model computes logits through a Linear sharing the embedding's parameter, so
@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
     def decode_stack_refusal(self) -> str | None:
         """Why the one-call decode stack cannot run this model, or None when it can: the stack
         computes plain Llama attention, with no q/k norm and no sliding window, and dense MLPs."""
-        if self.pipeline_stage is not None:
+        if self.pipeline is not None:
             return "pipeline parallelism (a stage runs its layers between receiving and sending)"
         if self.config.num_experts:
             return f"mixture-of-experts MLPs ({self.config.num_experts} experts)"
