@@ -279,7 +279,12 @@ class WorkerConfig:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        return torch.device(self.device).type == "cuda" and not self.disable_cuda_graph
+        return self.on_cuda and not self.disable_cuda_graph
+
+    @property
+    def on_cuda(self) -> bool:
+        """--device is a CUDA device (cuda or cuda:N)."""
+        return torch.device(self.device).type == "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:

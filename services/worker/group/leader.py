@@ -61,7 +61,7 @@ def group_refusal(config: WorkerConfig, hicache=None) -> str | None:
     if config.world_size == 1:
         return None
     what = f"--tp-size {config.tp_size} --pp-size {config.pp_size}"
-    if torch_device_type(config.device) == "cuda":
+    if config.on_cuda:
         import torch
         why = cuda_refusal(config, torch.cuda.device_count())
         if why is not None:
@@ -92,21 +92,15 @@ def rank_config(config: WorkerConfig, cpus: tuple[int, ...], local_rank: int = 0
     under pipeline parallelism (an adapter's layers would need renumbering per stage). On CUDA,
     local rank r of a node runs on its GPU r, eagerly (no decode graphs: a captured step would
     hold the group's collectives and sends)."""
-    on_cuda = torch_device_type(config.device) == "cuda"
     return replace(config, num_threads=config.num_threads or max(1, len(cpus)),
                    max_loras=config.max_loras if config.pp_size == 1 else 0,
-                   device=f"cuda:{local_rank}" if on_cuda else config.device,
-                   disable_cuda_graph=config.disable_cuda_graph or on_cuda)
-
-
-def torch_device_type(device: str) -> str:
-    import torch
-    return torch.device(device).type
+                   device=f"cuda:{local_rank}" if config.on_cuda else config.device,
+                   disable_cuda_graph=config.disable_cuda_graph or config.on_cuda)
 
 
 def cuda_refusal(config: WorkerConfig, gpus: int) -> str | None:
     """Why a CUDA group cannot run on a node with `gpus` GPUs, or None: one GPU per local rank."""
-    if torch_device_type(config.device) != "cuda":
+    if not config.on_cuda:
         return None
     if gpus < config.ranks_per_node:
         return (f"--tp-size {config.tp_size} --pp-size {config.pp_size} on --device cuda runs one rank per GPU: "

@@ -8,6 +8,7 @@ blocks are cut in their packed layout, with no dense copy (QuantWeight.row_slice
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from kernels.quant_gemv import QuantWeight
 from services.worker.model.config import ModelConfig
@@ -26,11 +27,12 @@ class RankPart:
     def __post_init__(self) -> None:
         self.shard  # the sizes the model cannot take raise ValueError here, naming the flag
 
-    @property
+    # Derived once (a loader asks for them with every tensor it reads); not fields, so not compared.
+    @cached_property
     def stage(self) -> PipelineStage | None:
         return PipelineStage(self.full, self.rank // self.tp, self.pp) if self.pp > 1 else None
 
-    @property
+    @cached_property
     def shard(self) -> TensorShard | None:
         stage = self.stage
         return TensorShard(stage.config if stage else self.full, self.rank % self.tp, self.tp) if self.tp > 1 else None
