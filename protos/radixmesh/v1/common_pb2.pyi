@@ -162,3 +162,21 @@ class GenerateResponse(_message.Message):
     finish: Finish
     error: Error
     def __init__(self, chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class Disaggregation(_message.Message):
+    __slots__ = ("role", "room", "bootstrap_address")
+    class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ROLE_UNSPECIFIED: _ClassVar[Disaggregation.Role]
+        PREFILL: _ClassVar[Disaggregation.Role]
+        DECODE: _ClassVar[Disaggregation.Role]
+    ROLE_UNSPECIFIED: Disaggregation.Role
+    PREFILL: Disaggregation.Role
+    DECODE: Disaggregation.Role
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    role: Disaggregation.Role
+    room: str
+    bootstrap_address: str
+    def __init__(self, role: _Optional[_Union[Disaggregation.Role, str]] = ..., room: _Optional[str] = ..., bootstrap_address: _Optional[str] = ...) -> None: ...

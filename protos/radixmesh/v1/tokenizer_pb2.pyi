@@ -86,7 +86,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "context_length", "bos_token_id", "pad_token_id", "has_chat_template", "tool_call_format")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "context_length", "bos_token_id", "pad_token_id", "has_chat_template", "tool_call_format", "disaggregation_mode", "bootstrap_address")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,8 @@ class InfoResponse(_message.Message):
     PAD_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATION_MODE_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -103,10 +105,12 @@ class InfoResponse(_message.Message):
     pad_token_id: int
     has_chat_template: bool
     tool_call_format: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., tool_call_format: _Optional[str] = ...) -> None: ...
+    disaggregation_mode: str
+    bootstrap_address: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., tool_call_format: _Optional[str] = ..., disaggregation_mode: _Optional[str] = ..., bootstrap_address: _Optional[str] = ...) -> None: ...
 
 class GenerateTextRequest(_message.Message):
-    __slots__ = ("rid", "text", "conversation", "input_ids", "sampling", "n", "namespace", "add_special_tokens", "skip_special_tokens", "include_stop_str_in_output", "default_max_new_tokens", "adapter")
+    __slots__ = ("rid", "text", "conversation", "input_ids", "sampling", "n", "namespace", "add_special_tokens", "skip_special_tokens", "include_stop_str_in_output", "default_max_new_tokens", "adapter", "disaggregation")
     RID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +123,7 @@ class GenerateTextRequest(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATION_FIELD_NUMBER: _ClassVar[int]
     rid: str
     text: str
     conversation: Conversation
@@ -131,7 +136,8 @@ class GenerateTextRequest(_message.Message):
     include_stop_str_in_output: bool
     default_max_new_tokens: int
     adapter: str
-    def __init__(self, rid: _Optional[str] = ..., text: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., namespace: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., default_max_new_tokens: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+    disaggregation: _common_pb2.Disaggregation
+    def __init__(self, rid: _Optional[str] = ..., text: _Optional[str] = ..., conversation: _Optional[_Union[Conversation, _Mapping]] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., namespace: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., default_max_new_tokens: _Optional[int] = ..., adapter: _Optional[str] = ..., disaggregation: _Optional[_Union[_common_pb2.Disaggregation, _Mapping]] = ...) -> None: ...
 
 class ReadyRequest(_message.Message):
     __slots__ = ()

@@ -68,18 +68,46 @@ class KVCopy(_message.Message):
     def __init__(self, src_tier: _Optional[str] = ..., dst_tier: _Optional[str] = ..., src_pages: _Optional[_Iterable[int]] = ..., dst_pages: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "items", "released_rids", "kv_copies")
+    __slots__ = ("step_id", "new_requests", "items", "released_rids", "kv_copies", "kv_sends")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_RIDS_FIELD_NUMBER: _ClassVar[int]
     KV_COPIES_FIELD_NUMBER: _ClassVar[int]
+    KV_SENDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestSpec]
     items: _containers.RepeatedCompositeFieldContainer[StepItem]
     released_rids: _containers.RepeatedScalarFieldContainer[str]
     kv_copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestSpec, _Mapping]]] = ..., items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., released_rids: _Optional[_Iterable[str]] = ..., kv_copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ...) -> None: ...
+    kv_sends: _containers.RepeatedCompositeFieldContainer[KVSend]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestSpec, _Mapping]]] = ..., items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., released_rids: _Optional[_Iterable[str]] = ..., kv_copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., kv_sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ...) -> None: ...
+
+class KVSend(_message.Message):
+    __slots__ = ("room", "descriptor", "src_pages", "dst_pages")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    SRC_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    room: str
+    descriptor: str
+    src_pages: _containers.RepeatedScalarFieldContainer[int]
+    dst_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, room: _Optional[str] = ..., descriptor: _Optional[str] = ..., src_pages: _Optional[_Iterable[int]] = ..., dst_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVSendResult(_message.Message):
+    __slots__ = ("room", "pages", "bytes", "seconds", "error")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    room: str
+    pages: int
+    bytes: int
+    seconds: float
+    error: str
+    def __init__(self, room: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVTransferStat(_message.Message):
     __slots__ = ("pages", "bytes", "seconds")
@@ -108,7 +136,7 @@ class LogprobSlot(_message.Message):
     def __init__(self, value: _Optional[_Union[SampledLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds", "kv_transfers", "accepted", "drafts", "draft_seconds")
+    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds", "kv_transfers", "accepted", "drafts", "draft_seconds", "kv_sends")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RIDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +146,7 @@ class StepResult(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_SENDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rids: _containers.RepeatedScalarFieldContainer[str]
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -127,7 +156,8 @@ class StepResult(_message.Message):
     accepted: _containers.RepeatedCompositeFieldContainer[TokenRun]
     drafts: _containers.RepeatedCompositeFieldContainer[TokenRun]
     draft_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv_transfers: _Optional[_Iterable[_Union[KVTransferStat, _Mapping]]] = ..., accepted: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    kv_sends: _containers.RepeatedCompositeFieldContainer[KVSendResult]
+    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv_transfers: _Optional[_Iterable[_Union[KVTransferStat, _Mapping]]] = ..., accepted: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., kv_sends: _Optional[_Iterable[_Union[KVSendResult, _Mapping]]] = ...) -> None: ...
 
 class TokenRun(_message.Message):
     __slots__ = ("ids", "speculative")
@@ -178,7 +208,7 @@ class ModelConfig(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., rms_norm_eps: _Optional[float] = ..., rope_theta: _Optional[float] = ..., rope_scaling_json: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., tie_word_embeddings: _Optional[bool] = ..., attention_bias: _Optional[bool] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "num_kv_pages", "page_size", "dtype", "kv_dtype", "tp_size", "weights_version", "max_requests", "num_host_pages", "page_bytes", "model_identity", "kv_layout", "kvstore_addr", "max_draft_tokens", "verify_max_rows", "max_loras", "adapters")
+    __slots__ = ("model", "num_kv_pages", "page_size", "dtype", "kv_dtype", "tp_size", "weights_version", "max_requests", "num_host_pages", "page_bytes", "model_identity", "kv_layout", "kvstore_addr", "max_draft_tokens", "verify_max_rows", "max_loras", "adapters", "disaggregation_mode", "kv_transfer_backend", "kv_descriptor", "bootstrap_address")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +226,10 @@ class WorkerInfo(_message.Message):
     VERIFY_MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATION_MODE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     model: ModelConfig
     num_kv_pages: int
     page_size: int
@@ -213,7 +247,11 @@ class WorkerInfo(_message.Message):
     verify_max_rows: int
     max_loras: int
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
-    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., num_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., weights_version: _Optional[str] = ..., max_requests: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kvstore_addr: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., verify_max_rows: _Optional[int] = ..., max_loras: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+    disaggregation_mode: str
+    kv_transfer_backend: str
+    kv_descriptor: str
+    bootstrap_address: str
+    def __init__(self, model: _Optional[_Union[ModelConfig, _Mapping]] = ..., num_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., weights_version: _Optional[str] = ..., max_requests: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kvstore_addr: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., verify_max_rows: _Optional[int] = ..., max_loras: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., disaggregation_mode: _Optional[str] = ..., kv_transfer_backend: _Optional[str] = ..., kv_descriptor: _Optional[str] = ..., bootstrap_address: _Optional[str] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("name", "identity", "rank", "target_modules", "path", "resident")

@@ -26,7 +26,7 @@ from protos.radixmesh.v1 import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 from protos.radixmesh.v2 import outputs_pb2 as radixmesh_dot_v2_dot_outputs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v2/scheduler.proto\x12\x0cradixmesh.v2\x1a\x19radixmesh/v1/common.proto\x1a\x1aradixmesh/v2/outputs.proto\"\xca\x01\n\rSubmitRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x0e\n\x01n\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tnamespace\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12/\n\x0ctext_options\x18\x07 \x01(\x0b\x32\x19.radixmesh.v2.TextOptionsB\x04\n\x02_n\"\x10\n\x0eSubmitResponse\"`\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x61s_stop\x18\x03 \x01(\x08\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\tB\x08\n\x06_index\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eOutputsRequest2\xd8\x01\n\tScheduler\x12\x43\n\x06Submit\x12\x1b.radixmesh.v2.SubmitRequest\x1a\x1c.radixmesh.v2.SubmitResponse\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v2.AbortRequest\x1a\x1b.radixmesh.v2.AbortResponse\x12\x44\n\x07Outputs\x12\x1c.radixmesh.v2.OutputsRequest\x1a\x19.radixmesh.v2.OutputBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v2/scheduler.proto\x12\x0cradixmesh.v2\x1a\x19radixmesh/v1/common.proto\x1a\x1aradixmesh/v2/outputs.proto\"\x80\x02\n\rSubmitRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x0e\n\x01n\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tnamespace\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12/\n\x0ctext_options\x18\x07 \x01(\x0b\x32\x19.radixmesh.v2.TextOptions\x12\x34\n\x0e\x64isaggregation\x18\x08 \x01(\x0b\x32\x1c.radixmesh.v1.DisaggregationB\x04\n\x02_n\"\x10\n\x0eSubmitResponse\"`\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x61s_stop\x18\x03 \x01(\x08\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\tB\x08\n\x06_index\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eOutputsRequest2\xd8\x01\n\tScheduler\x12\x43\n\x06Submit\x12\x1b.radixmesh.v2.SubmitRequest\x1a\x1c.radixmesh.v2.SubmitResponse\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v2.AbortRequest\x1a\x1b.radixmesh.v2.AbortResponse\x12\x44\n\x07Outputs\x12\x1c.radixmesh.v2.OutputsRequest\x1a\x19.radixmesh.v2.OutputBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.radixmesh.v2.schedul
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=102
-  _globals['_SUBMITREQUEST']._serialized_end=304
-  _globals['_SUBMITRESPONSE']._serialized_start=306
-  _globals['_SUBMITRESPONSE']._serialized_end=322
-  _globals['_ABORTREQUEST']._serialized_start=324
-  _globals['_ABORTREQUEST']._serialized_end=420
-  _globals['_ABORTRESPONSE']._serialized_start=422
-  _globals['_ABORTRESPONSE']._serialized_end=452
-  _globals['_OUTPUTSREQUEST']._serialized_start=454
-  _globals['_OUTPUTSREQUEST']._serialized_end=470
-  _globals['_SCHEDULER']._serialized_start=473
-  _globals['_SCHEDULER']._serialized_end=689
+  _globals['_SUBMITREQUEST']._serialized_end=358
+  _globals['_SUBMITRESPONSE']._serialized_start=360
+  _globals['_SUBMITRESPONSE']._serialized_end=376
+  _globals['_ABORTREQUEST']._serialized_start=378
+  _globals['_ABORTREQUEST']._serialized_end=474
+  _globals['_ABORTRESPONSE']._serialized_start=476
+  _globals['_ABORTRESPONSE']._serialized_end=506
+  _globals['_OUTPUTSREQUEST']._serialized_start=508
+  _globals['_OUTPUTSREQUEST']._serialized_end=524
+  _globals['_SCHEDULER']._serialized_start=527
+  _globals['_SCHEDULER']._serialized_end=743
 # @@protoc_insertion_point(module_scope)

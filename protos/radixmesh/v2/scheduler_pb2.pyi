@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("rid", "input_ids", "sampling", "n", "namespace", "adapter", "text_options")
+    __slots__ = ("rid", "input_ids", "sampling", "n", "namespace", "adapter", "text_options", "disaggregation")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class SubmitRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TEXT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATION_FIELD_NUMBER: _ClassVar[int]
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -24,7 +25,8 @@ class SubmitRequest(_message.Message):
     namespace: str
     adapter: str
     text_options: _outputs_pb2.TextOptions
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., namespace: _Optional[str] = ..., adapter: _Optional[str] = ..., text_options: _Optional[_Union[_outputs_pb2.TextOptions, _Mapping]] = ...) -> None: ...
+    disaggregation: _common_pb2.Disaggregation
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., namespace: _Optional[str] = ..., adapter: _Optional[str] = ..., text_options: _Optional[_Union[_outputs_pb2.TextOptions, _Mapping]] = ..., disaggregation: _Optional[_Union[_common_pb2.Disaggregation, _Mapping]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ()
