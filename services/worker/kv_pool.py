@@ -13,6 +13,8 @@ query and output side.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,13 +152,18 @@ def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 
 
 class KVPool:
-    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu", extra_pages: int = 0):
+    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu", extra_pages: int = 0,
+                 storage: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
         """extra_pages: pages past spec.num_pages that the scheduler never hands out (the CUDA
-        graphs' scratch page for padding rows: services/worker/cuda_graphs.py)."""
+        graphs' scratch page for padding rows: services/worker/cuda_graphs.py). storage: makes
+        each of k and v, zeroed, from (shape, dtype), where the pool must live in special memory
+        (a decode worker's shared-memory pool: services/worker/kv_transfer/registry.pool_storage);
+        None: pool_zeros on `device`."""
         self.spec = spec
         shape = (spec.num_layers, spec.num_slots + extra_pages * spec.page_size, spec.num_kv_heads, spec.head_dim)
-        self.k = pool_zeros(shape, spec.dtype, device)  # [L, S, Hkv, D]
-        self.v = pool_zeros(shape, spec.dtype, device)
+        storage = storage or functools.partial(pool_zeros, device=device)
+        self.k = storage(shape, spec.dtype)  # [L, S, Hkv, D]
+        self.v = storage(shape, spec.dtype)
         # An FP8 pool's C++ writer (write_kv), resolved once: write runs every layer of every step.
         self._fp8_writer = _fp8_writer() if spec.is_fp8 and self.k.device.type == "cpu" else None
         # On CUDA every pool's rows go through the Triton write (one launch for K and V, FP8 rotated in it).
