@@ -5,8 +5,13 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from services.common.sampling_params import SamplingParams
 from services.scheduler.radix_cache import TreeNode
+
+if TYPE_CHECKING:
+    from services.scheduler.disaggregation import PDSpec
 
 
 class Status(enum.Enum):
@@ -62,6 +67,7 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)
     store_pages: int = 0
     store_state: str = ""  # "" not probed yet | "probed" | "prefetching"
+    pd: "PDSpec | None" = None  # its part in a disaggregated pair (services/scheduler/disaggregation.py)
 
     @property
     def seq(self) -> list[int]:

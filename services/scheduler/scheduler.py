@@ -31,6 +31,8 @@ from services.common.hicache_config import HiCacheConfig
 from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, TopToken, spec_counters
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.disaggregation import (
+    DECODE, PREFILL, Attachment, AttachNeeded, DecodeRooms, PDSpec, PrefillRooms, RoomEvent, prompt_digest)
 from services.scheduler.grammar_queue import GrammarQueue
 from services.scheduler.hicache import PREFETCHING, PROBING, ExistsProbe, HiCache, StoreProbe
 from services.scheduler.kv_manager import KVManager, new_radix_cache
@@ -106,6 +108,10 @@ class Scheduler:
         self.spec = SpeculationPolicy(limits.max_draft_tokens, config.speculative_disable_batch_size,
                                       config.speculative_row_cost)
         self.accept_lengths: deque[int] = deque(maxlen=4096)  # tokens per speculative verify (telemetry drains)
+        # Disaggregation (services/scheduler/disaggregation.py): one side of each pair, or neither.
+        mode = config.disaggregation_mode
+        self.prefill_rooms = PrefillRooms(limits.page_size, config.disaggregation_timeout_s) if mode == PREFILL else None
+        self.decode_rooms = DecodeRooms() if mode == DECODE else None
 
     # --- intake -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -132,17 +138,45 @@ class Scheduler:
                 f"({lim.num_pages * lim.page_size} tokens): lower max_tokens or raise --kv-cache-bytes")
 
     def submit(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, seed: int,
-               namespace: str = "", adapter: str = "") -> None:
+               namespace: str = "", adapter: str = "", pd: PDSpec | None = None) -> None:
         self.validate(prompt_ids, sampling)
+        self._check_role(pd)
         namespace = self.cache_namespace(namespace, adapter)
-        if rid in self.running or any(r.rid == rid for r in self.waiting):
+        if rid in self.running or any(r.rid == rid for r in self.waiting) or self._in_rooms(rid):
             raise InvalidRequest(f"request id {rid!r} is already in use")
         self.check_capacity(len(prompt_ids))
-        req = Request(rid, list(prompt_ids), sampling, seed, namespace, adapter)
+        req = Request(rid, list(prompt_ids), sampling, seed, namespace, adapter, pd=pd)
+        if self.prefill_rooms is not None:
+            self.prefill_rooms.open(req, pd.room, time.monotonic())
         if sampling.constraint is not None and not self.grammars.is_ready(sampling.constraint):
             self.grammars.hold(req)  # until the worker compiled its grammar: grammar_prepared()
         else:
-            self.waiting.append(req)
+            self._queue(req)
+
+    def _queue(self, req: Request) -> None:
+        """Into the waiting queue, or on a decode side into the queue for pages (schedule() reserves
+        them, then the prefill side's KV fills them)."""
+        (self.decode_rooms.incoming if self.decode_rooms is not None else self.waiting).append(req)
+
+    def _check_role(self, pd: PDSpec | None) -> None:
+        """A request's part in a pair must be this replica's (--disaggregation-mode)."""
+        mode = self.config.disaggregation_mode
+        role = pd.role if pd is not None else "null"
+        if role != mode:
+            if mode == "null":
+                raise InvalidRequest(f"this replica is not disaggregated: it takes no {role} side of a pair")
+            raise InvalidRequest(f"this replica is the {mode} side of disaggregated pairs: send requests through "
+                                 f"a router with --prefill and --decode replicas (got {role})")
+        if pd is not None and not pd.room:
+            raise InvalidRequest("disaggregation.room is required")
+        if role == DECODE and not pd.bootstrap_address:
+            raise InvalidRequest("disaggregation.bootstrap_address is required on the decode side")
+
+    def _in_rooms(self, rid: str) -> bool:
+        if self.decode_rooms is not None:
+            d = self.decode_rooms
+            return rid in d.receiving or any(r.rid == rid for r in d.incoming)
+        return self.prefill_rooms is not None and rid in self.prefill_rooms.held
 
     def cache_namespace(self, namespace: str, adapter: str) -> str:
         """The prefix-cache (and kvstore) namespace of a request: the tenant's, plus the adapter's
@@ -200,9 +234,10 @@ class Scheduler:
         """The worker compiled grammar `key` (or failed: its requests end with `error`)."""
         for req in self.grammars.prepared(key, error is None):
             if error is None:
-                self.waiting.append(req)
+                self._queue(req)
             else:
                 req.status = Status.FINISHED
+                self._close_room(req, error)
                 self.stats.finished += 1
                 self._outputs.append(RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ERROR,
                                                    prompt_tokens=len(req.prompt_ids), error=error))
@@ -220,7 +255,10 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborts or self._release or len(self.grammars))
+        """Something to plan. A room waiting for the other side is not: its event wakes the loop."""
+        return bool(self.waiting or self.running or self._aborts or self._release or len(self.grammars)
+                    or (self.decode_rooms is not None and self.decode_rooms.incoming)
+                    or (self.prefill_rooms is not None and self.prefill_rooms.can_send()))
 
     @property
     def steps_in_flight(self) -> int:
@@ -239,7 +277,10 @@ class Scheduler:
         items: list[StepItem] = []
         scheduled: list[Request] = []
         self._schedule_decodes(items, scheduled)
-        self._schedule_prefills(items, scheduled)
+        if self.decode_rooms is not None:
+            self._preallocate()
+        else:
+            self._schedule_prefills(items, scheduled)
         self._set_draft_depths(items, scheduled)
         self._touch_adapters(scheduled)
         if not items and self.running and not self.waiting and not self._sent:
@@ -248,7 +289,10 @@ class Scheduler:
             if victim is not None:
                 self._retract(victim)
         plan = None
-        if items or self._release or self.hicache.take_copies(None):
+        rooms = self.prefill_rooms
+        if rooms is not None:
+            self._expire_rooms(rooms)
+        if items or self._release or self.hicache.take_copies(None) or (rooms is not None and rooms.can_send()):
             self._step_id += 1
             plan = StepPlan(self._step_id)
             self.hicache.take_copies(plan)
@@ -264,6 +308,8 @@ class Scheduler:
             self._release = []
             plan.items = items
             self._sent.append(_SentStep(plan, self._commit(scheduled, items)))
+            if rooms is not None:
+                rooms.add_sends(plan)  # the pages this plan (and those before it) complete
         self._refresh_gauges()
         self.stats.schedule_seconds += time.perf_counter() - t0
         return plan
@@ -306,7 +352,7 @@ class Scheduler:
             return
         batch = len(self.running)
         for item, req in zip(items, scheduled):
-            if item.sample:
+            if item.sample and self.prefill_rooms is None:  # a prefill side samples one token: no draft
                 item.draft_depth = self.spec.depth(req, batch)
 
     def _verify_item(self, req: Request) -> StepItem:
@@ -330,9 +376,12 @@ class Scheduler:
         return runs
 
     def _ends_in_flight(self, req: Request) -> bool:
-        """A step in flight samples its last token (by length): plan nothing more for it."""
+        """A step in flight samples its last token (by length, or the prefill side's only one):
+        plan nothing more for it."""
         if not req.unsampled:
             return False
+        if self.prefill_rooms is not None:
+            return True
         n_out = len(req.output_ids) + req.unsampled
         return n_out >= req.sampling.max_new_tokens or req.seq_len + req.unsampled >= self.limits.context_length
 
@@ -507,6 +556,9 @@ class Scheduler:
             raise RuntimeError(f"result of step {result.step_id} arrived, step {plan.step_id} was expected")
         self.hicache.completed(plan.kv_copies, result.kv_transfers)
         self.hicache.observe_step(plan, result.forward_seconds, result.kv_transfers)
+        if self.prefill_rooms is not None:
+            for req, error in self.prefill_rooms.sent(result.kv_sends):
+                self._end_room_request(req, error)
         none = [None] * len(result.rids)
         sampled = {rid: row for rid, *row in zip(result.rids, result.next_token_ids, result.logprobs or none,
                                                  result.accepted or none, result.drafts or none)}
@@ -519,6 +571,9 @@ class Scheduler:
                 if req.rid not in sampled:
                     raise RuntimeError(f"step {plan.step_id}: the worker sampled no token for {req.rid}")
                 tok, lp, more, draft = sampled[req.rid]
+                if req.pd is not None and self.prefill_rooms is not None:
+                    self._prefill_sampled(req, tok, lp, now)
+                    continue
                 tokens = [tok] + (more.ids if more is not None else [])
                 if item.verify:
                     speculated |= self._verified(req, n, tokens)
@@ -603,6 +658,8 @@ class Scheduler:
             return None
         sent = self._sent.popleft()
         self.hicache.completed(sent.plan.kv_copies, None)
+        if self.prefill_rooms is not None:
+            self.prefill_rooms.unplan(sent.plan)
         for req, n, samples in sent.runs:
             if req.status is Status.RUNNING:
                 req.computed -= n
@@ -637,6 +694,9 @@ class Scheduler:
             self.running.pop(req.rid, None)
         req.status, req.finish_reason, req.matched_stop = Status.FINISHED, reason, matched
         req.unsampled = 0
+        if req.pd is not None and self.prefill_rooms is not None:
+            self.prefill_rooms.finished(req, None if reason is FinishReason.LENGTH else
+                                        f"the prefill side ended the request ({reason.value})")
         self.spec.forget(req.rid)
         if req.worker_has_state:
             self._release.append(req.rid)
@@ -651,9 +711,14 @@ class Scheduler:
         if not self._aborts:
             return
         aborts, self._aborts = self._aborts, set()
-        for req in self.grammars.remove(aborts) + [r for r in self.waiting if r.rid in aborts]:
-            if req in self.waiting:  # else it waited for its grammar
+        self._abort_rooms(aborts)
+        queued = self.waiting + (self.decode_rooms.incoming if self.decode_rooms is not None else [])
+        for req in self.grammars.remove(aborts) + [r for r in queued if r.rid in aborts]:
+            if req in self.waiting:  # else it waited for its grammar, or for pages on a decode side
                 self.waiting.remove(req)
+            elif self.decode_rooms is not None and req in self.decode_rooms.incoming:
+                self.decode_rooms.incoming.remove(req)
+            self._close_room(req, "the prefill side's request was aborted")
             req.status = Status.FINISHED
             self.spec.forget(req.rid)  # retracted after it speculated: its acceptance rate too
             self.stats.aborted += 1
@@ -663,6 +728,143 @@ class Scheduler:
             out = self._abort_output(req)
             self._finish(req, FinishReason.ABORT, None, out)
             self._outputs.append(out)
+
+    # --- disaggregation: the prefill side ------------------------------------------------
+    def attach_room(self, room: str, attachment: Attachment) -> None:
+        """The decode side of `room` attached (its pages and transfer descriptor). Raises
+        InvalidRequest when it does not fit the room's request."""
+        self.prefill_rooms.attach(room, attachment, time.monotonic())
+
+    def detach_room(self, room: str) -> None:
+        """The decode side went away: its request ends here and frees its pages."""
+        req = self.prefill_rooms.detach(room)
+        if req is not None:
+            self.abort(req.rid)
+
+    def take_room_events(self) -> list[RoomEvent]:
+        return self.prefill_rooms.take_events() if self.prefill_rooms is not None else []
+
+    def _prefill_sampled(self, req: Request, token: int, lp, now: float) -> None:
+        """The prompt's first token: the decode side's once every page is across. Until then
+        the request holds its pages outside the running batch."""
+        req.unsampled -= 1
+        req.first_token_time = req.first_token_time or now
+        if req.status is not Status.RUNNING:  # retracted meanwhile: its recompute samples again
+            return
+        logprob = None if lp is None else TokenLogprob(token, lp.logprob, [TopToken(t, v) for t, v in lp.top])
+        self.prefill_rooms.sampled(req, token, logprob)
+        del self.running[req.rid]
+        self.prefill_rooms.held[req.rid] = req
+        self._finish_room_if_complete(req)
+
+    def _finish_room_if_complete(self, req: Request) -> None:
+        if not self.prefill_rooms.complete(req):
+            return
+        token, logprob = self.prefill_rooms.rooms[req.pd.room].first
+        req.output_ids.append(token)
+        out = RequestOutput(req.rid, [token], [logprob] if logprob else [], prompt_tokens=len(req.prompt_ids),
+                            completion_tokens=1, cached_tokens=req.cached_tokens)
+        self._finish(req, FinishReason.LENGTH, None, out)
+        self._outputs.append(out)
+
+    def _end_room_request(self, req: Request, error: str) -> None:
+        """A room failed on this side: the request ends with `error`, its pages freed."""
+        if req.status is Status.FINISHED:
+            return
+        self.prefill_rooms.finished(req, error)
+        out = RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ERROR,
+                            prompt_tokens=len(req.prompt_ids), error=error)
+        self._finish(req, FinishReason.ERROR, None, None)
+        self._outputs.append(out)
+
+    def _close_room(self, req: Request, error: str) -> None:
+        """A prefill-side request that ended before it ran: its room says why."""
+        if req.pd is not None and self.prefill_rooms is not None:
+            self.prefill_rooms.finished(req, error)
+
+    def _expire_rooms(self, rooms: PrefillRooms) -> None:
+        for req in rooms.expired(time.monotonic()):
+            self._end_room_request(req, f"no decode side attached to room {req.pd.room!r} within "
+                                        f"{rooms.timeout_s:g}s")
+        for req in [r for r in list(rooms.held.values()) if rooms.complete(r)]:
+            self._finish_room_if_complete(req)
+
+    def _abort_rooms(self, aborts: set[str]) -> None:
+        """Aborted requests holding a room's pages outside the running batch."""
+        held = self.prefill_rooms.held if self.prefill_rooms is not None else {}
+        for rid in aborts & held.keys():
+            req = held[rid]
+            out = self._abort_output(req)
+            self._finish(req, FinishReason.ABORT, None, out)
+            self._outputs.append(out)
+        receiving = self.decode_rooms.receiving if self.decode_rooms is not None else {}
+        for rid in aborts & receiving.keys():
+            self._drop_received(receiving.pop(rid), None)
+
+    # --- disaggregation: the decode side -------------------------------------------------
+    def take_attach_needed(self) -> list[AttachNeeded]:
+        return self.decode_rooms.take_attach_needed() if self.decode_rooms is not None else []
+
+    def _preallocate(self) -> None:
+        """Reserve pages for queued requests' prompts (after matching this side's own cache), so
+        the prefill side can write into them; first come, first served."""
+        rooms = self.decode_rooms
+        reserved = self._reserved_pages()
+        while rooms.incoming and len(self.running) + len(rooms.receiving) < self.config.max_running_requests:
+            req = rooms.incoming[0]
+            if not self._adapter_fits(req):
+                break
+            matched = self.kv.match(req)
+            prompt = len(req.prompt_ids)
+            need = self.kv.pages_for(prompt) - len(req.pages) + self._own_reservation(req)
+            if need > self.kv.available_pages - reserved or not self.kv.grow(req, prompt):
+                self.kv.release(req)
+                break
+            rooms.incoming.pop(0)
+            reserved += self._own_reservation(req)
+            req.status, req.cached_tokens = Status.RUNNING, matched
+            rooms.receiving[req.rid] = req
+            first = matched // self.kv.page_size
+            rooms.attach_needed.append(AttachNeeded(req.rid, req.pd.room, req.pd.bootstrap_address,
+                                                    list(req.pages[first:]), matched, prompt,
+                                                    prompt_digest(req.prompt_ids)))
+            self.stats.prefix_queries += 1
+            self.stats.prefix_query_tokens += prompt
+            self.stats.prefix_hit_tokens += matched
+            self.stats.prefix_hits += matched > 0
+
+    def kv_arrived(self, rid: str, token: int, logprob: TokenLogprob | None, prefill_cached: int) -> None:
+        """The prefill side's Done: the prompt's KV is in the reserved pages and `token` is the
+        first output. The request decodes from here. Unknown rids (aborted meanwhile) are ignored."""
+        req = self.decode_rooms.receiving.pop(rid, None)
+        if req is None:
+            return
+        prompt = len(req.prompt_ids)
+        req.computed, req.cached_tokens = prompt, min(prefill_cached, prompt)
+        req.admit_time = time.monotonic()
+        self.running[rid] = req
+        req.unsampled = 1
+        lp = None if logprob is None else _SampledLike(logprob)
+        self._take_token(req, [token], lp, time.monotonic())
+        if req.status is Status.RUNNING:
+            self.kv.cache_progress(req)  # the prompt's pages serve later requests on this side
+
+    def kv_failed(self, rid: str, error: str) -> None:
+        """The KV will not come (the prefill side failed, timed out or went away): the request
+        ends with `error` and its reserved pages go back, none of them into the tree."""
+        req = self.decode_rooms.receiving.pop(rid, None) if self.decode_rooms is not None else None
+        if req is None:
+            return
+        out = RequestOutput(rid, finished=True, finish_reason=FinishReason.ERROR,
+                            prompt_tokens=len(req.prompt_ids), error=error)
+        self._drop_received(req, out)
+
+    def _drop_received(self, req: Request, out: RequestOutput | None) -> None:
+        req.computed = req.tree_tokens  # only the matched prefix is known KV
+        self.kv.release(req)
+        req.status = Status.FINISHED
+        self.stats.aborted += 1
+        self._outputs.append(out if out is not None else self._abort_output(req))
 
     @staticmethod
     def _abort_output(req: Request) -> RequestOutput:
@@ -693,9 +895,27 @@ class Scheduler:
         return True
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants(list(self.running.values()), self.hicache.inflight_host_pages())
+        holding = list(self.running.values())
+        for rooms in (self.prefill_rooms, self.decode_rooms):
+            if rooms is not None:
+                holding += rooms.private_requests
+        self.kv.check_invariants(holding, self.hicache.inflight_host_pages())
         for req in self.waiting:
             assert not req.pages and req.node is None, f"waiting request {req.rid} holds KV"
+
+
+@dataclass(frozen=True)
+class _SampledLike:
+    """A TokenLogprob from the prefill side, read as a step result's SampledLogprobs."""
+    value: TokenLogprob
+
+    @property
+    def logprob(self) -> float:
+        return self.value.logprob
+
+    @property
+    def top(self) -> list[tuple[int, float]]:
+        return [(t.token_id, t.logprob) for t in self.value.top]
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

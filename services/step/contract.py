@@ -87,6 +87,29 @@ class KVTransferStat:
 
 
 @dataclass
+class KVSend:
+    """PD prefill side: write `src_pages` of this worker's pool into `dst_pages` of the decode
+    worker that `descriptor` names (services/worker/kv_transfer). The worker runs a plan's sends
+    in order, after its forward, so a send may carry pages that the same step computes."""
+
+    room: str
+    descriptor: str
+    src_pages: list[int] = field(default_factory=list)
+    dst_pages: list[int] = field(default_factory=list)
+
+
+@dataclass
+class KVSendResult:
+    """What one KVSend did: the bytes are in place at the receiver unless `error` says why not."""
+
+    room: str
+    pages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass
 class StepPlan:
     step_id: int
     new_requests: list[NewRequestSpec] = field(default_factory=list)
@@ -94,6 +117,7 @@ class StepPlan:
     # Requests whose worker-side state (page table row, history) can be dropped.
     released_rids: list[str] = field(default_factory=list)
     kv_copies: list[KVCopy] = field(default_factory=list)  # run in order before the forward
+    kv_sends: list[KVSend] = field(default_factory=list)  # PD prefill side: run in order after it
 
 
 @dataclass
@@ -126,3 +150,4 @@ class StepResult:
     accepted: list[TokenRun] = field(default_factory=list)
     drafts: list[TokenRun] = field(default_factory=list)
     draft_seconds: float = 0.0  # speculation: the drafter's time in this step
+    kv_sends: list[KVSendResult] = field(default_factory=list)  # one per plan.kv_sends entry

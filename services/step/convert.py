@@ -19,6 +19,8 @@ from protos.radixmesh.v1 import worker_pb2 as pb
 from services.common.convert import sampling_from_proto, sampling_to_proto
 from services.step.contract import (
     KVCopy,
+    KVSend,
+    KVSendResult,
     KVTransferStat,
     NewRequestSpec,
     StepItem,
@@ -59,6 +61,8 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
         released_rids=plan.released_rids,
         kv_copies=[pb.KVCopy(src_tier=c.src_tier, dst_tier=c.dst_tier, src_pages=c.src_pages,
                              dst_pages=c.dst_pages, keys=c.keys) for c in plan.kv_copies],
+        kv_sends=[pb.KVSend(room=k.room, descriptor=k.descriptor, src_pages=k.src_pages, dst_pages=k.dst_pages)
+                  for k in plan.kv_sends],
     )
 
 
@@ -92,6 +96,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
         released_rids=list(msg.released_rids),
         kv_copies=[KVCopy(c.src_tier, c.dst_tier, list(c.src_pages), list(c.dst_pages), list(c.keys))
                    for c in msg.kv_copies],
+        kv_sends=[KVSend(k.room, k.descriptor, list(k.src_pages), list(k.dst_pages)) for k in msg.kv_sends],
     )
 
 
@@ -127,6 +132,8 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
         accepted=[pb.TokenRun(ids=r.ids, speculative=r.speculative) for r in result.accepted],
         drafts=[pb.TokenRun(ids=r.ids, speculative=r.speculative) for r in result.drafts],
         draft_seconds=result.draft_seconds,
+        kv_sends=[pb.KVSendResult(room=k.room, pages=k.pages, bytes=k.bytes, seconds=k.seconds, error=k.error)
+                  for k in result.kv_sends],
     )
 
 
@@ -142,4 +149,5 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
         accepted=[TokenRun(list(r.ids), r.speculative) for r in msg.accepted],
         drafts=[TokenRun(list(r.ids), r.speculative) for r in msg.drafts],
         draft_seconds=msg.draft_seconds,
+        kv_sends=[KVSendResult(k.room, k.pages, k.bytes, k.seconds, k.error) for k in msg.kv_sends],
     )

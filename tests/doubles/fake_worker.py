@@ -13,7 +13,7 @@ reading it later, through accounting that kept it, fails the KV check).
 """
 from __future__ import annotations
 
-from services.step.contract import LAST_SAMPLED, SampledLogprobs, StepPlan, StepResult, TokenRun
+from services.step.contract import LAST_SAMPLED, KVSendResult, SampledLogprobs, StepPlan, StepResult, TokenRun
 
 VOCAB = 50
 
@@ -46,6 +46,10 @@ class FakeWorker:
         self.steps = 0
         self.forward_steps = 0  # steps that ran tokens (not only releases or KV copies)
         self.filled = 0  # LAST_SAMPLED inputs filled in (overlapped scheduling)
+        # Disaggregation: the decode workers a plan's KVSends name (descriptor -> worker), and the
+        # rooms whose sends fail (the transfer engine's error).
+        self.peers: dict[str, "FakeWorker"] = {}
+        self.failing_rooms: set[str] = set()
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.steps += 1
@@ -87,7 +91,18 @@ class FakeWorker:
                 if self.draft_hits is not None:
                     result.accepted.append(TokenRun(run[1:]))
                     result.drafts.append(TokenRun(self._draft(seq, item.draft_depth), speculative=True))
+        result.kv_sends = [self._send(send) for send in plan.kv_sends]  # after the forward
         return result
+
+    def _send(self, send) -> KVSendResult:
+        """Copy whole pages' slots into the peer's pool, as a transfer engine copies their bytes."""
+        if send.room in self.failing_rooms:
+            return KVSendResult(send.room, error=f"peer {send.descriptor} refused the connection")
+        peer, ps = self.peers[send.descriptor], self.page_size
+        assert len(send.src_pages) == len(send.dst_pages), send
+        for src, dst in zip(send.src_pages, send.dst_pages):
+            peer.slots[dst * ps:(dst + 1) * ps] = self.slots[src * ps:(src + 1) * ps]
+        return KVSendResult(send.room, len(send.src_pages), len(send.src_pages) * ps * 8, 1e-4)
 
     def _verify(self, seq: list[int], item) -> list[int]:
         """The tokens a verify item produces: the draft's agreeing prefix, then the next token."""
