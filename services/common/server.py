@@ -191,6 +191,7 @@ async def serve(
     registry: Any = None,
     readiness: Readiness | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    on_bound: Callable[[str], None] | None = None,
 ) -> int:
     """Run a service until SIGTERM/SIGINT; returns the process exit status.
 
@@ -247,6 +248,8 @@ async def serve(
             metrics_runner, extra["metrics_port"] = await metrics_http.serve(
                 registry or CollectorRegistry(), host.strip("[]"), metrics_port)
         log.info("listening", extra=extra)
+        if on_bound is not None:  # the address it serves on (a port 0 resolved), before on_start
+            on_bound(extra["address"])
 
         starting = asyncio.ensure_future(on_start() if on_start else asyncio.sleep(0))
         stopping = asyncio.ensure_future(stop.wait())
@@ -316,7 +319,8 @@ def run_service(service_name: str, config: Any, add_servicers: Callable[[grpc.ai
                 on_start: Callable[[], Awaitable[None]] | None = None,
                 on_drain: Callable[[float], Awaitable[None]] | None = None, *, registry: Any = None,
                 readiness: Readiness | None = None,
-                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> int:
+                interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                on_bound: Callable[[str], None] | None = None) -> int:
     """Synchronous entry point: JSON logging from `config.log_level`, tracing from the
     environment, then `serve` on a uvloop event loop. Returns the exit status for sys.exit."""
     import uvloop
@@ -332,7 +336,7 @@ def run_service(service_name: str, config: Any, add_servicers: Callable[[grpc.ai
         return 1
     try:
         return uvloop.run(serve(service_name, config, add_servicers, on_start, on_drain, registry=registry,
-                                readiness=readiness, interceptors=interceptors))
+                                readiness=readiness, interceptors=interceptors, on_bound=on_bound))
     except OSError as e:  # e.g. the port is taken: say so in one line, not a traceback
         logging.getLogger(__name__).error("cannot start", extra={"error": str(e)})
         return 1

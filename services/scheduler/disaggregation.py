@@ -103,6 +103,8 @@ class PrefillRooms:
         self.early: dict[str, Attachment] = {}  # attached before the request arrived
         self.held: dict[str, Request] = {}      # rid → sampled, its pages still crossing
         self.events: list[RoomEvent] = []
+        self.sent_pages = self.sent_bytes = 0   # since start, what the worker reported in place
+        self.sent_seconds = 0.0
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -195,6 +197,8 @@ class PrefillRooms:
             state.confirmed += r.pages
             state.bytes += r.bytes
             state.seconds += r.seconds
+            self.sent_pages, self.sent_bytes = self.sent_pages + r.pages, self.sent_bytes + r.bytes
+            self.sent_seconds += r.seconds
             self.events.append(RoomEvent(r.room, "progress", state.confirmed, state.bytes, state.seconds))
         return failed
 

@@ -32,6 +32,12 @@ class SchedulerServiceConfig:
                 "refused with UNAVAILABLE until the step completes"})
     step_stall_per_token_s: float = field(default=0.01, metadata={
         "help": "watchdog: the allowance per token of a step (prefill chunks and decodes) on top of the floor"})
+    bootstrap_address: str = field(default="", metadata={
+        "help": "disaggregation, prefill side: the HOST:PORT decode schedulers reach this scheduler's "
+                "PrefillBootstrap at (served on its own port); default: the --listen address"})
+    disaggregation_heartbeat_s: float = field(default=1.0, metadata={
+        "help": "disaggregation: the prefill side's heartbeat on each Attach call; three missed ones mean "
+                "the other side is gone"})
     request_timeout_s: float | None = field(default=900.0, metadata={
         "help": "server-side deadline of a Generate call from its arrival: past it the request is aborted (its KV "
                 "freed) and its stream ends with a DEADLINE_EXCEEDED error; generous so that a full-context "
@@ -43,6 +49,8 @@ class SchedulerServiceConfig:
         if self.step_stall_floor_s <= 0 or self.step_stall_per_token_s < 0:
             raise ValueError("--step-stall-floor-s must be > 0 and --step-stall-per-token-s >= 0, got "
                              f"{self.step_stall_floor_s} and {self.step_stall_per_token_s}")
+        if not self.disaggregation_heartbeat_s > 0:
+            raise ValueError(f"--disaggregation-heartbeat-s must be > 0, got {self.disaggregation_heartbeat_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"--request-timeout-s must be > 0 (or none), got {self.request_timeout_s}")
 
@@ -51,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixmesh serve scheduler", description=__doc__)
     config = parse_config(SchedulerServiceConfig, argv, parser)
     from services.scheduler.admin_service import SchedulerAdminService
+    from protos.radixmesh.v1 import disaggregation_pb2_grpc
+    from services.scheduler.pd_link import PrefillBootstrapServicer
     from services.scheduler.service import OutputsServicer, SchedulerService
 
     service = SchedulerService(config)
@@ -59,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
         scheduler2_grpc.add_SchedulerServicer_to_server(OutputsServicer(service), server)
         admin_pb2_grpc.add_ModelAdminServicer_to_server(SchedulerAdminService(service), server)
+        disaggregation_pb2_grpc.add_PrefillBootstrapServicer_to_server(PrefillBootstrapServicer(lambda: service.pd),
+                                                                       server)
 
     return run_service("scheduler", config.common, add_servicers, on_start=service.start, on_drain=service.drain,
-                       registry=service.telemetry.registry, readiness=service.readiness)
+                       registry=service.telemetry.registry, readiness=service.readiness, on_bound=service.bound)

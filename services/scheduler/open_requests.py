@@ -75,11 +75,14 @@ class OpenRequests:
         return rid in self.requests
 
     def submit(self, core, rid: str, ids: list[int], sampling: SamplingParams, n: int = 1,
-               namespace: str = "", adapter: str = "", owner: Any = None) -> OpenRequest:
+               namespace: str = "", adapter: str = "", owner: Any = None, pd=None) -> OpenRequest:
         """Queue the request's n sequences in `core` (a Scheduler), all or none. Raises
-        InvalidRequest or QueueFull with nothing queued."""
+        InvalidRequest or QueueFull with nothing queued. pd: its part in a disaggregated pair
+        (services/scheduler/disaggregation.PDSpec), one sequence only."""
         if not 1 <= n <= MAX_N:
             raise InvalidRequest(f"n must be in [1, {MAX_N}], got {n}")
+        if pd is not None and n != 1:
+            raise InvalidRequest(f"n > 1 is not served by disaggregated replicas, got n={n}")
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
@@ -87,7 +90,7 @@ class OpenRequests:
         submitted: list[str] = []
         try:
             for i, crid in enumerate(req.core_rids):
-                core.submit(crid, ids, sampling, (seed + i) % SEED_MOD, namespace, adapter)
+                core.submit(crid, ids, sampling, (seed + i) % SEED_MOD, namespace, adapter, pd=pd)
                 submitted.append(crid)
         except (QueueFull, InvalidRequest):
             for crid in submitted:

@@ -65,6 +65,7 @@ from services.scheduler.core_factory import build_core, fit_config
 from services.scheduler.driver import DriverHooks, StepDriver
 from services.scheduler.grpc_link import GrpcStepLink
 from services.scheduler.open_requests import OpenRequests
+from services.scheduler.pd_link import PDLink, pd_spec
 from services.scheduler.outputs import QueueFull
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.telemetry import SchedulerTelemetry
@@ -111,6 +112,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._loop_task: asyncio.Task | None = None
         self._usage = cpb.Usage()
         self.telemetry = SchedulerTelemetry(self)
+        self.pd = PDLink(self, getattr(config, "disaggregation_heartbeat_s", 1.0))  # disaggregation's handshake
         self.readiness = Readiness()  # mirrored into gRPC health by run_service
         self.stalled: str | None = None  # why the watchdog thinks the worker hangs, while it does
 
@@ -127,6 +129,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         depth = 1 if self.config.scheduler.disable_overlap_schedule else 2
         self._driver = StepDriver(hooks, self.core, self._link, depth, wake=self._wake)
         self._loop_task = asyncio.create_task(self._driver.run(), name="scheduler-loop")
+        if self.core.prefill_rooms is not None:
+            self.pd.start_ticker()
+
+    def bound(self, address: str) -> None:
+        """The address the server bound (its port resolved): the default bootstrap address."""
+        self.listen_address = address
+
+    def wake(self) -> None:
+        """New work for the loop (a room's other side spoke)."""
+        self._wake.set()
 
     async def _connect(self, wait_s: float) -> None:
         """GetInfo with retries until the worker answers, a fresh core, a new Step stream."""
@@ -140,6 +152,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     raise RuntimeError(f"worker {self.config.worker_addr} did not answer within "
                                        f"{wait_s:.0f}s: {e.code().name} {e.details()}") from e
                 await asyncio.sleep(0.5)
+        self._check_disaggregation(info)
         core = build_core(fit_config(self.config.scheduler, info), info, getattr(self.config, "hicache", None),
                           self._kvstore_probe(info))
         if self.core is not None:
@@ -153,6 +166,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.readiness.set(True)
         log.info("worker connected", extra={"worker": self.config.worker_addr, "model": m.name,
                                             "kv_pages": info.num_kv_pages, "page_size": info.page_size})
+
+    def _check_disaggregation(self, info) -> None:
+        """The worker must play the part this scheduler plays; a prefill side advertises where
+        decode schedulers attach (GetInfo carries it to the tokenizer, and on to the router)."""
+        mode, worker_mode = self.config.scheduler.disaggregation_mode, info.disaggregation_mode or "null"
+        if mode != worker_mode:
+            raise RuntimeError(f"--disaggregation-mode {mode} here, but worker {self.config.worker_addr} runs "
+                               f"--disaggregation-mode {worker_mode}: give both the same")
+        if mode == "prefill":
+            info.bootstrap_address = bootstrap_address(self.config, getattr(self, "listen_address", ""))
 
     def _kvstore_probe(self, info):
         """The worker's kvstore, for Exists: the core starts each call without blocking this loop
@@ -177,6 +200,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         stream (the worker resets too)."""
         self.connected, self.stalled = False, None
         self.readiness.set(False, reason)
+        self.pd.lost(reason)
         self._fail_all(grpc.StatusCode.UNAVAILABLE, reason)
         self.telemetry.fail_all(reason)
         await self._connect(float("inf"))
@@ -222,9 +246,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     # --- outputs: one OutputBatch per step to the subscriber --------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self.pd.pump(self.core)
+        unavailable = set()
         for out in outputs:
             if out.finished:
                 self._count(out.prompt_tokens, out.completion_tokens, out.cached_tokens, spec_counters(out))
+                if self.pd.ended(out.rid):
+                    unavailable.add(out.rid)
         batch = opb.OutputBatch()
         version = self.core.limits.weights_version
         for req, out in self._requests.route(outputs):
@@ -234,7 +262,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if owner.queue is not None:
                 owner.queue.put_nowait(("out", out))
             elif out.finish_reason is FinishReason.ERROR:
-                batch.errors.append(error_to_proto(req.rid, grpc.StatusCode.INTERNAL, out.error or "request failed",
+                code = grpc.StatusCode.UNAVAILABLE if out.rid in unavailable else grpc.StatusCode.INTERNAL
+                batch.errors.append(error_to_proto(req.rid, code, out.error or "request failed",
                                                    owner.text_options.reply_to))
             else:
                 msg = output_to_proto(out, version)
@@ -327,12 +356,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.gather(self._loop_task, return_exceptions=True)
         if self._link is not None:
             self._link.close()
+        await self.pd.close()
         if self._channel is not None:
             await self._channel.close()
 
     # --- intake ----------------------------------------------------------------------
     def admit(self, rid: str, ids: list[int], sampling_msg, n: int, namespace: str, adapter: str,
-              owner: _Owner) -> None:
+              owner: _Owner, pd=None) -> None:
         """Queue a request for `owner`. Raises Refused with the gRPC code."""
         core = self.core
         if core is None or not self.connected:
@@ -345,7 +375,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "rid is required")
         sampling = sampling_from_proto(sampling_msg)
         try:
-            req = self._requests.submit(core, rid, ids, sampling, n, namespace, adapter, owner)
+            req = self._requests.submit(core, rid, ids, sampling, n, namespace, adapter, owner, pd)
         except InvalidRequest as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except QueueFull as e:
@@ -460,7 +490,7 @@ class OutputsServicer(scheduler2_grpc.SchedulerServicer):
         try:
             self.service.admit(request.rid, list(request.input_ids), request.sampling,
                                request.n if request.HasField("n") else 1, request.namespace, request.adapter,
-                               _Owner(text_options=options))
+                               _Owner(text_options=options), pd_spec(request.disaggregation))
         except Refused as e:
             await context.abort(e.code, e.message)
         return spb2.SubmitResponse()
@@ -478,6 +508,21 @@ class OutputsServicer(scheduler2_grpc.SchedulerServicer):
                 yield batch
         finally:
             self.service.unsubscribe(sub)
+
+
+def bootstrap_address(config, bound: str = "") -> str:
+    """Where decode schedulers reach this one's PrefillBootstrap: --bootstrap-address, else the
+    address the server bound (a wildcard host becomes this machine's name)."""
+    if config.bootstrap_address:
+        return config.bootstrap_address
+    host, _, port = (bound or config.common.listen).rpartition(":")
+    if port in ("", "0"):
+        raise RuntimeError(f"--disaggregation-mode prefill listens on {config.common.listen}: give "
+                           "--bootstrap-address HOST:PORT, the address decode schedulers reach it at")
+    if host in ("0.0.0.0", "[::]", ""):
+        import socket
+        host = socket.gethostname()
+    return f"{host}:{port}"
 
 
 async def _until(done, deadline: float, poll_s: float = 0.05) -> None:

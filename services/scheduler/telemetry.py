@@ -94,7 +94,7 @@ class SchedulerTelemetry:
         core, usage = self._service.core, self._service._usage
         s, kv = core.stats, core.kv
         used = kv.num_pages - kv.allocator.num_free
-        return {
+        return self._disaggregation(core) | {
             "num_requests_running": ("gauge", "requests running (holding KV)", len(core.running)),
             "num_requests_waiting": ("gauge", "requests waiting for admission", len(core.waiting)),
             "kv_pages_used": ("gauge", "KV pages not free (running requests' and cached)", used),
@@ -121,6 +121,22 @@ class SchedulerTelemetry:
             "spec_accepted_tokens": ("counter", "drafted tokens the target accepted", s.spec_accepted_tokens),
             "spec_draft_seconds": ("counter", "the worker's time drafting", s.draft_seconds),
             "spec_verify_seconds": ("counter", "the worker's time in steps that verified a draft", s.verify_seconds),
+        }
+
+    @staticmethod
+    def _disaggregation(core) -> dict[str, tuple[str, str, float]]:
+        """A prefill side's KV transfer (its worker's send time, so GB/s is the engine's rate)."""
+        rooms = core.prefill_rooms
+        if rooms is None:
+            return {}
+        return {
+            "kv_transfer_bytes": ("counter", "KV bytes sent to decode workers", rooms.sent_bytes),
+            "kv_transfer_pages": ("counter", "KV pages sent to decode workers", rooms.sent_pages),
+            "kv_transfer_seconds": ("counter", "worker seconds spent sending KV", rooms.sent_seconds),
+            "kv_transfer_gbps": ("gauge", "KV bytes sent / worker seconds sending, since start (GB/s)",
+                                 rooms.sent_bytes / rooms.sent_seconds / 1e9 if rooms.sent_seconds else 0.0),
+            "disaggregation_rooms": ("gauge", "requests holding a room (prefilling, or pages crossing)",
+                                     len(rooms.rooms)),
         }
 
     # --- hooks -------------------------------------------------------------------------------

@@ -291,6 +291,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                 reply_to=self.subscription.name))
         if request.HasField("n"):
             sreq.n = request.n
+        if request.HasField("disaggregation"):  # the router's pairing: passed on as it came
+            sreq.disaggregation.CopyFrom(request.disaggregation)
         return sreq
 
     def _check(self, request: pb.GenerateTextRequest, rid: str) -> None:
@@ -365,7 +367,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         resp = pb.InfoResponse(model_name=m.name, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids,
                                context_length=m.max_position_embeddings,
                                has_chat_template=tok.chat_template is not None,
-                               tool_call_format=native_format(tok.chat_template))
+                               tool_call_format=native_format(tok.chat_template),
+                               disaggregation_mode=self.model_info.disaggregation_mode,
+                               bootstrap_address=self.model_info.bootstrap_address)
         if tok.bos_token_id is not None:
             resp.bos_token_id = tok.bos_token_id
         pad = tok.special_tokens.get("pad_token")

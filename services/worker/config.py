@@ -158,6 +158,21 @@ class WorkerConfig:
     dist_timeout_s: float = field(default=30.0, metadata={
         "help": "a worker group's collectives fail after this long without every rank (a dead or hung rank "
                 "is an error, never a hang)"})
+    disaggregation_mode: str = field(default="null", metadata={
+        "choices": ("null", "prefill", "decode"),
+        "help": "prefill/decode disaggregation: null (co-located), prefill (send each request's KV to a decode "
+                "worker after computing it) or decode (receive KV into this pool); the scheduler's must match "
+                "(docs/disaggregation.md)"})
+    disaggregation_transfer_backend: str = field(default="grpc", metadata={
+        "choices": ("grpc", "shm", "mooncake"),
+        "help": "disaggregation: how KV pages cross between the pools: grpc (any host), shm (one host: the "
+                "decode pool in shared memory, written in place) or mooncake (Mooncake's transfer engine: TCP "
+                "here, RDMA where the machine has it); both sides of a pair must use the same"})
+    disaggregation_host: str = field(default="127.0.0.1", metadata={
+        "help": "disaggregation, decode side: the address its transfer engine listens on and advertises "
+                "(reachable from the prefill workers)"})
+    disaggregation_timeout_s: float = field(default=30.0, metadata={
+        "help": "disaggregation, prefill side: a send that has not landed in this long fails its request"})
     cpu_cores: tuple[int, ...] = field(default=(), metadata={
         "help": "the CPUs a worker group splits between its ranks, each rank a contiguous equal share "
                 "(default: every CPU this process may use)"})
@@ -234,6 +249,11 @@ class WorkerConfig:
         if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
             raise ValueError(f"--pp-micro-batches must be >= 1 (1: a step's batch crosses the stages whole), "
                              f"got {self.pp_micro_batches}")
+        if self.disaggregation_mode != "null" and self.world_size > 1:
+            raise ValueError(f"--disaggregation-mode {self.disaggregation_mode} runs on one worker process: "
+                             "--tp-size / --pp-size > 1 with disaggregation is not supported yet")
+        if not self.disaggregation_timeout_s > 0:
+            raise ValueError(f"--disaggregation-timeout-s must be > 0, got {self.disaggregation_timeout_s}")
         if self.pp_micro_batch_tokens < 1:
             raise ValueError(f"--pp-micro-batch-tokens must be >= 1, got {self.pp_micro_batch_tokens}")
 

@@ -29,6 +29,10 @@ def worker_info(runner, eos_token_ids: tuple[int, ...], tiers: dict | None = Non
         tp_size=1, weights_version=str(runner.weights_version), max_requests=cfg.max_requests,
         max_draft_tokens=runner.max_draft_tokens, verify_max_rows=runner.verify_rows,
         max_loras=runner.max_loras, adapters=adapter_infos(runner))
+    sender = getattr(runner, "kv_sender", None)
+    if sender is not None:  # disaggregation: this worker's side and where a prefill worker sends
+        info.MergeFrom(pb.WorkerInfo(disaggregation_mode=sender.mode, kv_transfer_backend=sender.backend,
+                                     kv_descriptor=sender.descriptor()))
     if tiers is not None:
         info.MergeFrom(pb.WorkerInfo(num_host_pages=tiers["host_pages"], page_bytes=tiers["page_bytes"],
                                      model_identity=tiers["model_identity"], kv_layout=tiers["kv_layout"],

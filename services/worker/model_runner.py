@@ -25,6 +25,7 @@ from services.worker.config import WorkerConfig
 from services.worker.grammar_cache import GrammarCache
 from services.worker.deferred_step import DeferredStep
 from services.worker.device_stats import DeviceStats
+from services.worker.disaggregation import KVSender, check_device as check_pd_device, decode_pool_storage, is_disaggregated
 from services.worker.grammar_vocab import grammar_vocab
 from services.worker.host_to_device import to_device
 from services.worker.jump_forward import accepted, draft, plain_verify_rows, verify_rows
@@ -113,7 +114,11 @@ class ModelRunner:
             local, config.page_size, config.kv_torch_dtype,  # FP8 (--kv-cache-dtype): the budget holds 2x the tokens
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction, self.device)
         # CUDA graphs pad decode steps with rows that write one scratch page past the scheduler's.
-        self.pool = KVPool(self.kv_spec, self.device, extra_pages=1 if config.uses_cuda_graphs else 0)
+        check_pd_device(config, self.device)
+        self.pool = KVPool(self.kv_spec, self.device, extra_pages=1 if config.uses_cuda_graphs else 0,
+                           storage=decode_pool_storage(config))
+        # Disaggregation: the transfer engine that sends this pool's pages, or receives into them.
+        self.kv_sender: KVSender | None = KVSender(config, self.pool) if is_disaggregated(config) else None
         max_pages = -(-mc.max_position_embeddings // config.page_size)
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
@@ -222,8 +227,10 @@ class ModelRunner:
         self.reset()
         if self._weight_groups is not None:
             self._weight_groups.close_all()
+        if getattr(self, "kv_sender", None) is not None:
+            self.kv_sender.close()
         for name in ("model", "pool", "backend", "page_table", "last_token", "loras", "grammars", "drafter",
-                     "graphs", "kv_transfer", "_weight_groups"):
+                     "graphs", "kv_transfer", "_weight_groups", "kv_sender"):
             setattr(self, name, None)
 
     # --- the step ------------------------------------------------------------------
@@ -247,6 +254,8 @@ class ModelRunner:
             result.kv_transfers = self.kv_transfer.run(plan.kv_copies)
         if plan.items:
             self._run_items(plan, result, defer)
+        if plan.kv_sends:  # disaggregation: pages this step (or one before it) completed
+            result.kv_sends = self.kv_sender.run(plan.kv_sends)
         result.forward_seconds = time.perf_counter() - t0
         return result
 
