@@ -1,4 +1,5 @@
-"""radixmesh.v1.ModelAdmin at the router: every call goes to every replica that may take work.
+"""radixmesh.v1.ModelAdmin at the router: every call goes to every replica that may take work
+(of every pool, in a disaggregated fleet: a pair's two sides must run the same weights).
 
 The replicas are called at once (InitWeightsUpdateGroup must be: each blocks until all ranks
 of the group joined), replica i of the fleet in address order getting rank rank_offset + i.
@@ -17,14 +18,15 @@ from protos.radixmesh.v1 import admin_pb2 as apb
 from protos.radixmesh.v1 import admin_pb2_grpc
 from services.common.admin_forward import TIMEOUT_S, serve_every_method
 from services.router.fleet import Fleet, Replica
+from services.router.pools import Pools
 
 
 class FanOutAdmin(admin_pb2_grpc.ModelAdminServicer):
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(self, fleet: Fleet | Pools) -> None:
+        self.pools = Pools.of(fleet)
 
     async def fan_out(self, method: str, request, context: grpc.aio.ServicerContext) -> apb.ModelState:
-        replicas = sorted((r for r in self.fleet.replicas.values() if r.routable), key=lambda r: r.address)
+        replicas = sorted((r for _, r in self.pools.replicas() if r.routable), key=lambda r: r.address)
         if not replicas:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no replica is available")
         answers = await asyncio.gather(*(self._call(r, i, method, request) for i, r in enumerate(replicas)),

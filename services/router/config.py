@@ -1,4 +1,10 @@
-"""The router's flags, generated from this dataclass (services/common/config.py)."""
+"""The router's flags, generated from this dataclass (services/common/config.py).
+
+Two ways to give the fleet: co-located replicas (`--replica-addrs`, `--replica-dns`), each
+serving a request whole, or a disaggregated one (`--prefill` / `--prefill-dns` and `--decode` /
+`--decode-dns`), in which every request runs on a pair: a prefill replica chosen by
+`--prefill-policy` and a decode replica chosen by `--decode-policy` (services/router/pairing.py).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,6 +23,20 @@ class RouterConfig:
         "help": "the replicas' front doors (their tokenizers' HOST:PORT); more can be added at run time "
                 "through the Router admin RPC"})
     policy: str = field(default="cache_aware", metadata={"help": "routing policy", "choices": tuple(POLICIES)})
+    prefill: list[str] = field(default_factory=list, metadata={
+        "help": "a disaggregated fleet: the prefill replicas' front doors (tokenizers' HOST:PORT, started with "
+                "--disaggregation-mode prefill); needs --decode (or --decode-dns); replaces --replica-addrs"})
+    decode: list[str] = field(default_factory=list, metadata={
+        "help": "a disaggregated fleet: the decode replicas' front doors (--disaggregation-mode decode)"})
+    prefill_dns: str | None = field(default=None, metadata={
+        "help": "NAME:PORT: the prefill replicas are NAME's DNS addresses (as --replica-dns)"})
+    decode_dns: str | None = field(default=None, metadata={
+        "help": "NAME:PORT: the decode replicas are NAME's DNS addresses (as --replica-dns)"})
+    prefill_policy: str = field(default="cache_aware", metadata={
+        "help": "a disaggregated fleet: how the prefill replica of a pair is chosen (its prefix cache matters "
+                "there)", "choices": tuple(POLICIES)})
+    decode_policy: str = field(default="least_load", metadata={
+        "help": "a disaggregated fleet: how the decode replica of a pair is chosen", "choices": tuple(POLICIES)})
     cache_threshold: float = field(default=0.5, metadata={
         "help": "cache_aware: follow the longest prefix match when it covers more than this share of the request"})
     balance_abs_threshold: int = field(default=16, metadata={
@@ -72,8 +92,31 @@ class RouterConfig:
         for addr in self.replica_addrs:
             if not _is_host_port(addr):
                 raise ValueError(f"--replica-addrs takes HOST:PORT entries, got {addr!r}")
-        if self.replica_dns is not None and not _is_host_port(self.replica_dns):
-            raise ValueError(f"--replica-dns takes NAME:PORT, got {self.replica_dns!r}")
+        for flag in ("replica_dns", "prefill_dns", "decode_dns"):
+            if getattr(self, flag) is not None and not _is_host_port(getattr(self, flag)):
+                raise ValueError(f"--{flag.replace('_', '-')} takes NAME:PORT, got {getattr(self, flag)!r}")
+        self._check_pools()
+
+    @property
+    def disaggregated(self) -> bool:
+        """Requests run on prefill/decode pairs (services/router/pairing.py)."""
+        return bool(self.prefill or self.decode or self.prefill_dns or self.decode_dns)
+
+    def _check_pools(self) -> None:
+        for flag in ("prefill", "decode"):
+            for addr in getattr(self, flag):
+                if not _is_host_port(addr):
+                    raise ValueError(f"--{flag} takes HOST:PORT entries, got {addr!r}")
+        if not self.disaggregated:
+            return
+        if self.replica_addrs or self.replica_dns:
+            raise ValueError("--prefill/--decode (a disaggregated fleet) and --replica-addrs/--replica-dns "
+                             "(co-located replicas) exclude each other: give one or the other")
+        missing = [flag for flag in ("prefill", "decode")
+                   if not getattr(self, flag) and getattr(self, f"{flag}_dns") is None]
+        if missing:
+            raise ValueError(f"a disaggregated fleet needs both pools: give --{missing[0]} ADDR ... "
+                             f"(or --{missing[0]}-dns NAME:PORT) as well")
 
 
 def _is_host_port(address: str) -> bool:

@@ -14,6 +14,13 @@ SERVING again as soon as one is. `update_readiness()` runs at every change point
 check result, drain/resume, add/remove, an attempt's end) and on each health tick (a breaker's
 cooldown ends with time, not with an event), once `track_readiness()` was called (after
 start-up, which has its own NOT_SERVING phase).
+
+A fleet has a role (services/router/roles.py): "" for co-located replicas, "prefill" or
+"decode" for one pool of a disaggregated fleet. Each time a replica is about to be admitted
+(its health checks passed), its tokenizer's Info is read and kept (`Replica.info`: the model, a
+prefill replica's bootstrap address); a replica whose Info reports another disaggregation mode
+is refused instead (state "refused", the reason logged once and in `Replica.refused`), and
+asked again at the next passing check.
 """
 from __future__ import annotations
 
@@ -31,10 +38,11 @@ from services.common.server import MAX_MESSAGE_BYTES, Readiness
 from services.router import metrics
 from services.router.breaker import STATE_VALUE, Breaker
 from services.router.policies import Candidate, Choice, make_policy
+from services.router.roles import COLOCATED, refusal
 
 log = logging.getLogger(__name__)
 
-PENDING, HEALTHY, EJECTED, DRAINING = "pending", "healthy", "ejected", "draining"
+PENDING, HEALTHY, EJECTED, DRAINING, REFUSED = "pending", "healthy", "ejected", "draining", "refused"
 
 # A dead replica must be noticed and a restarted one found quickly: gRPC's default
 # reconnect backoff grows to two minutes.
@@ -45,8 +53,8 @@ CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconn
 
 
 class Replica:
-    def __init__(self, address: str, config, model_name: str) -> None:
-        self.address = address
+    def __init__(self, address: str, config, model_name: str, role: str = COLOCATED) -> None:
+        self.address, self.role = address, role
         self.channel = tracing.channel(address, CHANNEL_OPTIONS)  # carries the trace when tracing is on
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
         self.stub_v2 = tokenizer2_grpc.TokenizerStub(self.channel)  # Generate, radixmesh.v2
@@ -58,6 +66,8 @@ class Replica:
         self.passes = self.fails = 0  # consecutive health-check results
         self.in_flight = 0
         self.report = tokenizer_pb2.LoadReport()
+        self.info: tokenizer_pb2.InfoResponse | None = None  # its Info when last admitted
+        self.refused: str | None = None  # why its last admission was refused (roles.refusal)
         self.counts = {"routed": 0, "match": 0, "load": 0, "failures": 0, "ejections": 0}
         self.idle = asyncio.Event()
         self.idle.set()
@@ -69,6 +79,8 @@ class Replica:
             return DRAINING
         if self.healthy:
             return HEALTHY
+        if self.refused:
+            return REFUSED
         return EJECTED if self.ever_healthy else PENDING
 
     @property
@@ -107,15 +119,18 @@ class Replica:
         return router_pb2.ReplicaStatus(
             address=self.address, state=self.state, circuit=self.breaker.state, in_flight=self.in_flight,
             routed=c["routed"], routed_by_match=c["match"], routed_by_load=c["load"], failures=c["failures"],
-            ejections=c["ejections"], load=self.report, tree_chars=tree_chars)
+            ejections=c["ejections"], load=self.report, tree_chars=tree_chars, role=self.role)
 
 
 class Fleet:
-    def __init__(self, config, readiness: Readiness | None = None) -> None:
-        self.config = config
+    def __init__(self, config, readiness: Readiness | None = None, *, role: str = COLOCATED,
+                 policy: str | None = None) -> None:
+        """`role`: the disaggregation mode its replicas must report; `policy`: default config.policy.
+        `readiness` is anything with `ready` and `set(ready, reason)` (services/router/pools.py)."""
+        self.config, self.role = config, role
         self.readiness = readiness or Readiness()
         self._tracking = False  # update_readiness is a no-op until track_readiness()
-        self.policy = make_policy(config.policy, config, seed=config.seed)
+        self.policy = make_policy(policy or config.policy, config, seed=config.seed)
         self.replicas: dict[str, Replica] = {}
         self.model_name = ""  # learned from a replica's Info; labels the metrics
         self._tasks: list[asyncio.Task] = []
@@ -124,7 +139,7 @@ class Fleet:
     def add(self, address: str) -> Replica:
         if address in self.replicas:
             raise KeyError(address)
-        replica = self.replicas[address] = Replica(address, self.config, self.model_name)
+        replica = self.replicas[address] = Replica(address, self.config, self.model_name, self.role)
         log.info("replica added", extra={"replica": address})
         asyncio.ensure_future(self._check(replica))  # don't wait a whole interval to admit it
         self.update_readiness()
@@ -233,11 +248,10 @@ class Fleet:
             return
         if ok:
             replica.passes, replica.fails = replica.passes + 1, 0
-            if not replica.healthy and replica.passes >= self.config.healthy_threshold:
+            if not replica.healthy and replica.passes >= self.config.healthy_threshold \
+                    and await self._admit(replica):
                 replica.healthy = replica.ever_healthy = True
-                if not self.model_name:
-                    await self._learn_model(replica)
-                log.info("replica admitted", extra={"replica": replica.address})
+                log.info("replica admitted", extra={"replica": replica.address, "role": self.role})
                 self.changed.set()
                 self.update_readiness()
         else:
@@ -251,14 +265,22 @@ class Fleet:
                 self.update_readiness()
         metrics.HEALTHY.labels(self.model_name, replica.address).set(1 if replica.healthy else 0)
 
-    async def _learn_model(self, replica: Replica) -> None:
-        try:
-            info = await replica.stub.Info(tokenizer_pb2.InfoRequest(), timeout=self.config.health_timeout_s)
+    async def _admit(self, replica: Replica) -> bool:
+        """Read the replica's Info; False (and `refused` set) when its mode is not this pool's role."""
+        info, error = await _info(replica.stub, self.config.health_timeout_s)
+        if info is not None and not self.model_name:
             self.model_name = info.model_name
             for r in self.replicas.values():
                 r._labels = (self.model_name, r.address)
-        except grpc.aio.AioRpcError:
-            pass
+        why = refusal(self.role, info, error)
+        if why is not None:
+            if why != replica.refused:
+                log.warning("replica refused", extra={"replica": replica.address, "role": self.role, "reason": why})
+                replica.refused = why
+                self.changed.set()
+            return False
+        replica.info, replica.refused = info, None
+        return True
 
     async def _poll_loads(self) -> None:
         async def poll(replica: Replica) -> None:
@@ -282,31 +304,45 @@ class Fleet:
         return tree.sizes.get(address, 0) if tree is not None else 0
 
     async def probe(self, address: str) -> str | None:
-        """Why `address` may not join (None: its health service answered SERVING). The channel is
-        the fleet's own, so with --tls-ca a server without a certificate from that CA fails here."""
+        """Why `address` may not join (None: its health service answered SERVING and its Info the
+        mode of this fleet's role). The channel is the fleet's own, so with --tls-ca a server
+        without a certificate from that CA fails here."""
         async with tracing.channel(address, CHANNEL_OPTIONS) as channel:
             try:
                 resp = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=self.config.health_timeout_s)
             except grpc.aio.AioRpcError as e:
                 return f"its health service did not answer ({e.code().name}: {e.details()})"
-        if resp.status != health_pb2.HealthCheckResponse.SERVING:
-            return f"its health service answered {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}"
-        return None
+            if resp.status != health_pb2.HealthCheckResponse.SERVING:
+                return f"its health service answered {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}"
+            info, error = await _info(tokenizer_pb2_grpc.TokenizerStub(channel), self.config.health_timeout_s)
+        return refusal(self.role, info, error)
 
     async def wait_healthy(self, addresses: list[str], timeout_s: float) -> list[str]:
-        """Wait until each of `addresses` has been admitted (or the timeout); returns those that were."""
+        """Wait until each of `addresses` has been admitted or refused (or the timeout); returns
+        those admitted."""
         deadline = time.monotonic() + timeout_s
         while True:
-            admitted = [a for a in addresses if a in self.replicas and self.replicas[a].healthy]
+            known = [self.replicas[a] for a in addresses if a in self.replicas]
+            admitted = [r.address for r in known if r.healthy]
+            settled = [r for r in known if r.healthy or r.refused]
             left = deadline - time.monotonic()
-            if len(admitted) == len(addresses) or left <= 0:
+            if len(settled) == len(addresses) or left <= 0:
                 return admitted
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), timeout=min(left, 1.0))
             except asyncio.TimeoutError:
                 pass
+
+
+async def _info(stub: tokenizer_pb2_grpc.TokenizerStub,
+                timeout_s: float) -> tuple[tokenizer_pb2.InfoResponse | None, str]:
+    """A replica's Info, or None and why it failed."""
+    try:
+        return await stub.Info(tokenizer_pb2.InfoRequest(), timeout=timeout_s), ""
+    except grpc.aio.AioRpcError as e:
+        return None, f"{e.code().name}: {e.details()}"
 
 
 async def _close_when_idle(replica: Replica) -> None:

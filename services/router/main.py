@@ -2,6 +2,7 @@
 
     radixmesh serve router --replica-addrs 127.0.0.1:50051 127.0.0.1:50061 [--policy cache_aware]
     radixmesh serve router --replica-dns radixmesh-engine.default.svc.cluster.local:50051   # Kubernetes
+    radixmesh serve router --prefill 127.0.0.1:50051 --decode 127.0.0.1:50061   # a disaggregated pair of pools
 
 Serves radixmesh.v1.Tokenizer (point the gateway's --tokenizer-addr here) and the
 radixmesh.v1.Router admin service; docs/router.md explains policies, flags and faults.
@@ -24,6 +25,7 @@ from services.router.config import RouterConfig
 if TYPE_CHECKING:
     from services.router.discovery import DnsDiscovery
     from services.router.fleet import Fleet
+    from services.router.pools import Pools
 
 log = logging.getLogger(__name__)
 
@@ -33,51 +35,75 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     config = parse_config(RouterConfig, argv, parser)
     from services.common.server import Readiness
-    from services.router.fleet import Fleet
     from services.router.admin_fanout import FanOutAdmin
+    from services.router.pools import Pools
     from services.router.service import RouterAdmin, RouterFront, RouterFrontV2
 
-    readiness = Readiness()  # NOT_SERVING while no replica is routable (services/router/fleet.py)
-    fleet = Fleet(config, readiness)  # channels are opened in start(), on the server's event loop
-    front, admin = RouterFront(config, fleet), RouterAdmin(config, fleet)
-    discovery = _discovery(config, fleet)
+    readiness = Readiness()  # NOT_SERVING while no replica (pair) is routable (services/router/pools.py)
+    pools = Pools.build(config, readiness)  # channels are opened in start(), on the server's event loop
+    front, admin = RouterFront(config, pools), RouterAdmin(config, pools)
+    discoveries = _discoveries(config, pools)
 
     def add_servicers(server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(front, server)
         tokenizer2_grpc.add_TokenizerServicer_to_server(RouterFrontV2(front), server)
         router_pb2_grpc.add_RouterServicer_to_server(admin, server)
-        admin_pb2_grpc.add_ModelAdminServicer_to_server(FanOutAdmin(fleet), server)  # to every replica
+        admin_pb2_grpc.add_ModelAdminServicer_to_server(FanOutAdmin(pools), server)  # to every replica
 
     async def start() -> None:
-        for address in config.replica_addrs:
-            fleet.add(address)
-        fleet.start()
-        if config.replica_addrs:
-            admitted = await fleet.wait_healthy(list(config.replica_addrs), config.peer_wait_s)
-            if not admitted:
-                raise RuntimeError(f"no replica became SERVING within {config.peer_wait_s}s")
-            log.info("replicas ready", extra={"admitted": admitted, "policy": config.policy,
-                                              "missing": sorted(set(config.replica_addrs) - set(admitted))})
-        if discovery is not None:
+        listed = _listed(config)
+        for role, addresses in listed.items():
+            for address in addresses:
+                pools.fleets[role].add(address)
+        pools.start()
+        for role, addresses in listed.items():
+            if addresses:
+                await admit_listed(pools.fleets[role], addresses, config)
+        for discovery in discoveries:
             # No waiting here: engine pods may load their model for minutes; the router's health
             # follows the routable set meanwhile.
             await discovery.refresh()
             discovery.start()
-        fleet.track_readiness()
+        pools.track_readiness()
 
     async def drain(deadline: float) -> None:
         # The server's gate waits for in-flight streams; replicas keep serving them.
-        if discovery is not None:
+        for discovery in discoveries:
             await discovery.stop()
 
     return run_service("router", config.common, add_servicers, on_start=start, on_drain=drain,
                        registry=metrics.REGISTRY, readiness=readiness)
 
 
-def _discovery(config: RouterConfig, fleet: Fleet) -> DnsDiscovery | None:
-    if config.replica_dns is None:
-        return None
+def _listed(config: RouterConfig) -> dict[str, list[str]]:
+    """The replicas given on the command line, by pool role."""
+    if config.disaggregated:
+        return {"prefill": list(config.prefill), "decode": list(config.decode)}
+    return {"": list(config.replica_addrs)}
+
+
+async def admit_listed(fleet: Fleet, addresses: list[str], config: RouterConfig) -> None:
+    """Wait for the listed replicas of one pool; fail unless one was admitted. Refused ones (the
+    wrong disaggregation mode) are named."""
+    admitted = await fleet.wait_healthy(addresses, config.peer_wait_s)
+    refused = {a: fleet.replicas[a].refused for a in addresses if a in fleet.replicas and fleet.replicas[a].refused}
+    pool = f"{fleet.role} replica" if fleet.role else "replica"
+    for address, why in refused.items():
+        log.error(f"{pool} refused", extra={"replica": address, "reason": why})
+    if not admitted:
+        named = "; ".join(f"{a} refused: {why}" for a, why in refused.items())
+        raise RuntimeError(f"no {pool} became SERVING within {config.peer_wait_s}s" + (f" ({named})" if named else ""))
+    log.info("replicas ready", extra={"role": fleet.role, "admitted": admitted, "policy": fleet.policy.name,
+                                      "missing": sorted(set(addresses) - set(admitted))})
+
+
+def _discoveries(config: RouterConfig, pools: Pools) -> list[DnsDiscovery]:
+    """One DNS discovery per pool given by name (--replica-dns; --prefill-dns, --decode-dns)."""
+    targets = {"": config.replica_dns, "prefill": config.prefill_dns, "decode": config.decode_dns}
+    wanted = {role: target for role, target in targets.items() if target is not None and role in pools.fleets}
+    if not wanted:
+        return []
     from services.router.discovery import DnsDiscovery
 
-    return DnsDiscovery(config.replica_dns, fleet, interval_s=config.replica_dns_interval_s,
-                        drain_wait_s=config.drain_wait_s)
+    return [DnsDiscovery(target, pools.fleets[role], interval_s=config.replica_dns_interval_s,
+                         drain_wait_s=config.drain_wait_s) for role, target in wanted.items()]

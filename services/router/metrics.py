@@ -21,6 +21,8 @@ EJECTIONS = Counter("radixmesh:router_ejections", "times health checks ejected t
 HEALTHY = Gauge("radixmesh:router_replica_healthy", "1 while the replica passes health checks", _L, registry=REGISTRY)
 CIRCUIT = Gauge("radixmesh:router_circuit_state", "circuit breaker: 0 closed, 1 half-open, 2 open", _L, registry=REGISTRY)
 CACHE_HIT_RATE = Gauge("radixmesh:router_replica_cache_hit_rate", "the replica's reported prefix-cache hit rate", _L, registry=REGISTRY)
+PAIRS = Counter("radixmesh:router_pairs", "disaggregated fleet: pairs sent, by their prefill and decode replica",
+                ("model_name", "prefill", "decode"), registry=REGISTRY)
 QUEUE = Gauge("radixmesh:router_replica_queue", "the replica's reported running + waiting requests", _L, registry=REGISTRY)
 
 

@@ -1,16 +1,12 @@
 """The router's servicers: radixmesh.v1.Tokenizer in front of the fleet, and radixmesh.v1.Router (admin).
 
 Generate: the policy picks a replica (services/router/fleet.py) and the replica's stream is
-relayed unchanged. An attempt that fails before its first event with a code that says the
-replica could not take the request — UNAVAILABLE (draining, down, worker gone) or
-RESOURCE_EXHAUSTED (queue full), as the call's status or as its first event — is retried on
-another replica, at most max_retries times, after a backoff (retry_backoff_s doubling per
-retry, ±50 % jitter, capped); the request then fails with the last attempt's code. Any other
-code passes straight to the client: INVALID_ARGUMENT (another replica would refuse it too),
-INTERNAL and UNKNOWN (a failure the request itself may cause, which a retry would replay on
-every replica). Once an event was relayed nothing is retried (the client has tokens): a
-replica that goes away mid-stream ends the stream with one Error event naming it (with its
-code). Cancelling the call cancels the attempt, which aborts the request in the replica.
+relayed unchanged, with the retry rules of services/router/relay.py: an attempt that fails
+before its first event with a code that says the replica could not take the request is retried
+on another replica, at most max_retries times, after a backoff; the request then fails with the
+last attempt's code. Cancelling the call cancels the attempt, which aborts the request in the
+replica. On a disaggregated fleet (services/router/pools.py) each request runs on a prefill/decode
+pair instead (services/router/pairing.py); everything else here then covers both pools.
 """
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ import asyncio
 import logging
 import random
 import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import grpc
 
@@ -27,66 +22,26 @@ from protos.radixmesh.v1 import common_pb2 as cpb
 from protos.radixmesh.v1 import router_pb2, router_pb2_grpc
 from protos.radixmesh.v1 import tokenizer_pb2 as pb
 from protos.radixmesh.v1 import tokenizer_pb2_grpc
-from protos.radixmesh.v2 import tokenizer_pb2 as pb2
 from protos.radixmesh.v2 import tokenizer_pb2_grpc as tokenizer2_grpc
 from services.router import metrics
 from services.router.fleet import Fleet, Replica
+from services.router.keys import routing_key
+from services.router.pairing import Pairing
+from services.router.pools import Pools
+from services.router.relay import REPLICA_FAULTS, RETRYABLE, V1, V2, Passthrough, Retry, Version, backoff, relay
+from services.router.roles import COLOCATED
 
 log = logging.getLogger(__name__)
 
-# Codes that say "this replica could not take it", not "the request is wrong": retried elsewhere
-# when nothing was relayed yet.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-# Codes that count against the replica's breaker (a fault of the replica, or possibly one).
-REPLICA_FAULTS = RETRYABLE | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED,
-                              grpc.StatusCode.DEADLINE_EXCEEDED}
-_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def routing_key(request: pb.GenerateTextRequest) -> str:
-    """The text the prefix tree sees: namespace, then the prompt as the replica will render it
-    (conversation turns in order; token ids as one character each)."""
-    which = request.WhichOneof("prompt")
-    if which == "text":
-        body = request.text
-    elif which == "conversation":
-        body = "".join(f"\x1e{m.role}\x1f{m.content}" for m in request.conversation.messages)
-    elif which == "input_ids":
-        body = "".join(chr(0x100 + (i % 0x10F000)) for i in request.input_ids.ids)
-    else:
-        body = ""
-    return f"{request.namespace}\x00{request.adapter}\x00{body}"
-
-
-class _Retry(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        self.code, self.message = code, message
-
-
-class _Passthrough(Exception):
-    """The attempt failed with a code that is the client's answer (no retry)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        self.code, self.message = code, message
-
-
-@dataclass(frozen=True)
-class _Version:
-    """How the router relays one version of the tokenizer's Generate."""
-    call: Callable  # replica -> its Generate method
-    response: type  # the stream's message class
-    has_error: Callable  # message -> whether it is the request's error
-
-
-V1 = _Version(lambda r: r.stub.Generate, cpb.GenerateResponse, lambda ev: ev.WhichOneof("event") == "error")
-V2 = _Version(lambda r: r.stub_v2.Generate, pb2.GenerateResponse, lambda ev: ev.HasField("error"))
+__all__ = ["REPLICA_FAULTS", "RETRYABLE", "V1", "V2", "RouterAdmin", "RouterFront", "RouterFrontV2", "routing_key"]
 
 
 class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self, config, fleet: Fleet) -> None:
-        self.config, self.fleet = config, fleet
+    def __init__(self, config, fleet: Fleet | Pools) -> None:
+        self.config, self.pools = config, Pools.of(fleet)
         self._rng = random.Random(config.seed)
         self._info: pb.InfoResponse | None = None
+        self.pairing = Pairing(config, self.pools, self._rng) if self.pools.disaggregated else None
 
     async def Generate(self, request: pb.GenerateTextRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.GenerateResponse]:
@@ -95,8 +50,14 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
             yield event
 
     async def generate(self, request: pb.GenerateTextRequest, context: grpc.aio.ServicerContext,
-                       version: "_Version") -> AsyncIterator:
-        """Pick a replica, relay its stream; retry another one while nothing was streamed."""
+                       version: Version) -> AsyncIterator:
+        """Pick a replica (a pair, when disaggregated), relay its stream; retry another one while
+        nothing was streamed."""
+        if self.pairing is not None:
+            async for event in self.pairing.generate(request, context, version):
+                yield event
+            return
+        fleet = self.pools.fleets[COLOCATED]
         if not request.rid:
             request.rid = uuid.uuid4().hex
         key = routing_key(request)
@@ -104,69 +65,32 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
         last = (grpc.StatusCode.UNAVAILABLE, "no replica is available")
         for attempt in range(self.config.max_retries + 1):
             if attempt:
-                await asyncio.sleep(self._backoff(attempt))
-            picked = self.fleet.choose(key, tried, request.adapter)
+                await asyncio.sleep(backoff(self.config, self._rng, attempt))
+            picked = fleet.choose(key, tried, request.adapter)
             if picked is None:
                 break
             replica, _ = picked
             tried.add(replica.address)
             try:
-                async for event in self._attempt(replica, request, version):
+                async for event in relay(replica, fleet, request, version):
                     yield event
                 return
-            except _Passthrough as e:  # not retryable: the replica's verdict stands
+            except Passthrough as e:  # not retryable: the replica's verdict stands
                 await context.abort(e.code, e.message)
             except grpc.aio.AioRpcError as e:  # the replica cancelled the call mid-stream
                 await context.abort(e.code(), e.details() or "")
-            except _Retry as e:
+            except Retry as e:
                 last = (e.code, f"{e.message} (replica {replica.address})")
                 if attempt < self.config.max_retries:
-                    metrics.RETRIES.labels(self.fleet.model_name, replica.address).inc()
+                    metrics.RETRIES.labels(fleet.model_name, replica.address).inc()
                 log.info("attempt failed before streaming", extra={
                     "rid": request.rid, "replica": replica.address, "code": e.code.name, "attempt": attempt + 1})
         await context.abort(last[0], last[1])
 
-    async def _attempt(self, replica: Replica, request: pb.GenerateTextRequest,
-                       version: "_Version") -> AsyncIterator:
-        """Relay one attempt. Before its first event, a failure raises _Retry (RETRYABLE codes)
-        or _Passthrough (any other); after it, the stream ends with an Error event."""
-        call = version.call(replica)(request)
-        started, outcome, code = False, None, ""
-        try:
-            async for event in call:
-                error = _BY_VALUE.get(event.error.code) if version.has_error(event) else None
-                if error in REPLICA_FAULTS:
-                    outcome, code = False, error.name
-                if not started and error in RETRYABLE:
-                    raise _Retry(error, event.error.message)
-                started = True
-                yield event
-            if code == "":
-                outcome = True
-        except grpc.aio.AioRpcError as e:
-            outcome, code = (False, e.code().name) if e.code() in REPLICA_FAULTS else (None, "")
-            if not started:
-                raise (_Retry if e.code() in RETRYABLE else _Passthrough)(e.code(), e.details() or "") from None
-            if e.code() == grpc.StatusCode.CANCELLED:
-                raise  # the client went away: nothing to tell it
-            metrics.MID_STREAM.labels(self.fleet.model_name, replica.address).inc()
-            log.warning("replica failed mid-stream", extra={"rid": request.rid, "replica": replica.address,
-                                                             "code": e.code().name})
-            yield version.response(error=cpb.Error(
-                code=e.code().value[0],
-                message=f"replica {replica.address} failed mid-stream: {e.code().name} {e.details() or ''}".rstrip()))
-        finally:
-            call.cancel()  # no-op once ended; else aborts the request in the replica
-            replica.end(outcome, code)
-            self.fleet.update_readiness()  # a failure may have opened the last closed breaker
-
-    def _backoff(self, retry: int) -> float:
-        base = min(self.config.retry_backoff_max_s, self.config.retry_backoff_s * 2 ** (retry - 1))
-        return base * self._rng.uniform(0.5, 1.5)
-
     # --- passthroughs: any healthy replica answers (all serve the same model) ----------------
     async def _any(self, method: str, request, context: grpc.aio.ServicerContext):
-        replicas = [r for r in self.fleet.replicas.values() if r.healthy] or list(self.fleet.replicas.values())
+        every = [r for _, r in self.pools.replicas()]
+        replicas = [r for r in every if r.healthy] or every
         self._rng.shuffle(replicas)
         last = (grpc.StatusCode.UNAVAILABLE, "no replica is available")
         for replica in replicas[:3]:
@@ -179,8 +103,14 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
         await context.abort(*last)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        """The model's Info. The router serves whole requests whatever its replicas' modes, so its
+        own Info names no disaggregation mode nor bootstrap address."""
         if self._info is None:
-            self._info = await self._any("Info", request, context)
+            info = pb.InfoResponse()
+            info.CopyFrom(await self._any("Info", request, context))
+            info.ClearField("disaggregation_mode")
+            info.ClearField("bootstrap_address")
+            self._info = info
         return self._info
 
     async def Tokenize(self, request, context):
@@ -190,78 +120,84 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
         return await self._any("ApplyChatTemplate", request, context)
 
     async def Ready(self, request: pb.ReadyRequest, context: grpc.aio.ServicerContext) -> pb.ReadyResponse:
-        """Ready when some routable replica's whole path is; one stage line per replica."""
+        """Ready when some routable replica's whole path is (disaggregated: some replica of each
+        pool); one stage line per replica, named by its pool."""
         async def ask(replica: Replica) -> pb.StageHealth:
+            stage = f"{replica.role} replica" if replica.role else "replica"
             if not replica.routable:
-                return pb.StageHealth(stage="replica", address=replica.address, serving=False,
+                return pb.StageHealth(stage=stage, address=replica.address, serving=False,
                                       detail=f"{replica.state}, circuit {replica.breaker.state}")
             try:
                 r = await replica.stub.Ready(request, timeout=5)
             except grpc.aio.AioRpcError as e:
-                return pb.StageHealth(stage="replica", address=replica.address, serving=False,
+                return pb.StageHealth(stage=stage, address=replica.address, serving=False,
                                       detail=f"{e.code().name}: {e.details()}")
             down = "; ".join(f"{s.stage}: {s.detail}" for s in r.stages if not s.serving)
-            return pb.StageHealth(stage="replica", address=replica.address, serving=r.ready, detail=down)
+            return pb.StageHealth(stage=stage, address=replica.address, serving=r.ready, detail=down)
 
-        stages = await asyncio.gather(*(ask(r) for r in list(self.fleet.replicas.values())))
-        return pb.ReadyResponse(ready=any(s.serving for s in stages), stages=stages)
+        replicas = [r for _, r in self.pools.replicas()]
+        stages = await asyncio.gather(*(ask(r) for r in replicas))
+        ready = all(any(s.serving for r, s in zip(replicas, stages) if r.role == role) for role in self.pools.fleets)
+        return pb.ReadyResponse(ready=ready, stages=stages)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        """The fleet's sum (hit rate over the summed tokens; KV usage averaged)."""
-        reports = [r.report for r in self.fleet.replicas.values()]
+        """The fleet's sum over every pool (hit rate over the summed tokens; KV usage averaged)."""
+        replicas = [r for _, r in self.pools.replicas()]
+        reports = [r.report for r in replicas]
         hit = sum(r.cache_hit_tokens for r in reports)
         query = sum(r.cache_query_tokens for r in reports)
         return pb.LoadReport(
             num_running=sum(r.num_running for r in reports), num_waiting=sum(r.num_waiting for r in reports),
-            in_flight=sum(r.in_flight for r in self.fleet.replicas.values()),
+            in_flight=sum(r.in_flight for r in replicas),
             kv_usage=sum(r.kv_usage for r in reports) / len(reports) if reports else 0.0,
             cache_hit_tokens=hit, cache_query_tokens=query, cache_hit_rate=hit / query if query else 0.0)
 
 
 class RouterAdmin(router_pb2_grpc.RouterServicer):
-    def __init__(self, config, fleet: Fleet) -> None:
-        self.config, self.fleet = config, fleet
+    """Replicas by address, whichever pool they are in."""
 
-    def _get(self, address: str) -> Replica | None:
-        return self.fleet.replicas.get(address)
+    def __init__(self, config, fleet: Fleet | Pools) -> None:
+        self.config, self.pools = config, Pools.of(fleet)
+
+    async def _find(self, address: str, context) -> tuple[Fleet, Replica]:
+        found = self.pools.find(address)
+        if found is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no replica {address}")
+        return found
 
     async def AddReplica(self, request, context):
         host, sep, port = request.address.rpartition(":")
         if not sep or not host or not port.isdigit():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address must be HOST:PORT, got {request.address!r}")
-        if request.address in self.fleet.replicas:
+        if self.pools.find(request.address) is not None:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"replica {request.address} is already in the fleet")
-        why = await self.fleet.probe(request.address)  # only a live replica (with TLS: a certified one) joins
-        if why is not None:
+        # Only a live replica (with TLS: a certified one) of a pool's mode joins, that pool.
+        fleet, why = await self.pools.probe(request.address)
+        if fleet is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replica {request.address} refused: {why}")
-        replica = self.fleet.add(request.address)
-        return replica.status()
+        return fleet.add(request.address).status()
 
     async def RemoveReplica(self, request, context):
-        replica = self._get(request.address)
-        if replica is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no replica {request.address}")
+        fleet, replica = await self._find(request.address, context)
         if not request.force:
-            await self.fleet.retire(request.address, request.timeout_s or self.config.drain_wait_s)
-        elif request.address in self.fleet.replicas:
-            await self.fleet.remove(request.address)
+            await fleet.retire(request.address, request.timeout_s or self.config.drain_wait_s)
+        elif request.address in fleet.replicas:
+            await fleet.remove(request.address)
         status = replica.status()
         status.state = "removed"
         return status
 
     async def DrainReplica(self, request, context):
-        replica = self._get(request.address)
-        if replica is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no replica {request.address}")
-        self.fleet.set_draining(replica, not request.resume)
+        fleet, replica = await self._find(request.address, context)
+        fleet.set_draining(replica, not request.resume)
         log.info("replica drain" if replica.draining else "replica resumed", extra={
             "replica": replica.address, "in_flight": replica.in_flight})
-        return replica.status(self.fleet.tree_chars(replica.address))
+        return replica.status(fleet.tree_chars(replica.address))
 
     async def ListReplicas(self, request, context):
-        return router_pb2.ListReplicasResponse(policy=self.config.policy, replicas=[
-            r.status(self.fleet.tree_chars(r.address))
-            for r in sorted(self.fleet.replicas.values(), key=lambda r: r.address)])
+        every = sorted(self.pools.replicas(), key=lambda fr: (fr[1].role != "prefill", fr[1].address))
+        return router_pb2.ListReplicasResponse(policy=self.pools.policy_name(self.config), replicas=[
+            r.status(fleet.tree_chars(r.address)) for fleet, r in every])
 
 
 class RouterFrontV2(tokenizer2_grpc.TokenizerServicer):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.radixmesh.v1 import tokenizer_pb2 as radixmesh_dot_v1_dot_tokenizer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19radixmesh/v1/router.proto\x12\x0cradixmesh.v1\x1a\x1cradixmesh/v1/tokenizer.proto\"$\n\x11\x41\x64\x64ReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"I\n\x14RemoveReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"6\n\x13\x44rainReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"\x15\n\x13ListReplicasRequest\"\xf5\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07\x63ircuit\x18\x03 \x01(\t\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x0e\n\x06routed\x18\x05 \x01(\x04\x12\x17\n\x0frouted_by_match\x18\x06 \x01(\x04\x12\x16\n\x0erouted_by_load\x18\x07 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x08 \x01(\x04\x12\x11\n\tejections\x18\t \x01(\x04\x12&\n\x04load\x18\n \x01(\x0b\x32\x18.radixmesh.v1.LoadReport\x12\x12\n\ntree_chars\x18\x0b \x01(\x04\"U\n\x14ListReplicasResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12-\n\x08replicas\x18\x02 \x03(\x0b\x32\x1b.radixmesh.v1.ReplicaStatus2\xcd\x02\n\x06Router\x12J\n\nAddReplica\x12\x1f.radixmesh.v1.AddReplicaRequest\x1a\x1b.radixmesh.v1.ReplicaStatus\x12P\n\rRemoveReplica\x12\".radixmesh.v1.RemoveReplicaRequest\x1a\x1b.radixmesh.v1.ReplicaStatus\x12N\n\x0c\x44rainReplica\x12!.radixmesh.v1.DrainReplicaRequest\x1a\x1b.radixmesh.v1.ReplicaStatus\x12U\n\x0cListReplicas\x12!.radixmesh.v1.ListReplicasRequest\x1a\".radixmesh.v1.ListReplicasResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19radixmesh/v1/router.proto\x12\x0cradixmesh.v1\x1a\x1cradixmesh/v1/tokenizer.proto\"$\n\x11\x41\x64\x64ReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"I\n\x14RemoveReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"6\n\x13\x44rainReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"\x15\n\x13ListReplicasRequest\"\x83\x02\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07\x63ircuit\x18\x03 \x01(\t\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x0e\n\x06routed\x18\x05 \x01(\x04\x12\x17\n\x0frouted_by_match\x18\x06 \x01(\x04\x12\x16\n\x0erouted_by_load\x18\x07 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x08 \x01(\x04\x12\x11\n\tejections\x18\t \x01(\x04\x12&\n\x04load\x18\n \x01(\x0b\x32\x18.radixmesh.v1.LoadReport\x12\x12\n\ntree_chars\x18\x0b \x01(\x04\x12\x0c\n\x04role\x18\x0c \x01(\t\"U\n\x14ListReplicasResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12-\n\x08replicas\x18\x02 \x03(\x0b\x32\x1b.radixmesh.v1.ReplicaStatus2\xcd\x02\n\x06Router\x12J\n\nAddReplica\x12\x1f.radixmesh.v1.AddReplicaRequest\x1a\x1b.radixmesh.v1.ReplicaStatus\x12P\n\rRemoveReplica\x12\".radixmesh.v1.RemoveReplicaRequest\x1a\x1b.radixmesh.v1.ReplicaStatus\x12N\n\x0c\x44rainReplica\x12!.radixmesh.v1.DrainReplicaRequest\x1a\x1b.radixmesh.v1.ReplicaStatus\x12U\n\x0cListReplicas\x12!.radixmesh.v1.ListReplicasRequest\x1a\".radixmesh.v1.ListReplicasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,9 +41,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTREPLICASREQUEST']._serialized_start=242
   _globals['_LISTREPLICASREQUEST']._serialized_end=263
   _globals['_REPLICASTATUS']._serialized_start=266
-  _globals['_REPLICASTATUS']._serialized_end=511
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=513
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=598
-  _globals['_ROUTER']._serialized_start=601
-  _globals['_ROUTER']._serialized_end=934
+  _globals['_REPLICASTATUS']._serialized_end=525
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=527
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=612
+  _globals['_ROUTER']._serialized_start=615
+  _globals['_ROUTER']._serialized_end=948
 # @@protoc_insertion_point(module_scope)

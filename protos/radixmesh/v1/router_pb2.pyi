@@ -36,7 +36,7 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("address", "state", "circuit", "in_flight", "routed", "routed_by_match", "routed_by_load", "failures", "ejections", "load", "tree_chars")
+    __slots__ = ("address", "state", "circuit", "in_flight", "routed", "routed_by_match", "routed_by_load", "failures", "ejections", "load", "tree_chars", "role")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CIRCUIT_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class ReplicaStatus(_message.Message):
     EJECTIONS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     TREE_CHARS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     circuit: str
@@ -59,7 +60,8 @@ class ReplicaStatus(_message.Message):
     ejections: int
     load: _tokenizer_pb2.LoadReport
     tree_chars: int
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., circuit: _Optional[str] = ..., in_flight: _Optional[int] = ..., routed: _Optional[int] = ..., routed_by_match: _Optional[int] = ..., routed_by_load: _Optional[int] = ..., failures: _Optional[int] = ..., ejections: _Optional[int] = ..., load: _Optional[_Union[_tokenizer_pb2.LoadReport, _Mapping]] = ..., tree_chars: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., circuit: _Optional[str] = ..., in_flight: _Optional[int] = ..., routed: _Optional[int] = ..., routed_by_match: _Optional[int] = ..., routed_by_load: _Optional[int] = ..., failures: _Optional[int] = ..., ejections: _Optional[int] = ..., load: _Optional[_Union[_tokenizer_pb2.LoadReport, _Mapping]] = ..., tree_chars: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("policy", "replicas")

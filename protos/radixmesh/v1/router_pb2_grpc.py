@@ -61,7 +61,9 @@ class RouterServicer:
 
     def AddReplica(self, request, context):
         """Adds a replica (its tokenizer's HOST:PORT); it gets traffic once a health
-        check finds it SERVING. ALREADY_EXISTS when it is known already.
+        check finds it SERVING. ALREADY_EXISTS when it is known already. In a
+        disaggregated fleet it joins the pool its Info's disaggregation_mode names;
+        FAILED_PRECONDITION when no pool takes it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
