@@ -2,6 +2,7 @@
 
     radixmesh up [--model PATH] [--http-port 8000] [--no-gateway] [service flags...]
     radixmesh up --replicas 2 [--policy cache_aware] [router flags...]   # a fleet behind the router
+    radixmesh up --prefill 1 --decode 1 [--transfer-backend grpc]        # a disaggregated fleet (services/launcher/pd.py)
 
 Starts the worker, the scheduler (once the worker listens), the detokenizer (which
 reads the scheduler's outputs), the tokenizer, and the gateway, each with `--listen 127.0.0.1:0` (the port a
@@ -9,8 +10,11 @@ child bound is read from its `listening` log line) and its peers' addresses;
 waits until every one reports SERVING over gRPC health; prints the URL;
 supervises. With `--replicas N` (N > 1, or `--router`) it starts N replicas (children
 `worker-0`, `tokenizer-0`, ..., `-N-1`), then `router` with every tokenizer in
-`--replica-addrs`, and points the gateway at the router. If a child dies, the others are stopped and the launcher exits 1
-naming it, with its exit status and last log lines (fail-fast, the default). With
+`--replica-addrs`, and points the gateway at the router. With `--prefill N --decode M` the
+replicas are `worker-prefill-0`, ..., `tokenizer-decode-{M-1}`, their workers and schedulers get
+`--disaggregation-mode`, and the router pairs them (`--prefill ... --decode ...`; no kvstore
+unless `--kvstore`). If a child dies, the others are stopped and the launcher exits 1 naming
+it, with its exit status and last log lines (fail-fast, the default). With
 `--restart-on-failure` a child that dies once the mesh is up is restarted instead, in place:
 same flags and the same address (the launcher pins the port it first bound, so its peers'
 channels reconnect to it: a restarted worker rejoins its scheduler), after a backoff of
@@ -51,6 +55,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import tls
 from services.common.config import config_from_args, flags_from_dataclass
 from services.common.logging import setup_logging
+from services.launcher import pd
 from services.launcher.children import Child
 
 log = logging.getLogger("radixmesh.up")
@@ -78,16 +83,18 @@ CONFIG_CLASSES = {
     "router": "services.router.config:RouterConfig",
     "kvstore": "services.kvstore.main:KVStoreConfig",
 }
-SET_BY_LAUNCHER = {"--listen", "--replica-addrs", "--kvstore-addr",
+SET_BY_LAUNCHER = {"--listen", "--replica-addrs", "--kvstore-addr", "--prefill", "--decode",
                    *(flag for _, peers in TOPOLOGY for flag, _ in peers)}
 
 
 @dataclass(frozen=True)
 class Planned:
-    """One child: its name (unique), the service it runs, and (flag, [peer child names])."""
+    """One child: its name (unique), the service it runs, (flag, [peer child names]), and its
+    replica's disaggregation role ("" = co-located)."""
     name: str
     service: str
     peers: list[tuple[str, list[str]]]
+    role: str = ""
 
 
 def worker_threads(replicas: int, cores: int | None = None) -> int:
@@ -97,21 +104,30 @@ def worker_threads(replicas: int, cores: int | None = None) -> int:
     return max(1, cores // replicas)
 
 
-def plan(replicas: int, router: bool, gateway: bool, kvstore: bool = False) -> list[Planned]:
+def plan(replicas: int, router: bool, gateway: bool, kvstore: bool = False, prefill: int = 0,
+         decode: int = 0) -> list[Planned]:
     """The children in start order. One replica without a router keeps the plain names.
-    With a kvstore, it starts first and every worker gets --kvstore-addr."""
-    suffixes = [""] if replicas == 1 and not router else [f"-{i}" for i in range(replicas)]
+    With a kvstore, it starts first and every worker gets --kvstore-addr. With `prefill` and
+    `decode` (> 0) the replicas are those of a disaggregated fleet (services/launcher/pd.py)."""
+    if prefill or decode:
+        suffixes = pd.pd_replicas(prefill, decode)
+    else:
+        suffixes = [("", "")] if replicas == 1 and not router else [(f"-{i}", "") for i in range(replicas)]
     out = [Planned("kvstore", "kvstore", [])] if kvstore else []
-    for sfx in suffixes:
+    for sfx, role in suffixes:
         for service, peers in TOPOLOGY:
             if service != "gateway":
                 links = [(flag, [peer + sfx]) for flag, peer in peers]
                 if kvstore and service == "worker":
                     links.append(("--kvstore-addr", ["kvstore"]))
-                out.append(Planned(service + sfx, service, links))
+                out.append(Planned(service + sfx, service, links, role))
     front = "tokenizer"
-    if router or replicas > 1:
-        out.append(Planned("router", "router", [("--replica-addrs", [f"tokenizer{s}" for s in suffixes])]))
+    if prefill or decode:
+        out.append(Planned("router", "router", [
+            (f"--{role}", [f"tokenizer{s}" for s, r in suffixes if r == role]) for role in (pd.PREFILL, pd.DECODE)]))
+        front = "router"
+    elif router or replicas > 1:
+        out.append(Planned("router", "router", [("--replica-addrs", [f"tokenizer{s}" for s, _ in suffixes])]))
         front = "router"
     if gateway:
         out.append(Planned("gateway", "gateway", [("--tokenizer-addr", [front])]))
@@ -142,6 +158,15 @@ class UpConfig:
         "help": "engine replicas (tokenizer + scheduler + worker + detokenizer each); more than 1 starts the "
                 "router in front of them (its flags, e.g. --policy, are forwarded)"})
     router: bool = field(default=False, metadata={"help": "start the router even in front of one replica"})
+    prefill: int = field(default=0, metadata={
+        "help": "a disaggregated fleet: this many prefill replicas (whole replicas whose worker and scheduler run "
+                "--disaggregation-mode prefill), with --decode; the router pairs one of each per request "
+                "(docs/router.md; router flags such as --prefill-policy are forwarded); replaces --replicas"})
+    decode: int = field(default=0, metadata={
+        "help": "a disaggregated fleet: this many decode replicas (--disaggregation-mode decode), with --prefill"})
+    transfer_backend: str = field(default="grpc", metadata={
+        "help": "with --prefill/--decode: how the KV crosses from a prefill worker to a decode worker (the "
+                "workers' --disaggregation-transfer-backend)", "choices": pd.TRANSFER_BACKENDS})
     kvstore: bool | None = field(default=None, metadata={
         "help": "start a kvstore and wire every replica's worker to it, so a prefix one replica computed serves "
                 "the others (its flags, e.g. --kvstore-disk-dir, are forwarded); default: on when --replicas > 1"})
@@ -168,6 +193,19 @@ class UpConfig:
     def use_kvstore(self) -> bool:
         return self.replicas > 1 if self.kvstore is None else self.kvstore
 
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill > 0 or self.decode > 0
+
+    @property
+    def engine_replicas(self) -> int:
+        """Replicas sharing this machine, whatever their role."""
+        return self.prefill + self.decode if self.disaggregated else self.replicas
+
+    @property
+    def starts_router(self) -> bool:
+        return self.replicas > 1 or self.router or self.disaggregated
+
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
@@ -175,13 +213,14 @@ class UpConfig:
             raise ValueError("--drain-timeout-s and --kill-grace-s must be >= 0, --start-timeout-s > 0")
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        pd.check_counts(self.prefill, self.decode, self.replicas)
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.restart_max_tries < 1 or self.restart_backoff_s < 0:
             raise ValueError("--restart-max-tries must be >= 1 and --restart-backoff-s >= 0, got "
                              f"{self.restart_max_tries} and {self.restart_backoff_s}")
         if self.pin_lead_cpu is not None:
-            if self.replicas != 1:
+            if self.engine_replicas != 1:
                 raise ValueError("--pin-lead-cpu serves one replica")
             from services.worker.lead_cpu import other_cpus
             other_cpus(self.pin_lead_cpu)
@@ -245,8 +284,11 @@ def route_flags(extra: list[str], services: list[str]) -> dict[str, list[str]]:
 class Mesh:
     def __init__(self, config: UpConfig, routed: dict[str, list[str]]) -> None:
         self.config, self.routed = config, routed
-        self.plan = plan(config.replicas, config.router, "gateway" in routed, config.use_kvstore)
+        self.plan = plan(config.replicas, config.router, "gateway" in routed, config.use_kvstore,
+                         config.prefill, config.decode)
         self.metrics_ports = metrics_ports(self.plan, config.metrics_port)
+        # Children that advertise their own address get a port before they start (pd.py).
+        self.known_ports = {p.name: pd.free_loopback_port() for p in self.plan if pd.needs_known_port(p.service, p.role)}
         self.children: dict[str, Child] = {}
         self.tries: dict[str, int] = {}  # consecutive restarts per child
         self.started_at: dict[str, float] = {}
@@ -284,7 +326,8 @@ class Mesh:
     def _argv(self, name: str, peers: list[tuple[str, list[str]]], child: str = "") -> list[str]:
         """Flags of child `child` running service `name`."""
         cfg = self.config
-        argv = ["--listen", "127.0.0.1:0"]
+        listen = f"127.0.0.1:{self.known_ports.get(child, 0)}"
+        argv = ["--listen", listen]
         for flag, names in peers:
             argv += [flag, *(self.children[peer].address for peer in names)]
         if name == "gateway":
@@ -300,11 +343,15 @@ class Mesh:
             argv += ["--metrics-port", str(self.metrics_ports[child])]
         if name == "worker" and cfg.pin_lead_cpu is not None:
             argv += ["--lead-cpu", str(cfg.pin_lead_cpu)]
-        if name == "worker" and cfg.replicas > 1 and "--num-threads" not in routed:
+        if name == "worker" and cfg.engine_replicas > 1 and "--num-threads" not in routed:
             # N workers on one machine: split the cores instead of oversubscribing them
             # (each OpenMP team spinning on all cores slows every worker several-fold).
-            argv += ["--num-threads", str(worker_threads(cfg.replicas))]
+            argv += ["--num-threads", str(worker_threads(cfg.engine_replicas))]
+        argv += pd.disaggregation_flags(name, self._role(child), cfg.transfer_backend, listen)
         return argv + routed
+
+    def _role(self, child: str) -> str:
+        return next((p.role for p in self.plan if p.name == child), "")
 
     def _cpus(self, service: str) -> set[int] | None:
         """With --pin-lead-cpu every service but the worker runs off the lead CPU."""
@@ -480,12 +527,15 @@ def main(argv: list[str]) -> int:
     try:
         config = config_from_args(UpConfig, args)
         services = [name for name, _ in TOPOLOGY if name != "gateway" or config.gateway]
-        if config.replicas > 1 or config.router:
+        if config.starts_router:
             services.append("router")
         if config.use_kvstore:
             services.append("kvstore")
+        if config.disaggregated:
+            pd.refuse_owned(extra)
         routed = route_flags(extra, services)
-        metrics_ports(plan(config.replicas, config.router, config.gateway, config.use_kvstore), config.metrics_port)
+        metrics_ports(plan(config.replicas, config.router, config.gateway, config.use_kvstore, config.prefill,
+                           config.decode), config.metrics_port)
     except ValueError as e:
         parser.error(str(e))
     if config.gateway and load_ref("services.gateway.main:main") is None:

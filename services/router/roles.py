@@ -22,7 +22,7 @@ def refusal(role: str, info: pb.InfoResponse | None, info_error: str = "") -> st
         if role == COLOCATED:
             return None
         return f"its Info did not answer ({info_error}), so its disaggregation mode is unknown"
-    mode = info.disaggregation_mode
+    mode = "" if info.disaggregation_mode == "null" else info.disaggregation_mode  # the services' flag value
     if mode != role:
         if role == COLOCATED:
             return (f"it is a disaggregated {mode} replica (its Info reports disaggregation_mode {mode!r}); "
