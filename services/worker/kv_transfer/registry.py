@@ -17,6 +17,7 @@ from services.worker.kv_transfer.engine import ROLES, KVTransferEngine
 # name -> "module:class"
 TRANSFER_BACKENDS = {
     "grpc": "services.worker.kv_transfer.grpc_engine:GrpcTransferEngine",  # the default: any host, a port
+    "shm": "services.worker.kv_transfer.shm_engine:ShmTransferEngine",  # same host: /dev/shm, no socket
 }
 
 
@@ -41,6 +42,7 @@ def create_engine(backend: str, pool: KVPool, role: str, host: str = "127.0.0.1"
 
 
 def pool_storage(backend: str, role: str) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None:
-    """The KVPool storage callable a `role` pool needs under `backend`, or None for KVPool's default."""
+    """The KVPool storage callable a `role` pool needs under `backend` (the shm decode pool's
+    /dev/shm files), or None for KVPool's default."""
     _check_role(role)
     return backend_class(backend).decode_storage if role == "decode" else None
