@@ -18,7 +18,12 @@ AVX2_TESTS := tests/unit/test_cpu_isa.py tests/unit/test_kernels_cpu.py tests/un
 
 .PHONY: setup kernels test test-fast test-avx2 serve protos bench clean
 
+# Mooncake's transfer engine (the mooncake KV transfer backend) loads Debian's libibverbs1, installed
+# here when missing and we are root with apt-get; without it only that backend is unavailable, and says so.
 $(STAMP): pyproject.toml
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q libibverbs1 || (apt-get update -q && apt-get install -y -q libibverbs1); }; } || \
+		echo "warning: libibverbs1 is not installed; the mooncake KV transfer backend will be unavailable" >&2
 	python3 -m venv $(VENV)
 	$(PIP) install torch==2.13.0            # the CPU wheel; an unpinned torch pulls a CUDA build
 	$(PIP) install -e '.[test]'

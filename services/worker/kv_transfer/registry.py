@@ -18,6 +18,7 @@ from services.worker.kv_transfer.engine import ROLES, KVTransferEngine
 TRANSFER_BACKENDS = {
     "grpc": "services.worker.kv_transfer.grpc_engine:GrpcTransferEngine",  # the default: any host, a port
     "shm": "services.worker.kv_transfer.shm_engine:ShmTransferEngine",  # same host: /dev/shm, no socket
+    "mooncake": "services.worker.kv_transfer.mooncake_engine:MooncakeTransferEngine",  # Mooncake TE: tcp or rdma
 }
 
 
