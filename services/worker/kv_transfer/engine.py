@@ -17,6 +17,12 @@ class KVTransferError(RuntimeError):
     """A transfer that failed or could not start; the message names the peer and what failed."""
 
 
+def no_descriptor(backend: str) -> KVTransferError:
+    """What descriptor() raises on an engine that is not a serving decode side."""
+    return KVTransferError(f"a prefill-side (or closed) {backend} engine has no descriptor: "
+                           "create it with role='decode'")
+
+
 class KVTransferEngine(Protocol):
     backend: str  # its name in registry.TRANSFER_BACKENDS
 

@@ -20,7 +20,7 @@ import torch
 from protos.radixmesh.v1 import kv_transfer_pb2 as pb
 from protos.radixmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
 from services.worker.kv_pool import KVPool
-from services.worker.kv_transfer.engine import KVTransferError
+from services.worker.kv_transfer.engine import KVTransferError, no_descriptor
 from services.worker.kv_transfer.layout import PageRun, PoolLayout, make_descriptor, plan_send
 
 CHUNK_BYTES = 4 << 20  # payload per message: grpc's default receive limit, and enough to fill the pipe
@@ -90,7 +90,8 @@ class _Receiver(pb_grpc.KVReceiverServicer):
         segments = list(chunk.segments)
         total = sum(s.num_pages for s in segments) * page_bytes
         if total != len(data):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a chunk's segments name {total} bytes, it carries {len(data)}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a chunk's segments name {total} bytes, it carries {len(data)}")
         for s in segments:
             if s.tensor > 1 or s.layer >= lay.num_layers or s.dst_page + s.num_pages > lay.num_pages:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"segment (layer {s.layer}, tensor {s.tensor}, pages "
@@ -140,7 +141,7 @@ class GrpcTransferEngine:
 
     def descriptor(self) -> str:
         if self._address is None:
-            raise KVTransferError("a prefill-side (or closed) grpc engine has no descriptor: create it with role='decode'")
+            raise no_descriptor(self.backend)
         return make_descriptor(self.backend, f"grpc://{self._address}", self.layout, address=self._address)
 
     def send(self, descriptor: str, src_pages: list[int], dst_pages: list[int]) -> int:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from services.worker.kv_pool import KVPool
-from services.worker.kv_transfer.engine import KVTransferError
+from services.worker.kv_transfer.engine import KVTransferError, no_descriptor
 from services.worker.kv_transfer.layout import PoolLayout, make_descriptor, plan_send
 
 INSTALL_HINT = ("install Debian's libibverbs1 (apt-get install libibverbs1) and the wheel "
@@ -84,7 +84,7 @@ class MooncakeTransferEngine:
 
     def descriptor(self) -> str:
         if self._role != "decode" or self._te is None:
-            raise KVTransferError("a prefill-side (or closed) mooncake engine has no descriptor: create it with role='decode'")
+            raise no_descriptor(self.backend)
         (k, _), (v, _) = self._buffers
         return make_descriptor(self.backend, f"mooncake://{self.session}", self.layout,
                                session=self.session, k_base=k, v_base=v, protocol=self.protocol)
@@ -94,7 +94,8 @@ class MooncakeTransferEngine:
         if self._te is None:
             raise KVTransferError(f"send to {desc['peer']}: this mooncake engine is closed")
         if desc.get("protocol") != self.protocol:
-            raise KVTransferError(f"receiver {desc['peer']} speaks {desc.get('protocol')!r}, this engine {self.protocol!r}")
+            raise KVTransferError(f"receiver {desc['peer']} speaks {desc.get('protocol')!r}, "
+                                  f"this engine {self.protocol!r}")
         if not runs:
             return 0
         srcs, dsts, lengths = [], [], []

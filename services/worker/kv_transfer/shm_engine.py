@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.kv_pool import KVPool
-from services.worker.kv_transfer.engine import KVTransferError
+from services.worker.kv_transfer.engine import KVTransferError, no_descriptor
 from services.worker.kv_transfer.layout import PoolLayout, make_descriptor, plan_send
 
 SHM_DIR = "/dev/shm"
@@ -138,7 +138,7 @@ class ShmTransferEngine:
 
     def descriptor(self) -> str:
         if self._files is None:
-            raise KVTransferError("a prefill-side (or closed) shm engine has no descriptor: create it with role='decode'")
+            raise no_descriptor(self.backend)
         k, v = self._files
         return make_descriptor(self.backend, f"shm:pid {os.getpid()} ({k})", self.layout, k=k, v=v)
 
