@@ -10,9 +10,10 @@ ARG BASE_IMAGE=debian:bookworm-slim
 # Python 3.11 (bookworm's, matching build/wheels) and what the CPU kernels (kernels/cpu) compile
 # with where they run: g++ (OpenMP included) and Python's headers; torch brings its own headers
 # and the venv ninja. Without them the worker falls back to plain torch, about twice as slow.
+# libibverbs1: Mooncake's transfer engine loads it (--disaggregation-transfer-backend mooncake).
 FROM ${BASE_IMAGE} AS system
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-dev g++ \
+ && apt-get install -y --no-install-recommends python3 python3-dev g++ libibverbs1 \
  && rm -rf /var/lib/apt/lists/* /usr/lib/python3.11/config-3.11-*/libpython3.11*.a
 
 # The virtual environment: exactly the wheels in build/wheels, offline and without resolving
