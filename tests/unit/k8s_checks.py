@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +24,9 @@ SERVE = "set -f; exec radixmesh serve \"$0\" $(grep -v '^[[:space:]]*#' \"/etc/r
 # A worker group's pods (overlays/worker-group): the same, plus the pod's node rank from its env.
 NODE_RANK_ENV = "RADIXMESH_NODE_RANK"
 GROUP_SERVE = SERVE + f' --node-rank "${NODE_RANK_ENV}"'
+# Any other SERVE + "--flag VALUE ...": a per-pod value the flags file cannot hold, from the
+# container's env (e.g. the pod's IP through the downward API: overlays/pd).
+POD_IP = "10.244.0.{}"  # what the downward API's status.podIP gives pod `ordinal` here
 POD_INDEX = "apps.kubernetes.io/pod-index"  # labels the StatefulSet controller adds to each pod
 POD_NAME = "statefulset.kubernetes.io/pod-name"
 CONFIGS = {  # `radixmesh serve <service>` -> its config dataclass (the flags it accepts)
@@ -98,6 +102,8 @@ def downward(field_path: str, workload: dict, ordinal: int) -> str:
         value = pod_labels(workload)[ordinal].get(m.group(1))
         assert value is not None, f"{workload['metadata']['name']}: no pod label {m.group(1)}"
         return value
+    if field_path == "status.podIP":
+        return POD_IP.format(10 + ordinal)
     assert field_path == "metadata.name", f"{workload['metadata']['name']}: downward API field {field_path}"
     return pod_labels(workload)[ordinal].get(POD_NAME, workload["metadata"]["name"])
 
@@ -128,7 +134,7 @@ def parse_flags(service: str, argv: list[str]) -> Any:
 def read_container(objects: list[dict], workload: dict, spec: dict) -> Container:
     where = f"{workload['metadata']['name']}/{spec['name']}"
     command = spec.get("command", [])
-    assert command[:2] == ["sh", "-c"] and command[2] in (SERVE, GROUP_SERVE) and len(command) == 4, \
+    assert command[:2] == ["sh", "-c"] and command[2].startswith(SERVE) and len(command) == 4, \
         f"{where}: command {command}"
     service = command[3]
     assert service in CONFIGS, f"{where}: unknown service {service}"
@@ -141,7 +147,8 @@ def read_container(objects: list[dict], workload: dict, spec: dict) -> Container
     text = configmap["data"].get(f"{service}.flags")
     assert text is not None, f"{where}: ConfigMap {configmap['metadata']['name']} has no {service}.flags"
     argv = flag_argv(text)
-    if command[2] == SERVE:
+    if command[2] != GROUP_SERVE:
+        argv += command_flags(command[2][len(SERVE):], spec, workload, where)
         return Container(workload, spec, service, argv, parse_flags(service, argv))
     # A worker group: the flags plus each pod's --node-rank, as the downward API fills the env.
     env = {e["name"]: e for e in spec.get("env", [])}
@@ -155,6 +162,31 @@ def read_container(objects: list[dict], workload: dict, spec: dict) -> Container
         pod_argv = [*argv, "--node-rank", rank]
         pods.append((pod_argv, parse_flags(service, pod_argv)))
     return Container(workload, spec, service, pods[0][0], pods[0][1], pods)
+
+
+def command_flags(suffix: str, spec: dict, workload: dict, where: str) -> list[str]:
+    """The flags a container's command adds after its flags file, as `sh` expands them in pod 0:
+    each `$NAME` from the container's env (a value, or the downward API's)."""
+    env = {e["name"]: e for e in spec.get("env", [])}
+
+    def value(m: re.Match) -> str:
+        assert m.group(1) in env, f"{where}: the command uses ${m.group(1)}, which its env lacks"
+        source = env[m.group(1)]
+        return source["value"] if "value" in source else downward(
+            source["valueFrom"]["fieldRef"]["fieldPath"], workload, 0)
+
+    words = shlex.split(suffix)
+    assert all(w.startswith("--") or not w.startswith("-") for w in words), f"{where}: command adds {words}"
+    return [re.sub(r"\$(\w+)", value, w) for w in words]
+
+
+def engine_role(r: "Rendered", c: Container) -> str:
+    """The disaggregation mode of the engine pod `c` is in ("" = co-located): its scheduler's."""
+    modes = {s.config.scheduler.disaggregation_mode for s in r.containers
+             if s.service == "scheduler" and s.workload is c.workload}
+    assert len(modes) <= 1, f"{c.where}: schedulers of several modes in one pod"
+    mode = modes.pop() if modes else "null"
+    return "" if mode == "null" else mode
 
 
 def inspect(objects: list[dict]) -> Rendered:
@@ -331,15 +363,25 @@ def _container_port(c: Container, target: Any) -> int | None:
 
 
 def check_router_discovers_engine_by_dns(r: Rendered) -> None:
-    router, tokenizer = r.serving("router"), r.serving("tokenizer")
-    assert router.config.replica_dns, f"{router.where}: no --replica-dns"
-    assert not router.config.replica_addrs, f"{router.where}: a static --replica-addrs list"
-    svc, port = _service_port(r, router.config.replica_dns)
-    assert svc["spec"].get("clusterIP") == "None", f"Service {svc['metadata']['name']} is not headless"
-    assert svc["spec"].get("publishNotReadyAddresses") is True  # the router health-checks loading pods itself
-    pods = _pods_selected(r, svc["spec"]["selector"], svc["metadata"].get("namespace"))
-    assert pods == [tokenizer.workload], f"{svc['metadata']['name']} selects {pods}, not the engine pods"
-    assert _container_port(tokenizer, port.get("targetPort", port["port"])) == tokenizer.port
+    """Each pool the router routes to (one co-located pool, or a disaggregated fleet's prefill and
+    decode pools) is a headless Service's DNS name that selects exactly that pool's engine pods."""
+    router = r.serving("router")
+    cfg = router.config
+    pools = {"prefill": cfg.prefill_dns, "decode": cfg.decode_dns} if cfg.disaggregated else {"": cfg.replica_dns}
+    for role, target in pools.items():
+        assert target, f"{router.where}: no --{role or 'replica'}-dns"
+    assert not (cfg.replica_addrs or cfg.prefill or cfg.decode), f"{router.where}: a static replica list"
+    for role, target in pools.items():
+        tokenizers = [c for c in r.containers if c.service == "tokenizer" and engine_role(r, c) == role]
+        assert len(tokenizers) == 1, f"{role or 'co-located'} engine pods: {[c.where for c in tokenizers]}"
+        tokenizer = tokenizers[0]
+        svc, port = _service_port(r, target)
+        assert svc["spec"].get("clusterIP") == "None", f"Service {svc['metadata']['name']} is not headless"
+        assert svc["spec"].get("publishNotReadyAddresses") is True  # the router health-checks loading pods itself
+        pods = _pods_selected(r, svc["spec"]["selector"], svc["metadata"].get("namespace"))
+        assert pods == [tokenizer.workload], \
+            f"{svc['metadata']['name']} selects {[w['metadata']['name'] for w in pods]}, not the {role or 'engine'} pods"
+        assert _container_port(tokenizer, port.get("targetPort", port["port"])) == tokenizer.port
 
 
 def adapter_metric_name(series: str) -> str:
@@ -353,22 +395,30 @@ def adapter_metric_name(series: str) -> str:
 
 
 def check_hpa(r: Rendered) -> None:
+    """One HPA per engine workload (a disaggregated fleet has two), on its schedulers' queue depth."""
     hpas = r.of_kind("HorizontalPodAutoscaler")
-    scheduler = r.serving("scheduler")
-    if r.serving("worker").group:  # a worker takes one scheduler's Step stream: one engine per group
+    schedulers = [c for c in r.containers if c.service == "scheduler"]
+    if any(c.group for c in r.containers if c.service == "worker"):  # a worker takes one scheduler's Step stream
         assert not hpas, "an HPA would scale the schedulers of one worker group"
-        assert scheduler.workload["spec"].get("replicas") == 1, f"{scheduler.where}: not one replica"
+        for scheduler in schedulers:
+            assert scheduler.workload["spec"].get("replicas") == 1, f"{scheduler.where}: not one replica"
         return
-    assert len(hpas) == 1
-    hpa = hpas[0]
-    ref = hpa["spec"]["scaleTargetRef"]
-    target = r.get(ref["kind"], ref["name"])
-    assert target is scheduler.workload and ref["apiVersion"] == target["apiVersion"], f"HPA targets {ref}"
-    assert "replicas" not in target["spec"], "the HPA owns the engine's replica count: no spec.replicas"
-    [metric] = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
-    assert metric["metric"]["name"] == adapter_metric_name(QUEUE_METRIC), f"HPA on {metric['metric']['name']}"
-    annotations = target["spec"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/port"] == str(scheduler.config.common.metrics_port)
+    assert len(hpas) == len(schedulers), f"{len(hpas)} HPAs for {len(schedulers)} engine workloads"
+    targets = {}
+    for hpa in hpas:
+        ref = hpa["spec"]["scaleTargetRef"]
+        target = r.get(ref["kind"], ref["name"])
+        assert target is not None and ref["apiVersion"] == target["apiVersion"], f"HPA targets {ref}"
+        targets[id(target)] = hpa
+    for scheduler in schedulers:
+        target = scheduler.workload
+        hpa = targets.get(id(target))
+        assert hpa is not None, f"HPA targets {[h['spec']['scaleTargetRef'] for h in hpas]}, not {scheduler.where}"
+        assert "replicas" not in target["spec"], "the HPA owns the engine's replica count: no spec.replicas"
+        [metric] = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+        assert metric["metric"]["name"] == adapter_metric_name(QUEUE_METRIC), f"HPA on {metric['metric']['name']}"
+        annotations = target["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(scheduler.config.common.metrics_port)
 
 
 def check_pdbs(r: Rendered) -> None:
@@ -395,10 +445,10 @@ def check_security_and_resources(r: Rendered) -> None:
         assert sc.get("capabilities", {}).get("drop") == ["ALL"], c.where
         for part in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(res.get(part, {})), f"{c.where}: no {part}"
-    worker = r.serving("worker")
-    threads, ranks = worker.config.worker.num_threads, worker.config.worker.ranks_per_node
-    assert threads is not None and threads * ranks <= cpus(worker.spec["resources"]["limits"]["cpu"]), \
-        f"{worker.where}: --num-threads {threads} x {ranks} ranks beyond its CPU limit"
+    for worker in (c for c in r.containers if c.service == "worker"):
+        threads, ranks = worker.config.worker.num_threads, worker.config.worker.ranks_per_node
+        assert threads is not None and threads * ranks <= cpus(worker.spec["resources"]["limits"]["cpu"]), \
+            f"{worker.where}: --num-threads {threads} x {ranks} ranks beyond its CPU limit"
 
 
 def check_ingress(r: Rendered) -> None:
@@ -464,9 +514,36 @@ def check_worker_group(r: Rendered) -> None:
         assert dialers == 1, f"{dialers} schedulers dial worker group {name}"
 
 
+def check_disaggregation(r: Rendered) -> None:
+    """A disaggregated fleet (overlays/pd): in each engine pod the worker runs the scheduler's mode;
+    a prefill scheduler advertises its own pod IP and port as --bootstrap-address, a decode worker
+    its pod IP as --disaggregation-host (so the prefill workers reach it); every worker of the
+    fleet uses one transfer backend, one that crosses hosts (not shm); no worker uses a kvstore."""
+    workers = [c for c in r.containers if c.service == "worker"]
+    roles = {id(c.workload): engine_role(r, c) for c in workers}
+    if not any(roles.values()):
+        return
+    assert set(roles.values()) == {"prefill", "decode"}, f"engine pools {sorted(set(roles.values()))}"
+    backends = {c.config.worker.disaggregation_transfer_backend for c in workers}
+    assert len(backends) == 1 and backends != {"shm"}, f"transfer backends {sorted(backends)}: one, across hosts"
+    for worker in workers:
+        role, pod_ip = roles[id(worker.workload)], downward("status.podIP", worker.workload, 0)
+        assert worker.config.worker.disaggregation_mode == role, \
+            f"{worker.where}: --disaggregation-mode {worker.config.worker.disaggregation_mode}, its scheduler {role}"
+        assert not worker.config.hicache.kvstore_addr, f"{worker.where}: a kvstore in a disaggregated fleet"
+        if role == "decode":
+            assert worker.config.worker.disaggregation_host == pod_ip, \
+                f"{worker.where}: --disaggregation-host {worker.config.worker.disaggregation_host}, not its pod IP"
+    for s in (c for c in r.containers if c.service == "scheduler" and roles.get(id(c.workload)) == "prefill"):
+        want = f"{downward('status.podIP', s.workload, 0)}:{s.port}"
+        assert s.config.bootstrap_address == want, \
+            f"{s.where}: --bootstrap-address {s.config.bootstrap_address!r}, not its pod's {want}"
+        assert _container_port(s, s.port) == s.port, f"{s.where}: no containerPort {s.port} (PrefillBootstrap)"
+
+
 CHECKS: list[Callable[[Rendered], None]] = [
     check_schemas, check_probes, check_grace_covers_drain, check_configmaps, check_services_select_pods,
     check_addresses, check_router_discovers_engine_by_dns, check_hpa, check_pdbs, check_security_and_resources,
-    check_ingress, check_worker_group]
+    check_ingress, check_worker_group, check_disaggregation]
 
 

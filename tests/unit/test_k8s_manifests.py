@@ -5,8 +5,10 @@ service's own port, grace periods and liveness windows that cover the drains, fl
 services accept, the router discovering the engine pods through a headless Service, the HPA on the
 scheduler's queue depth as the metrics adapter names it, PDBs and Services that select real pods,
 ConfigMaps that exist; in overlays/worker-group, a worker over two pods of a StatefulSet wired as one
-group (ordinal = node rank, pod 0 the rendezvous and the only pod the scheduler dials). The breakage
-tests damage a manifest on purpose to show that the checks bite."""
+group (ordinal = node rank, pod 0 the rendezvous and the only pod the scheduler dials); in overlays/pd,
+a prefill pool and a decode pool the router pairs (each found through its own headless Service, the
+modes matching in each pod, the addresses a pod advertises its own). The breakage tests damage a
+manifest on purpose to show that the checks bite."""
 from __future__ import annotations
 
 import copy
@@ -22,13 +24,14 @@ import yaml
 from services.launcher.serve import SERVICES
 from tests.unit.k8s_checks import (CHECKS, CONFIGS, K8S, QUEUE_METRIC, ROOT, Rendered, adapter_metric_name,
                                    check_addresses, check_grace_covers_drain, check_hpa, check_pdbs, check_probes,
-                                   check_router_discovers_engine_by_dns, check_schemas, check_security_and_resources,
-                                   check_worker_group,
-                                   inspect, mount_name)
+                                   check_disaggregation, check_router_discovers_engine_by_dns, check_schemas,
+                                   check_security_and_resources, check_worker_group, inspect, mount_name)
 from tests.unit.kustomize_lite import load_documents, pod_spec, render, strategic_merge
 
-TREES = ("base", "overlays/cpu-small", "overlays/model-pvc", "overlays/worker-group")
+TREES = ("base", "overlays/cpu-small", "overlays/model-pvc", "overlays/worker-group", "overlays/pd")
 GROUP = "overlays/worker-group"
+PD = "overlays/pd"
+ENGINE = ("tokenizer", "scheduler", "worker", "detokenizer")
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +53,9 @@ def test_manifests(tree: str, check: Callable[[Rendered], None]) -> None:
 def test_every_service_has_a_config_and_runs_in_the_fleet():
     assert set(CONFIGS) == set(SERVICES)
     for tree in TREES:
-        want = [s for s in SERVICES if not (tree == GROUP and s == "kvstore")]  # a group runs without one
+        want = [s for s in SERVICES if not (tree in (GROUP, PD) and s == "kvstore")]  # these run without one
+        if tree == PD:
+            want += ENGINE  # an engine pod per pool
         assert sorted(c.service for c in rendered(tree).containers) == sorted(want), tree
 
 
@@ -95,6 +100,25 @@ def test_the_worker_group_overlay_is_one_engine_over_a_two_pod_group():
     assert "worker" not in [c["name"] for c in pod_spec(engine)["containers"]]
     assert "worker.flags" not in r.get("ConfigMap", "radixmesh-engine-flags")["data"]
     assert not r.of_kind("HorizontalPodAutoscaler") and r.get("StatefulSet", "radixmesh-kvstore") is None
+
+
+def test_the_pd_overlay_pairs_a_prefill_pool_with_a_decode_pool():
+    r = rendered(PD)
+    router = r.serving("router").config
+    assert router.disaggregated and (router.prefill_dns, router.decode_dns) == \
+        ("radixmesh-engine:50051", "radixmesh-decode:50051")
+    assert (router.prefill_policy, router.decode_policy) == ("cache_aware", "least_load")
+    pods = {c.workload["metadata"]["name"]: c for c in r.containers if c.service == "scheduler"}
+    assert {name: c.config.scheduler.disaggregation_mode for name, c in pods.items()} == \
+        {"radixmesh-engine": "prefill", "radixmesh-decode": "decode"}
+    assert pods["radixmesh-engine"].config.bootstrap_address == "10.244.0.10:50052"  # its pod IP, its port
+    assert pods["radixmesh-decode"].config.bootstrap_address == ""
+    workers = {c.workload["metadata"]["name"]: c.config.worker for c in r.containers if c.service == "worker"}
+    assert workers["radixmesh-decode"].disaggregation_host == "10.244.0.10"
+    assert {w.disaggregation_transfer_backend for w in workers.values()} == {"grpc"}
+    hpas = {h["spec"]["scaleTargetRef"]["name"] for h in r.of_kind("HorizontalPodAutoscaler")}
+    assert hpas == {"radixmesh-engine", "radixmesh-decode"}
+    assert r.get("StatefulSet", "radixmesh-kvstore") is None
 
 
 def _named(objects: list[dict], kind: str, name: str) -> dict:
@@ -228,6 +252,62 @@ GROUP_BREAKAGES: list[tuple[Callable[[list[dict]], None], Callable[[Rendered], N
                                             "radixmesh-worker-group-0.radixmesh-worker-group:50053"),
     (give_the_group_a_kvstore, check_worker_group, "with a host KV tier or a kvstore is not supported"),
     (ask_for_too_many_threads, check_security_and_resources, "--num-threads 2 x 3 ranks beyond its CPU limit")]
+
+
+def _pd_flags(objects: list[dict], configmap: str, key: str, old: str, new: str) -> None:
+    data = _named(objects, "ConfigMap", configmap)["data"]
+    assert old in data[key]
+    data[key] = data[key].replace(old, new)
+
+
+def decode_on_a_prefill_worker(objects: list[dict]) -> None:
+    _pd_flags(objects, "radixmesh-decode-flags", "worker.flags", "--disaggregation-mode decode",
+              "--disaggregation-mode prefill")
+
+
+def advertise_loopback(objects: list[dict]) -> None:
+    scheduler = next(c for c in _engine_pod(objects)["containers"] if c["name"] == "scheduler")
+    scheduler["command"][2] = scheduler["command"][2].replace('"$RADIXMESH_POD_IP:50052"', "127.0.0.1:50052")
+
+
+def transfer_through_shared_memory(objects: list[dict]) -> None:
+    for configmap in ("radixmesh-engine-flags", "radixmesh-decode-flags"):
+        _pd_flags(objects, configmap, "worker.flags", "--disaggregation-transfer-backend grpc",
+                  "--disaggregation-transfer-backend shm")
+
+
+def discover_both_pools_in_one_service(objects: list[dict]) -> None:
+    _pd_flags(objects, "radixmesh-router-flags", "router.flags", "--decode-dns radixmesh-decode:50051",
+              "--decode-dns radixmesh-engine:50051")
+
+
+def use_an_undefined_variable(objects: list[dict]) -> None:
+    decode = pod_spec(_named(objects, "Deployment", "radixmesh-decode"))
+    worker = next(c for c in decode["containers"] if c["name"] == "worker")
+    worker["env"] = [e for e in worker["env"] if e["name"] != "RADIXMESH_POD_IP"]
+
+
+def _read_pd(r: Rendered) -> None:
+    """Reading the manifests (inspect) is the check: the command's variables come from the env."""
+
+
+PD_BREAKAGES: list[tuple[Callable[[list[dict]], None], Callable[[Rendered], None], str]] = [
+    (decode_on_a_prefill_worker, check_disaggregation, "--disaggregation-mode prefill, its scheduler decode"),
+    (advertise_loopback, check_disaggregation, "--bootstrap-address '127.0.0.1:50052', not its pod's 10.244.0.10"),
+    (transfer_through_shared_memory, check_disaggregation, r"transfer backends \['shm'\]"),
+    (discover_both_pools_in_one_service, check_router_discovers_engine_by_dns,
+     "radixmesh-engine selects \\['radixmesh-engine'\\], not the decode pods"),
+    (use_an_undefined_variable, _read_pd, r"uses \$RADIXMESH_POD_IP, which its env lacks")]
+
+
+@pytest.mark.parametrize(("breaking", "check", "message"), PD_BREAKAGES, ids=[b.__name__ for b, _, _ in PD_BREAKAGES])
+def test_a_broken_pd_overlay_fails(breaking: Callable[[list[dict]], None], check: Callable[[Rendered], None],
+                                   message: str) -> None:
+    objects = copy.deepcopy(_rendered(PD))
+    check(inspect(copy.deepcopy(objects)))  # fine before
+    breaking(objects)
+    with pytest.raises(AssertionError, match=message):
+        check(inspect(objects))
 
 
 @pytest.mark.parametrize(("breaking", "check", "message"), GROUP_BREAKAGES,
