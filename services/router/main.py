@@ -10,6 +10,7 @@ radixmesh.v1.Router admin service; docs/router.md explains policies, flags and f
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -56,9 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             for address in addresses:
                 pools.fleets[role].add(address)
         pools.start()
-        for role, addresses in listed.items():
-            if addresses:
-                await admit_listed(pools.fleets[role], addresses, config)
+        await asyncio.gather(*(admit_listed(pools.fleets[role], addresses, config)
+                               for role, addresses in listed.items() if addresses))  # the pools wait together
         for discovery in discoveries:
             # No waiting here: engine pods may load their model for minutes; the router's health
             # follows the routable set meanwhile.
@@ -91,8 +91,11 @@ async def admit_listed(fleet: Fleet, addresses: list[str], config: RouterConfig)
     for address, why in refused.items():
         log.error(f"{pool} refused", extra={"replica": address, "reason": why})
     if not admitted:
-        named = "; ".join(f"{a} refused: {why}" for a, why in refused.items())
-        raise RuntimeError(f"no {pool} became SERVING within {config.peer_wait_s}s" + (f" ({named})" if named else ""))
+        parts = [f"{a} refused: {why}" for a, why in refused.items()]
+        late = [a for a in addresses if a not in refused]
+        if late:
+            parts.append(f"{', '.join(late)} not SERVING within {config.peer_wait_s}s")
+        raise RuntimeError(f"no {pool} was admitted: " + "; ".join(parts))
     log.info("replicas ready", extra={"role": fleet.role, "admitted": admitted, "policy": fleet.policy.name,
                                       "missing": sorted(set(addresses) - set(admitted))})
 
