@@ -2,7 +2,7 @@
 
     radixmesh up [--model PATH] [--http-port 8000] [--no-gateway] [service flags...]
     radixmesh up --replicas 2 [--policy cache_aware] [router flags...]   # a fleet behind the router
-    radixmesh up --prefill 1 --decode 1 [--transfer-backend grpc]        # a disaggregated fleet (services/launcher/pd.py)
+    radixmesh up --prefill 1 --decode 1 [--transfer-backend grpc]        # a disaggregated fleet (launcher/pd.py)
 
 Starts the worker, the scheduler (once the worker listens), the detokenizer (which
 reads the scheduler's outputs), the tokenizer, and the gateway, each with `--listen 127.0.0.1:0` (the port a
@@ -288,7 +288,8 @@ class Mesh:
                          config.prefill, config.decode)
         self.metrics_ports = metrics_ports(self.plan, config.metrics_port)
         # Children that advertise their own address get a port before they start (pd.py).
-        self.known_ports = {p.name: pd.free_loopback_port() for p in self.plan if pd.needs_known_port(p.service, p.role)}
+        self.known_ports = {p.name: pd.free_loopback_port() for p in self.plan
+                            if pd.needs_known_port(p.service, p.role)}
         self.children: dict[str, Child] = {}
         self.tries: dict[str, int] = {}  # consecutive restarts per child
         self.started_at: dict[str, float] = {}

@@ -380,7 +380,8 @@ def check_router_discovers_engine_by_dns(r: Rendered) -> None:
         assert svc["spec"].get("publishNotReadyAddresses") is True  # the router health-checks loading pods itself
         pods = _pods_selected(r, svc["spec"]["selector"], svc["metadata"].get("namespace"))
         assert pods == [tokenizer.workload], \
-            f"{svc['metadata']['name']} selects {[w['metadata']['name'] for w in pods]}, not the {role or 'engine'} pods"
+            f"{svc['metadata']['name']} selects {[w['metadata']['name'] for w in pods]}, " \
+            f"not the {role or 'engine'} pods"
         assert _container_port(tokenizer, port.get("targetPort", port["port"])) == tokenizer.port
 
 
