@@ -50,11 +50,13 @@ class Mesh:
     """The launcher with its stderr (JSON lines of every service) collected by a reader thread."""
 
     def __init__(self, *flags: str, drain_timeout_s: float = 10.0, gateway: bool = False,
-                 env: dict[str, str] | None = None) -> None:
-        """env: variables added to this process's environment (e.g. OTEL_*) for every service."""
+                 env: dict[str, str] | None = None, cpus: str | None = None) -> None:
+        """env: variables added to this process's environment (e.g. OTEL_*) for every service;
+        cpus: the CPUs every process of the mesh runs on (taskset's list, e.g. "0" or "0,1")."""
         gateway_flags = ["--http-port", "0"] if gateway else ["--no-gateway"]
+        pinned = ["taskset", "-c", cpus] if cpus else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", *gateway_flags, "--drain-timeout-s", str(drain_timeout_s),
+            [*pinned, sys.executable, "-m", "services.cli", "up", *gateway_flags, "--drain-timeout-s", str(drain_timeout_s),
              *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **env} if env else None)
         self.events: queue.Queue[dict] = queue.Queue()

@@ -1,0 +1,233 @@
+"""Prefill/decode disaggregation between two real replicas (`radixmesh up`, real model, float32):
+the request goes to both tokenizers with the pairing the router would give it, the decode side's
+stream is the client's. Compared token for token with a third, co-located replica; abort and kill
+tests leave the KV pages on both sides back at their baseline."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+
+import grpc
+import pytest
+
+from protos.radixmesh.v1 import common_pb2, tokenizer_pb2
+from tests.integration.mesh_harness import SMALL_MESH, Mesh, chat, collect, greedy, stats
+
+pytestmark = pytest.mark.slow
+
+PD_FLAGS = [*SMALL_MESH, "--chunked-prefill-size", "64"]  # long prompts cross chunk by chunk
+SYSTEM = ("You are a careful assistant. Answer briefly and precisely, in plain English, and never "
+          "invent facts. " * 6)
+
+
+def meshes(*modes: str, backend: str = "grpc", extra: tuple[str, ...] = ()) -> list[Mesh]:
+    started = []
+    try:
+        for mode in modes:
+            flags = PD_FLAGS if mode == "null" else [*PD_FLAGS, "--disaggregation-mode", mode,
+                                                     "--disaggregation-transfer-backend", backend, *extra]
+            started.append(Mesh(*flags))
+        for mesh in started:
+            mesh.wait_ready()
+    except Exception:
+        for mesh in started:
+            mesh.kill_all()
+        raise
+    return started
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    mesh, = meshes("null")
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="module", params=["grpc", "shm", "mooncake"])
+def pair(request):
+    """(prefill, decode) replicas moving KV with one transfer backend."""
+    started = meshes("prefill", "decode", backend=request.param)
+    yield started
+    for mesh in started:
+        mesh.stop()
+
+
+_references: dict[str, dict] = {}
+
+
+def reference(colocated: Mesh, case: str) -> dict:
+    if case not in _references:
+        _references[case] = collect(colocated.tokenizer().Generate(CASES[case], timeout=120))[0]
+    return _references[case]
+
+
+def bootstrap(prefill: Mesh) -> str:
+    info = prefill.tokenizer().Info(tokenizer_pb2.InfoRequest(), timeout=10)
+    assert info.disaggregation_mode == "prefill" and info.bootstrap_address
+    return info.bootstrap_address
+
+
+def paired(request: tokenizer_pb2.GenerateTextRequest, address: str, room: str | None = None):
+    """The request as the router sends it to each side."""
+    room = room or uuid.uuid4().hex
+    sides = []
+    for role in (common_pb2.Disaggregation.PREFILL, common_pb2.Disaggregation.DECODE):
+        side = tokenizer_pb2.GenerateTextRequest()
+        side.CopyFrom(request)
+        side.rid = f"{request.rid}-{role}"
+        side.disaggregation.role, side.disaggregation.room = role, room
+        if role == common_pb2.Disaggregation.DECODE:
+            side.disaggregation.bootstrap_address = address
+        sides.append(side)
+    return sides
+
+
+def run_pair(prefill: Mesh, decode: Mesh, request, timeout: float = 120) -> tuple[dict, dict]:
+    """Both sides at once; (decode side's sequences, prefill side's)."""
+    to_prefill, to_decode = paired(request, bootstrap(prefill))
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault(
+        "p", collect(prefill.tokenizer().Generate(to_prefill, timeout=timeout))))
+    thread.start()
+    try:
+        decoded = collect(decode.tokenizer().Generate(to_decode, timeout=timeout))
+    finally:
+        thread.join(timeout)
+    return decoded, out.get("p")
+
+
+def request(content: str, **sampling) -> tokenizer_pb2.GenerateTextRequest:
+    max_new = sampling.pop("max_new_tokens", 24)
+    return tokenizer_pb2.GenerateTextRequest(rid=uuid.uuid4().hex, conversation=chat(content),
+                                             sampling=greedy(max_new, **sampling))
+
+
+CASES = {
+    "story": request("Tell me a short story about a lighthouse keeper."),
+    "ends-by-eos": request("What is the capital of France? Answer in one sentence.", max_new_tokens=40),
+    "stop-string": request("Count from one to ten in words, separated by commas.", stop=[" five"]),
+    "logprobs": request("Name three primary colors.", logprobs=True, top_logprobs=3, max_new_tokens=12),
+    "long-prompt": request(SYSTEM + "Now say hello.", max_new_tokens=16),
+    "regex": request("Give me a date.", max_new_tokens=16,
+                     constraint=common_pb2.Constraint(kind="regex", spec=r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_disaggregated_output_equals_colocated(pair, colocated, case):
+    prefill, decode = pair
+    req = CASES[case]
+    expected = reference(colocated, case)
+    got, prefill_side = run_pair(prefill, decode, req)
+    assert -1 not in got, got.get(-1)
+    seq = got[0]
+    assert seq["token_ids"] == expected["token_ids"], (seq["text"], expected["text"])
+    assert seq["text"] == expected["text"]
+    assert seq["finish"] == expected["finish"]
+    prompt, completion, cached = seq["usage"]
+    assert (prompt, completion) == expected["usage"][:2]
+    assert 0 <= cached <= prompt
+    assert len(seq["logprobs"]) == len(expected["logprobs"])
+    for a, b in zip(seq["logprobs"], expected["logprobs"]):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+    # the prefill side sampled the client's first token, and stopped there
+    assert prefill_side[0]["token_ids"] == seq["token_ids"][:1]
+    assert settle(prefill, decode) == [0, 0]  # no page is left private on either side
+
+
+def private_pages(mesh: Mesh) -> int:
+    s = stats(mesh)
+    return s.kv_pages_used - s.kv_pages_cached
+
+
+def settle(*sides: Mesh, timeout: float = 30) -> list[int]:
+    end = time.monotonic() + timeout
+    while True:
+        pages = [private_pages(m) for m in sides]
+        if not any(pages) or time.monotonic() > end:
+            return pages
+        time.sleep(0.2)
+
+
+def test_a_shared_prefix_crosses_once(pair):
+    prefill, decode = pair
+    hits_before = stats(decode).cache_hit_tokens
+    first, _ = run_pair(prefill, decode, request(SYSTEM + "Say one word.", max_new_tokens=4))
+    second, _ = run_pair(prefill, decode, request(SYSTEM + "Say two words.", max_new_tokens=4))
+    assert first[0]["finish"] is not None and second[0]["finish"] is not None
+    prompt = second[0]["usage"][0]
+    # the decode side matched the shared system prompt in its own cache: only the rest crossed
+    assert stats(decode).cache_hit_tokens - hits_before >= prompt // 2
+    assert settle(prefill, decode) == [0, 0]
+
+
+def test_cancelled_pairs_free_their_pages_on_both_sides(pair):
+    prefill, decode = pair
+    address = bootstrap(prefill)
+    calls = []
+    for i in range(4):
+        req = request(SYSTEM + f"Write a long essay about topic number {i}.", max_new_tokens=200)
+        to_prefill, to_decode = paired(req, address)
+        calls.append(prefill.tokenizer().Generate(to_prefill, timeout=120))
+        calls.append(decode.tokenizer().Generate(to_decode, timeout=120))
+    decode_calls = calls[1::2]
+    next(iter(decode_calls[0]))  # one is decoding, the others anywhere from queued to crossing
+    time.sleep(0.3)
+    for call in decode_calls:  # the client goes away
+        call.cancel()
+    for call in calls[::2]:
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass
+    assert settle(prefill, decode) == [0, 0]
+
+
+def test_a_prefill_side_that_dies_mid_transfer_fails_the_request_and_frees_the_decode_pages():
+    prefill, decode = meshes("prefill", "decode")
+    try:
+        before = private_pages(decode)
+        req = request(SYSTEM * 4 + "Summarize.", max_new_tokens=8)  # ~1,000 tokens: many 64-token chunks
+        to_prefill, to_decode = paired(req, bootstrap(prefill))
+        prefill_call = prefill.tokenizer().Generate(to_prefill, timeout=60)
+        decode_call = decode.tokenizer().Generate(to_decode, timeout=60)
+        deadline = time.monotonic() + 30
+        while private_pages(decode) == before and time.monotonic() < deadline:
+            time.sleep(0.02)  # the decode side has reserved its pages
+        os.kill(prefill.pids["worker"], signal.SIGKILL)
+        t0 = time.monotonic()
+        got = collect(decode_call)
+        code, message = got[-1]["error"]
+        assert code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "prefill side" in message
+        assert time.monotonic() - t0 < 15  # noticed within seconds
+        assert settle(decode) == [0]
+        prefill_call.cancel()
+    finally:
+        prefill.kill_all()
+        decode.stop()
+
+
+def test_a_decode_side_that_dies_frees_the_prefill_pages():
+    prefill, decode = meshes("prefill", "decode", extra=("--disaggregation-timeout-s", "10"))
+    try:
+        req = request(SYSTEM * 4 + "Summarize.", max_new_tokens=8)
+        to_prefill, to_decode = paired(req, bootstrap(prefill))
+        prefill_call = prefill.tokenizer().Generate(to_prefill, timeout=60)
+        decode.tokenizer().Generate(to_decode, timeout=60)  # started, never read
+        deadline = time.monotonic() + 30
+        while (private_pages(prefill) == 0 or private_pages(decode) == 0) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the prefill side computes, the decode side has reserved its pages
+        decode.kill_all()  # the whole decode replica: its scheduler's Attach call and its worker
+        t0 = time.monotonic()
+        got = collect(prefill_call)
+        assert got[-1]["error"][0] == grpc.StatusCode.INTERNAL.value[0], got
+        assert time.monotonic() - t0 < 15  # a broken call or a failed send: seconds, not a timeout
+        assert settle(prefill) == [0]
+    finally:
+        prefill.stop()
