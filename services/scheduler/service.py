@@ -382,7 +382,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._wake.set()
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         for i, crid in enumerate(req.core_rids):
-            self.telemetry.submitted(crid, len(ids), sampling, i)
+            self.telemetry.submitted(crid, len(ids), sampling, i, pd)
         if owner.text_options is not None and tracing.enabled():  # the detokenizer's span joins the trace
             owner.text_options.traceparent = self.telemetry.traceparent(req.core_rids[0])
         timeout = self.config.request_timeout_s

@@ -140,7 +140,8 @@ class SchedulerTelemetry:
         }
 
     # --- hooks -------------------------------------------------------------------------------
-    def submitted(self, crid: str, prompt_tokens: int, sampling, index: int) -> None:
+    def submitted(self, crid: str, prompt_tokens: int, sampling, index: int, pd=None) -> None:
+        """pd: the request's part in a disaggregated pair (its span says which side and room)."""
         seq = self._seqs[crid] = _Seq(time.monotonic(), prompt_tokens)
         if not tracing.enabled():
             return
@@ -149,7 +150,8 @@ class SchedulerTelemetry:
             "gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.model,
             "gen_ai.request.max_tokens": sampling.max_new_tokens, "gen_ai.request.temperature": sampling.temperature,
             "gen_ai.request.top_p": sampling.top_p, "gen_ai.usage.input_tokens": prompt_tokens,
-            "radixmesh.request_id": crid, "radixmesh.sequence_index": index})
+            "radixmesh.request_id": crid, "radixmesh.sequence_index": index,
+            **({"radixmesh.disaggregation.role": pd.role, "radixmesh.disaggregation.room": pd.room} if pd else {})})
         ctx = trace.set_span_in_context(seq.span)
         seq.queue = t.start_span("queue", context=ctx)
         seq.traceparent = tracing.traceparent(seq.span)
