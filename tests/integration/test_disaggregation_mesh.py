@@ -122,6 +122,8 @@ CASES = {
     "regex": request("Give me a date.", max_new_tokens=16,
                      constraint=common_pb2.Constraint(kind="regex", spec=r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")),
     "lora": request(SYSTEM + "Describe the sea.", max_new_tokens=16),
+    # sampled at a seed: the decode side's draws continue the prefill side's noise counter
+    "seeded": request("Invent a name for a cat.", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=11),
 }
 CASES["lora"].adapter = "a"
 
