@@ -23,6 +23,16 @@
 # exit and the gateway's /ready turn 503 within seconds; node 1 started again: the group
 # re-forms and serves; node 1 killed while idle: the next request fails and the leader exits.
 # CUT_MAX_TOKENS (400) sizes the stream.
+#
+# PD=1 checks prefill/decode disaggregation instead (compose.pd.yaml over compose.yaml: its
+# replica prefills, the -decode services decode, the router pairs them; docs/disaggregation.md):
+#
+#   PD=1 scripts/compose_check.sh | tee bench/results/compose-pd-check-$(date +%F).txt
+#
+# up and healthy, the router's two pools (/admin/replicas: one prefill and one decode replica,
+# healthy), a streamed chat completion and its trace, one not streamed, /ready 200, every target
+# scraped, the prefill scheduler's radixmesh:kv_transfer_bytes > 0 (through Prometheus: the KV
+# crossed to the decode worker), and n: 2 refused with a 400 naming n.
 # Not part of the pytest suite: it takes minutes and a Docker engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +41,11 @@ project=radixmesh-check
 base=(-f compose.yaml)
 fleet=(-f compose.yaml -f compose.fleet.yaml)
 group=(-f compose.yaml -f compose.group.yaml)
-files=("${fleet[@]}"); [[ ${GROUP:-0} == 1 ]] && files=("${group[@]}")  # what cleanup and build use
+pd=(-f compose.yaml -f compose.pd.yaml)
+files=("${fleet[@]}")  # what cleanup and build use
+[[ ${GROUP:-0} == 1 ]] && files=("${group[@]}")
+[[ ${PD:-0} == 1 ]] && files=("${pd[@]}")
+[[ ${GROUP:-0} == 1 && ${PD:-0} == 1 ]] && { echo "GROUP=1 and PD=1: one at a time" >&2; exit 2; }
 url=http://127.0.0.1:8000
 collector=http://127.0.0.1:16686
 prometheus=http://127.0.0.1:9090
@@ -64,7 +78,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-say "== radixmesh compose check${GROUP:+ (GROUP=$GROUP: the worker group)}, $(date -u +%FT%TZ), $(uname -m), $(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB"
+mode=; [[ ${GROUP:-0} == 1 ]] && mode=" (GROUP=1: the worker group)"
+[[ ${PD:-0} == 1 ]] && mode=" (PD=1: prefill/decode disaggregation)"
+say "== radixmesh compose check$mode, $(date -u +%FT%TZ), $(uname -m), $(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB"
 loadavg() { say "load average (1, 5, 15 min): $(cut -d' ' -f1-3 /proc/loadavg)"; }
 loadavg
 
@@ -281,7 +297,86 @@ group_formed() {  # group_formed LEADER NODE1: each container's log says it join
     && grep '"msg": "node ready"' <<<"$node" | grep -q '"node_rank": 1'
 }
 
-if [[ ${GROUP:-0} == 1 ]]; then group_checks; else fleet_checks; fi
+pd_checks() {  # compose.pd.yaml: a prefill replica and a decode replica, paired by the router
+  up pd "${pd[@]}" || return
+  check "the router lists a prefill and a decode replica, both healthy (pd)" pd_probe roles "$url"
+  chat_and_trace pd gateway router tokenizer scheduler worker detokenizer
+  check "a chat completion, not streamed, through the gateway (pd)" pd_probe complete "$url"
+  check "the gateway's /ready is 200 (pd)" "${probe[@]}" ready "$url" 1 30
+  check "/metrics answers on all 10 services: Prometheus scrapes every target up (pd)" \
+    "${probe[@]}" targets "$prometheus" 10
+  check "the prefill scheduler sent the KV: radixmesh:kv_transfer_bytes > 0 (Prometheus, pd)" \
+    pd_probe kv "$prometheus"
+  check "n: 2 is refused: 400 naming n (pd)" pd_probe n2 "$url"
+}
+
+pd_probe() {  # pd_probe WHAT URL: the PD checks compose_probe.py has no command for; one JSON line
+  "$py" - "$@" <<'EOF'
+import json, re, sys, time, urllib.error, urllib.parse, urllib.request
+
+what, base = sys.argv[1], sys.argv[2]
+
+
+def call(path, body=None):
+    req = urllib.request.Request(base + path, data=body and json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"} if body else {})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def chat(**extra):
+    model = call("/v1/models")[1]["data"][0]["id"]
+    return call("/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 32, "temperature": 0, **extra})
+
+
+def prom(query):  # {"role/service": value} of an instant query
+    got = call("/api/v1/query?" + urllib.parse.urlencode({"query": query}))[1]["data"]["result"]
+    return {f'{r["metric"].get("role", "-")}/{r["metric"].get("service")}': float(r["value"][1]) for r in got}
+
+
+if what == "roles":  # the router's two pools, through the gateway's /admin
+    status, got = call("/admin/replicas")
+    rows = [{k: r.get(k) for k in ("address", "role", "state")} for r in got.get("replicas", [])]
+    print(json.dumps({"status": status, "policy": got.get("policy"), "replicas": rows}))
+    ok = sorted(r["role"] for r in rows) == ["decode", "prefill"] and all(r["state"] == "healthy" for r in rows)
+elif what == "complete":
+    status, got = chat()
+    choice = (got.get("choices") or [{}])[0]
+    text = (choice.get("message") or {}).get("content")
+    print(json.dumps({"status": status, "finish_reason": choice.get("finish_reason"), "text": text,
+                      "usage": got.get("usage"), "error": got.get("error")}))
+    ok = status == 200 and bool(text) and choice.get("finish_reason") in ("stop", "length")
+elif what == "n2":
+    status, got = chat(n=2)
+    error = got.get("error") or {}
+    print(json.dumps({"status": status, "error": error}))
+    ok = status == 400 and (error.get("param") == "n" or re.search(r"\bn\b", error.get("message", "")) is not None)
+else:  # kv: the prefill scheduler's counter; the decode side's and the router's beside it
+    time.sleep(6)  # one scrape interval (5 s): every target's counters then count every request above
+    deadline = time.monotonic() + 30
+    while True:
+        sent = prom("radixmesh:kv_transfer_bytes_total")
+        ok = sent.get("prefill/scheduler", 0) > 0
+        if ok or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    print(json.dumps({
+        "kv_transfer_bytes": sent, "kv_transfer_pages": prom("radixmesh:kv_transfer_pages_total"),
+        "kv_transfer_gbps": prom("radixmesh:kv_transfer_gbps"),
+        "decode_attach_to_done_requests": prom("radixmesh:kv_transfer_request_seconds_count"),
+        "router_pairs": prom("sum by (service) (radixmesh:router_pairs_total)")}))
+sys.exit(0 if ok else 1)
+EOF
+}
+
+if [[ ${GROUP:-0} == 1 ]]; then group_checks
+elif [[ ${PD:-0} == 1 ]]; then pd_checks
+else fleet_checks; fi
 
 if [[ ${KEEP:-0} != 1 ]]; then
   if "${compose[@]}" -p "$project" "${files[@]}" down -v --remove-orphans >"$work/down.log" 2>&1 \
