@@ -80,6 +80,9 @@ class Engine:
         """`checkpoint`/`tokenizer` reuse already loaded ones (tests build many engines);
         `hicache` adds the host tier and the kvstore below the KV pool."""
         worker = worker or WorkerConfig(model=model)
+        if worker.disaggregation_mode != "null":
+            raise ValueError(f"--disaggregation-mode {worker.disaggregation_mode}: disaggregation pairs replicas of "
+                             "the mesh (radixmesh up --prefill N --decode M); the in-process Engine is one replica")
         path = None if checkpoint and tokenizer else resolve_model_path(model or worker.model)
         self.tokenizer: TextTokenizer = tokenizer or load_tokenizer(path)
         sched_cfg = scheduler or SchedulerConfig(max_running_requests=worker.max_requests)

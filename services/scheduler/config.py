@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 POLICIES = ("fcfs", "lpm")
-DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -39,20 +38,7 @@ class SchedulerConfig:
         "help": "speculation's cost model: one more token in a step costs this fraction of a one-token step "
                 "(the CPU's one-call decode step on the quantized blocks: 0.15-0.4 from 2 to 8 tokens; "
                 "docs/speculative.md)"})
-    disaggregation_mode: str = field(default="null", metadata={
-        "help": "prefill/decode disaggregation: null (co-located), prefill (compute prompts and send their KV "
-                "to a decode replica) or decode (receive the KV, then decode); must match the worker's "
-                "(docs/disaggregation.md)"})
-    disaggregation_timeout_s: float = field(default=60.0, metadata={
-        "help": "disaggregation: how long a prefill side holds a request no decode side attached to, and an "
-                "attachment whose request has not arrived"})
-
     def __post_init__(self) -> None:
-        if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            raise ValueError(f"--disaggregation-mode must be one of {DISAGGREGATION_MODES}, "
-                             f"got {self.disaggregation_mode!r}")
-        if not self.disaggregation_timeout_s > 0:
-            raise ValueError(f"--disaggregation-timeout-s must be > 0, got {self.disaggregation_timeout_s}")
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"--schedule-policy must be one of {POLICIES}, got {self.schedule_policy!r}")
         if self.max_running_requests < 1:

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from services.common.hicache_config import HiCacheConfig
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.disaggregation import DisaggregationConfig
 from services.scheduler.hicache import StoreProbe
 from services.scheduler.scheduler import ModelLimits, Scheduler
 
@@ -38,6 +39,7 @@ def fit_config(config: SchedulerConfig, info) -> SchedulerConfig:
 
 
 def build_core(config: SchedulerConfig, info, hicache: HiCacheConfig | None = None,
-               store: StoreProbe | None = None) -> Scheduler:
+               store: StoreProbe | None = None, disaggregation: DisaggregationConfig | None = None) -> Scheduler:
     """A fresh core for the worker `info` describes (its config already fitted)."""
-    return Scheduler(config, model_limits(info), hicache, store, {a.name: a.identity for a in info.adapters})
+    return Scheduler(config, model_limits(info), hicache, store, {a.name: a.identity for a in info.adapters},
+                     disaggregation)

@@ -28,7 +28,25 @@ from services.scheduler.request import Request
 from services.step.contract import KVSend, KVSendResult, StepPlan
 
 PREFILL, DECODE = "prefill", "decode"
-MODES = ("", PREFILL, DECODE)  # "" = co-located
+MODES = ("null", PREFILL, DECODE)  # "null" = co-located
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """A scheduler service's side of disaggregation (the in-process Engine has none)."""
+    disaggregation_mode: str = field(default="null", metadata={
+        "help": "prefill/decode disaggregation: null (co-located), prefill (compute prompts and send their KV "
+                "to a decode replica) or decode (receive the KV, then decode); must match the worker's "
+                "(docs/disaggregation.md)"})
+    disaggregation_timeout_s: float = field(default=60.0, metadata={
+        "help": "disaggregation: how long a prefill side holds a request no decode side attached to, and an "
+                "attachment whose request has not arrived"})
+
+    def __post_init__(self) -> None:
+        if self.disaggregation_mode not in MODES:
+            raise ValueError(f"--disaggregation-mode must be one of {MODES}, got {self.disaggregation_mode!r}")
+        if not self.disaggregation_timeout_s > 0:
+            raise ValueError(f"--disaggregation-timeout-s must be > 0, got {self.disaggregation_timeout_s}")
 
 
 @dataclass(frozen=True)

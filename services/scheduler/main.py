@@ -12,6 +12,7 @@ from services.common.config import CommonConfig, parse_config
 from services.common.hicache_config import HiCacheConfig
 from services.common.server import run_service
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.disaggregation import DisaggregationConfig
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
 
@@ -21,6 +22,7 @@ class SchedulerServiceConfig:
     common: CommonConfig = field(default_factory=lambda: CommonConfig(listen=DEFAULT_LISTEN))
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)  # policies; tiers and store come from the worker
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     worker_addr: str = field(default="127.0.0.1:50053", metadata={"help": "the worker's gRPC HOST:PORT"})
     worker_wait_s: float = field(default=600.0, metadata={
         "help": "at start: seconds to wait for the worker to load and answer before giving up"})

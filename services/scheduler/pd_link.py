@@ -81,6 +81,8 @@ class PDLink:
     # --- every loop round (the scheduler service's deliver hook) --------------------------
     def pump(self, core) -> None:
         """Hand the core's room events to their calls; start the attaches it asks for."""
+        if core.prefill_rooms is None and core.decode_rooms is None:
+            return  # co-located: nothing to do, every step
         for event in core.take_room_events():
             queue = self._streams.get(event.room)
             if queue is not None:

@@ -32,7 +32,8 @@ from services.common.outputs import FinishReason, RequestOutput, TokenLogprob, T
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.disaggregation import (
-    DECODE, PREFILL, Attachment, AttachNeeded, DecodeRooms, PDSpec, PrefillRooms, RoomEvent, prompt_digest)
+    DECODE, PREFILL, Attachment, AttachNeeded, DecodeRooms, DisaggregationConfig, PDSpec, PrefillRooms, RoomEvent,
+    prompt_digest)
 from services.scheduler.grammar_queue import GrammarQueue
 from services.scheduler.hicache import PREFETCHING, PROBING, ExistsProbe, HiCache, StoreProbe
 from services.scheduler.kv_manager import KVManager, new_radix_cache
@@ -72,10 +73,12 @@ class _SentStep:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, limits: ModelLimits, hicache: HiCacheConfig | None = None,
-                 store: ExistsProbe | StoreProbe | None = None, adapters: dict[str, str] | None = None):
+                 store: ExistsProbe | StoreProbe | None = None, adapters: dict[str, str] | None = None,
+                 disaggregation: DisaggregationConfig | None = None):
         """hicache/store: the tiers below the worker's pool (limits.host_pages > 0 turns
         the host tier on; `store` answers the kvstore's Exists). adapters: the LoRA adapters the
-        worker has loaded, name → identity (set_adapters keeps it current)."""
+        worker has loaded, name → identity (set_adapters keeps it current). disaggregation: this
+        replica's side of disaggregated pairs (None: co-located)."""
         self.config, self.limits = config, limits
         self.adapters: dict[str, str] = dict(adapters or {})
         # The adapters in the worker's slots, least recently used first: a mirror of its LRU
@@ -109,8 +112,9 @@ class Scheduler:
                                       config.speculative_row_cost)
         self.accept_lengths: deque[int] = deque(maxlen=4096)  # tokens per speculative verify (telemetry drains)
         # Disaggregation (services/scheduler/disaggregation.py): one side of each pair, or neither.
-        mode = config.disaggregation_mode
-        self.prefill_rooms = PrefillRooms(limits.page_size, config.disaggregation_timeout_s) if mode == PREFILL else None
+        self.disaggregation = disaggregation or DisaggregationConfig()
+        mode, timeout_s = self.disaggregation.disaggregation_mode, self.disaggregation.disaggregation_timeout_s
+        self.prefill_rooms = PrefillRooms(limits.page_size, timeout_s) if mode == PREFILL else None
         self.decode_rooms = DecodeRooms() if mode == DECODE else None
 
     # --- intake -------------------------------------------------------------------
@@ -160,7 +164,7 @@ class Scheduler:
 
     def _check_role(self, pd: PDSpec | None) -> None:
         """A request's part in a pair must be this replica's (--disaggregation-mode)."""
-        mode = self.config.disaggregation_mode
+        mode = self.disaggregation.disaggregation_mode
         role = pd.role if pd is not None else "null"
         if role != mode:
             if mode == "null":

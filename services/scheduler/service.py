@@ -154,7 +154,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await asyncio.sleep(0.5)
         self._check_disaggregation(info)
         core = build_core(fit_config(self.config.scheduler, info), info, getattr(self.config, "hicache", None),
-                          self._kvstore_probe(info))
+                          self._kvstore_probe(info), getattr(self.config, "disaggregation", None))
         if self.core is not None:
             carry_counters(self.core.stats, core.stats)
         self.core, self.info = core, info
@@ -170,7 +170,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _check_disaggregation(self, info) -> None:
         """The worker must play the part this scheduler plays; a prefill side advertises where
         decode schedulers attach (GetInfo carries it to the tokenizer, and on to the router)."""
-        mode, worker_mode = self.config.scheduler.disaggregation_mode, info.disaggregation_mode or "null"
+        pd = getattr(self.config, "disaggregation", None)
+        mode, worker_mode = pd.disaggregation_mode if pd else "null", info.disaggregation_mode or "null"
         if mode != worker_mode:
             raise RuntimeError(f"--disaggregation-mode {mode} here, but worker {self.config.worker_addr} runs "
                                f"--disaggregation-mode {worker_mode}: give both the same")

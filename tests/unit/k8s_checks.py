@@ -182,7 +182,7 @@ def command_flags(suffix: str, spec: dict, workload: dict, where: str) -> list[s
 
 def engine_role(r: "Rendered", c: Container) -> str:
     """The disaggregation mode of the engine pod `c` is in ("" = co-located): its scheduler's."""
-    modes = {s.config.scheduler.disaggregation_mode for s in r.containers
+    modes = {s.config.disaggregation.disaggregation_mode for s in r.containers
              if s.service == "scheduler" and s.workload is c.workload}
     assert len(modes) <= 1, f"{c.where}: schedulers of several modes in one pod"
     mode = modes.pop() if modes else "null"

@@ -109,7 +109,7 @@ def test_the_pd_overlay_pairs_a_prefill_pool_with_a_decode_pool():
         ("radixmesh-engine:50051", "radixmesh-decode:50051")
     assert (router.prefill_policy, router.decode_policy) == ("cache_aware", "least_load")
     pods = {c.workload["metadata"]["name"]: c for c in r.containers if c.service == "scheduler"}
-    assert {name: c.config.scheduler.disaggregation_mode for name, c in pods.items()} == \
+    assert {name: c.config.disaggregation.disaggregation_mode for name, c in pods.items()} == \
         {"radixmesh-engine": "prefill", "radixmesh-decode": "decode"}
     assert pods["radixmesh-engine"].config.bootstrap_address == "10.244.0.10:50052"  # its pod IP, its port
     assert pods["radixmesh-decode"].config.bootstrap_address == ""

@@ -13,7 +13,7 @@ import pytest
 from services.common.outputs import FinishReason
 from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.disaggregation import DECODE, PREFILL, Attachment, PDSpec, prompt_digest
+from services.scheduler.disaggregation import DECODE, PREFILL, Attachment, DisaggregationConfig, PDSpec, prompt_digest
 from services.scheduler.scheduler import ModelLimits, Scheduler
 from tests.doubles.fake_worker import VOCAB, FakeWorker, reference_output
 
@@ -27,9 +27,8 @@ class Pair:
 
     def __init__(self, prefill_pages=96, decode_pages=96, chunk=8, depth=1, attach_delay=0, timeout_s=60.0):
         def core(mode, pages):
-            config = SchedulerConfig(disaggregation_mode=mode, chunked_prefill_size=chunk,
-                                     disaggregation_timeout_s=timeout_s)
-            return Scheduler(config, ModelLimits(pages, PAGE, 512, VOCAB, (EOS,)))
+            return Scheduler(SchedulerConfig(chunked_prefill_size=chunk), ModelLimits(pages, PAGE, 512, VOCAB, (EOS,)),
+                             disaggregation=DisaggregationConfig(mode, timeout_s))
         self.p, self.d = core(PREFILL, prefill_pages), core(DECODE, decode_pages)
         self.pw, self.dw = FakeWorker(prefill_pages, PAGE), FakeWorker(decode_pages, PAGE)
         self.pw.peers["decode-0"] = self.dw
@@ -231,6 +230,7 @@ def test_attachments_that_do_not_fit_the_room_are_refused():
     (PREFILL, PDSpec(PREFILL, ""), "room is required"),
 ])
 def test_a_request_must_play_this_replicas_part(mode, pd, match):
-    core = Scheduler(SchedulerConfig(disaggregation_mode=mode), ModelLimits(32, PAGE, 512, VOCAB, (EOS,)))
+    core = Scheduler(SchedulerConfig(), ModelLimits(32, PAGE, 512, VOCAB, (EOS,)),
+                     disaggregation=DisaggregationConfig(mode))
     with pytest.raises(InvalidRequest, match=match):
         core.submit("q", [1, 2, 3], greedy(), 0, pd=pd)

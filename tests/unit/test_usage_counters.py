@@ -31,7 +31,7 @@ def test_every_counter_is_carried_and_summed():
 
 
 class _Core:
-    def submit(self, *args) -> None:
+    def submit(self, *args, **kwargs) -> None:
         pass
 
 
@@ -62,7 +62,8 @@ def test_counters_are_zero_on_the_wire_when_nothing_speculated():
 
 def test_the_schedulers_total_usage_adds_finished_requests_counters():
     svc = SchedulerService(SchedulerServiceConfig())
-    svc.core = type("Core", (), {"limits": type("L", (), {"weights_version": "0"})()})()
+    svc.core = type("Core", (), {"limits": type("L", (), {"weights_version": "0"})(),
+                                 "prefill_rooms": None, "decode_rooms": None})()
     svc._deliver([_out("a", 4, (2, 6, 3), finished=True), _out("b", 1, (0, 0, 0), finished=True),
                   _out("a", 9, (9, 9, 9))])  # not finished: not counted yet
     u = svc._usage
