@@ -34,6 +34,12 @@ class Breaker:
         if self.state == HALF_OPEN:
             self._trial_out = True
 
+    def abandoned(self) -> None:
+        """An attempt ended with no verdict on the replica (the client went away, bad input): if it
+        was the half-open trial, the next attempt is the trial instead."""
+        if self._state == HALF_OPEN:
+            self._trial_out = False
+
     def success(self) -> None:
         self._state, self._failures, self._trial_out = CLOSED, 0, False
 

@@ -112,6 +112,8 @@ class Replica:
             self.breaker.failure()
             self.counts["failures"] += 1
             metrics.FAILURES.labels(*self._labels, code).inc()
+        else:
+            self.breaker.abandoned()
         metrics.CIRCUIT.labels(*self._labels).set(STATE_VALUE[self.breaker.state])
 
     def status(self, tree_chars: int = 0) -> router_pb2.ReplicaStatus:

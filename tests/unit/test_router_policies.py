@@ -134,6 +134,20 @@ def test_breaker_opens_half_opens_and_closes():
     assert b.state == CLOSED and b.available()
 
 
+def test_a_half_open_trial_that_ends_without_a_verdict_lets_the_next_one_try():
+    now = [0.0]
+    b = Breaker(failures=1, cooldown_s=5.0, clock=lambda: now[0])
+    b.failure()
+    now[0] = 5.0
+    b.attempt()
+    assert not b.available()
+    b.abandoned()  # the client of the trial went away: nothing was learnt about the replica
+    assert b.state == HALF_OPEN and b.available()
+    b.attempt()
+    b.success()
+    assert b.state == CLOSED
+
+
 def test_router_config_validates():
     with pytest.raises(ValueError, match="cache-threshold"):
         RouterConfig(cache_threshold=1.5)
