@@ -33,6 +33,8 @@ sys.path.insert(0, REPO)
 
 from protos.radixmesh.v1 import common_pb2, tokenizer_pb2  # noqa: E402
 from services.loadgen.metrics import percentile  # noqa: E402
+from services.router.pairing import side_request  # noqa: E402  (the sides of a pair, as the router sends them)
+from services.router.roles import DECODE, PREFILL  # noqa: E402
 from tests.integration.mesh_harness import Mesh  # noqa: E402  (launches `radixmesh up`, reads its addresses)
 
 
@@ -70,13 +72,8 @@ class Deployment:
             yield from _live(self.colocated.tokenizer().Generate(req, timeout=600))
             return
         room = uuid.uuid4().hex
-        to_prefill, to_decode = tokenizer_pb2.GenerateTextRequest(), tokenizer_pb2.GenerateTextRequest()
-        for side, role in ((to_prefill, common_pb2.Disaggregation.PREFILL),
-                           (to_decode, common_pb2.Disaggregation.DECODE)):
-            side.CopyFrom(req)
-            side.rid = f"{req.rid}-{role}"
-            side.disaggregation.role, side.disaggregation.room = role, room
-        to_decode.disaggregation.bootstrap_address = self.bootstrap
+        to_prefill = side_request(req, req.rid, PREFILL, room)
+        to_decode = side_request(req, req.rid, DECODE, room, self.bootstrap)
         drain = threading.Thread(target=lambda: list(_live(self.prefill.tokenizer().Generate(to_prefill, timeout=600))))
         drain.start()
         yield from _live(self.decode.tokenizer().Generate(to_decode, timeout=600))

@@ -105,8 +105,8 @@ class Pairing:
         room = uuid.uuid4().hex
         rid = request.rid if attempt == 0 else f"{request.rid}.{attempt}"
         bootstrap = p.info.bootstrap_address if p.info is not None else ""
-        prefill = asyncio.create_task(self._drain(p, _side(request, rid, PREFILL, room), version))
-        decode = relay(d, self.pools.decode, _side(request, rid, DECODE, room, bootstrap), version)
+        prefill = asyncio.create_task(self._drain(p, side_request(request, rid, PREFILL, room), version))
+        decode = relay(d, self.pools.decode, side_request(request, rid, DECODE, room, bootstrap), version)
         # Created after `prefill`, so it runs (and begins D's call) before P can have failed.
         first = asyncio.ensure_future(decode.__anext__())
         try:
@@ -173,9 +173,10 @@ class Pairing:
         return failure
 
 
-def _side(request: pb.GenerateTextRequest, rid: str, role: str, room: str,
-          bootstrap_address: str = "") -> pb.GenerateTextRequest:
-    """The request as one side of the pair gets it."""
+def side_request(request: pb.GenerateTextRequest, rid: str, role: str, room: str,
+                 bootstrap_address: str = "") -> pb.GenerateTextRequest:
+    """The request as one side of the pair gets it (the tests and bench/disaggregation.py pair
+    replicas with it too)."""
     out = pb.GenerateTextRequest()
     out.CopyFrom(request)
     out.rid = rid

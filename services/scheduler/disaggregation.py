@@ -167,9 +167,6 @@ class PrefillRooms:
         state.done = True  # nobody to tell any more
         return state.req
 
-    def room_of(self, req: Request) -> _PrefillRoom | None:
-        return self.rooms.get(req.pd.room) if req.pd is not None else None
-
     def _sendable(self, state: _PrefillRoom) -> tuple[int, int]:
         """(first page past skip, last page + 1) that the steps planned so far complete."""
         req, att = state.req, state.attachment

@@ -42,7 +42,8 @@ from services.scheduler.outputs import QueueFull, SchedulerStats
 from services.scheduler.policy import order_waiting
 from services.scheduler.request import Request, Status
 from services.scheduler.speculation import SpeculationPolicy
-from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepItem, StepPlan, StepResult, TokenRun
+from services.step.contract import (
+    LAST_SAMPLED, NewRequestSpec, SampledLogprobs, StepItem, StepPlan, StepResult, TokenRun)
 
 
 @dataclass(frozen=True)
@@ -518,16 +519,18 @@ class Scheduler:
             self.kv.release(req)
             self._blocked_by_memory = True
             return 0
-        self.stats.prefix_queries += 1
-        self.stats.prefix_query_tokens += req.seq_len
-        self.stats.prefix_hit_tokens += matched
-        self.stats.prefix_hits += matched > 0
+        self._count_prefix_query(req.seq_len, matched)
         if req.retractions == 0:
             req.cached_tokens = matched
             req.admit_time = time.monotonic()
         req.status = Status.RUNNING
         self.running[req.rid] = req
         return n
+
+    def _count_prefix_query(self, tokens: int, matched: int) -> None:
+        s = self.stats
+        s.prefix_queries, s.prefix_query_tokens = s.prefix_queries + 1, s.prefix_query_tokens + tokens
+        s.prefix_hit_tokens, s.prefix_hits = s.prefix_hit_tokens + matched, s.prefix_hits + (matched > 0)
 
     def _own_reservation(self, req: Request, extra_tokens: int = 0) -> int:
         expected = req.seq_len + extra_tokens + int(req.remaining_new_tokens * self.new_token_ratio)
@@ -629,7 +632,7 @@ class Scheduler:
         self.stats.jump_forward_tokens += len(taken) - 1
         if req.first_token_time is None:
             req.first_token_time = now
-        logprobs = [] if lp is None else [TokenLogprob(tokens[0], lp.logprob, [TopToken(t, v) for t, v in lp.top])]
+        logprobs = [] if lp is None else [token_logprob(tokens[0], lp)]
         out = RequestOutput(req.rid, taken, logprobs, prompt_tokens=len(req.prompt_ids),
                             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
                             **spec_counters(req))
@@ -755,7 +758,7 @@ class Scheduler:
         req.first_token_time = req.first_token_time or now
         if req.status is not Status.RUNNING:  # retracted meanwhile: its recompute samples again
             return
-        logprob = None if lp is None else TokenLogprob(token, lp.logprob, [TopToken(t, v) for t, v in lp.top])
+        logprob = None if lp is None else token_logprob(token, lp)
         self.prefill_rooms.sampled(req, token, logprob)
         del self.running[req.rid]
         self.prefill_rooms.held[req.rid] = req
@@ -832,10 +835,7 @@ class Scheduler:
             rooms.attach_needed.append(AttachNeeded(req.rid, req.pd.room, req.pd.bootstrap_address,
                                                     list(req.pages[first:]), matched, prompt,
                                                     prompt_digest(req.prompt_ids)))
-            self.stats.prefix_queries += 1
-            self.stats.prefix_query_tokens += prompt
-            self.stats.prefix_hit_tokens += matched
-            self.stats.prefix_hits += matched > 0
+            self._count_prefix_query(prompt, matched)
 
     def kv_arrived(self, rid: str, token: int, logprob: TokenLogprob | None, prefill_cached: int) -> None:
         """The prefill side's Done: the prompt's KV is in the reserved pages and `token` is the
@@ -848,7 +848,7 @@ class Scheduler:
         req.admit_time = time.monotonic()
         self.running[rid] = req
         req.unsampled = 1
-        lp = None if logprob is None else _SampledLike(logprob)
+        lp = None if logprob is None else SampledLogprobs(logprob.logprob, [(t.token_id, t.logprob) for t in logprob.top])
         self._take_token(req, [token], lp, time.monotonic())
         if req.status is Status.RUNNING:
             self.kv.cache_progress(req)  # the prompt's pages serve later requests on this side
@@ -908,18 +908,9 @@ class Scheduler:
             assert not req.pages and req.node is None, f"waiting request {req.rid} holds KV"
 
 
-@dataclass(frozen=True)
-class _SampledLike:
-    """A TokenLogprob from the prefill side, read as a step result's SampledLogprobs."""
-    value: TokenLogprob
-
-    @property
-    def logprob(self) -> float:
-        return self.value.logprob
-
-    @property
-    def top(self) -> list[tuple[int, float]]:
-        return [(t.token_id, t.logprob) for t in self.value.top]
+def token_logprob(token: int, lp: SampledLogprobs) -> TokenLogprob:
+    """A step result's logprobs of `token`, as a request's output carries them."""
+    return TokenLogprob(token, lp.logprob, [TopToken(t, v) for t, v in lp.top])
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -14,6 +14,8 @@ import grpc
 import pytest
 
 from protos.radixmesh.v1 import common_pb2, tokenizer_pb2
+from services.router.pairing import side_request
+from services.router.roles import DECODE, PREFILL
 from tests.integration.mesh_harness import SMALL_MESH, Mesh, chat, collect, greedy, stats
 
 pytestmark = pytest.mark.slow
@@ -79,18 +81,10 @@ def bootstrap(prefill: Mesh) -> str:
 
 
 def paired(request: tokenizer_pb2.GenerateTextRequest, address: str, room: str | None = None):
-    """The request as the router sends it to each side."""
+    """The request as the router sends it to each side (services/router/pairing.py)."""
     room = room or uuid.uuid4().hex
-    sides = []
-    for role in (common_pb2.Disaggregation.PREFILL, common_pb2.Disaggregation.DECODE):
-        side = tokenizer_pb2.GenerateTextRequest()
-        side.CopyFrom(request)
-        side.rid = f"{request.rid}-{role}"
-        side.disaggregation.role, side.disaggregation.room = role, room
-        if role == common_pb2.Disaggregation.DECODE:
-            side.disaggregation.bootstrap_address = address
-        sides.append(side)
-    return sides
+    return (side_request(request, f"{request.rid}-p", PREFILL, room),
+            side_request(request, f"{request.rid}-d", DECODE, room, address))
 
 
 def run_pair(prefill: Mesh, decode: Mesh, request, timeout: float = 120) -> tuple[dict, dict]:
