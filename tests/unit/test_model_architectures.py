@@ -1,7 +1,7 @@
-"""Architectures of the model registry beyond Llama/Qwen2 (Qwen3, Phi-3, Mistral, Gemma 2, Qwen3-MoE), each a random
-tiny float32 model written by transformers: our logits over the paged KV pool (chunked prefill,
-then decode, several requests a step) and our greedy tokens equal transformers'. The configs and
-helpers live in tests/unit/tiny_models.py."""
+"""Architectures of the model registry beyond Llama/Qwen2 (Qwen3, Phi-3, Mistral, Gemma 2, Qwen3-MoE,
+Mixtral), each a random tiny float32 model written by transformers: our logits over the paged KV
+pool (chunked prefill, then decode, several requests a step) and our greedy tokens equal
+transformers'. The configs and helpers live in tests/unit/tiny_models.py."""
 from __future__ import annotations
 
 import json
@@ -61,7 +61,8 @@ def test_greedy_tokens_match_transformers(tmp_path, name):
 
 @pytest.mark.parametrize("name,refusal", [("qwen3_mha_untied", "q/k RMSNorm"), ("mistral_window", "sliding-window"),
                                           ("phi3_window", "sliding-window"), ("phi3", None),
-                                          ("gemma2", "Gemma 2"), ("qwen3_moe", "mixture-of-experts")])
+                                          ("gemma2", "Gemma 2"), ("qwen3_moe", "mixture-of-experts"),
+                                          ("mixtral", "mixture-of-experts")])
 def test_decode_stack_declines_what_it_does_not_compute(tmp_path, name, refusal):
     """The one-call decode stack computes plain Llama attention: a q/k norm or a window declines it
     before the kernel is looked at, and the runner keeps the op-by-op path."""

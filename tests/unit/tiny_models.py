@@ -44,6 +44,9 @@ CONFIGS = {
     "qwen3_moe_norm_topk_dense_layer": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {  # layer 1 a dense MLP
         **MOE, "num_experts": 4, "num_experts_per_tok": 3, "norm_topk_prob": True, "mlp_only_layers": [1],
         "tie_word_embeddings": True}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                                                         num_experts_per_tok=2, intermediate_size=32,
+                                                         sliding_window=None)),
 }
 
 # One config per architecture beyond Llama/Qwen2, for the end-to-end checks (`radixmesh generate`,

@@ -5,7 +5,7 @@ ModelConfig fields its metadata sets beyond the Llama ones (gguf_loader reads th
 llama.cpp's conventions (convert_hf_to_gguf.py, gguf-py's tensor names and keys):
 - `llama` (Llama, Mistral, SmolLM2): Q/K rows permuted (its RoPE pairs adjacent dims, HF pairs
   dim i with i + head_dim/2); every other architecture keeps HF's NeoX-style rows. A
-  `llama.attention.sliding_window` is Mistral's window.
+  `llama.attention.sliding_window` is Mistral's window. A `llama` with experts is Mixtral: refused.
 - `qwen3`, `qwen3moe`: per-head `attn_q_norm` / `attn_k_norm`; qwen3moe stacks each layer's
   experts ([E, I, H] `ffn_gate_exps` / `ffn_up_exps`, [E, H, I] `ffn_down_exps`) beside the router
   `ffn_gate_inp`, and llama.cpp renormalizes the top-k weights unless `expert_weights_norm` says no.
@@ -72,6 +72,11 @@ def _window(value: Any, context: int) -> int | None:
 
 
 def _llama(key: Key, names: set[str], c: ModelConfig) -> dict[str, Any]:
+    experts = key("expert_count")
+    if experts or any(n.endswith(".ffn_gate_inp.weight") for n in names):
+        # llama.cpp's converter writes Mixtral as `llama` plus experts; only its HF directory loads
+        raise ValueError(f"a llama GGUF with experts (Mixtral; expert_count={experts}) is not supported; "
+                         "load the model's Hugging Face directory (MixtralForCausalLM) instead")
     return {"sliding_window": _window(key("attention.sliding_window"), c.max_position_embeddings)}
 
 

@@ -18,8 +18,9 @@ _SINGLE = "model.safetensors"
 
 
 def load_hf_dir(path: str, part=None) -> Checkpoint:
-    """Read `path/config.json` and every tensor of its safetensors shards as float32 (with
-    `part`, a worker group rank's part of each: load_checkpoint).
+    """Read `path/config.json` and every tensor of its safetensors shards as float32, under the
+    name the model reads (the registry's hf_name: Mixtral's original expert names renamed), with
+    `part` a worker group rank's part of each (load_checkpoint).
 
     Shards come from `model.safetensors.index.json` when present, otherwise every `*.safetensors`
     in the directory. Raises FileNotFoundError when config.json or the weights are missing and
@@ -43,6 +44,7 @@ def load_hf_dir(path: str, part=None) -> Checkpoint:
     config = _with_generation_eos(config, path)
 
     rank_part = part(config) if part is not None else None  # a worker group's rank: its part of each tensor
+    hf_name = registry.ARCHITECTURES[arch].hf_name  # renamed before the rank's slice, which reads the names
     tensors: dict[str, torch.Tensor] = {}
     for shard in _shards(path):
         with safe_open(shard, framework="pt") as f:
@@ -52,7 +54,7 @@ def load_hf_dir(path: str, part=None) -> Checkpoint:
                 if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # some exports save the tied head; one copy is enough
                 # to(float32) copies bf16/fp16 shards and keeps fp32 ones as loaded (no second copy).
-                one = {name: f.get_tensor(name).to(torch.float32).contiguous()}
+                one = {hf_name(name): f.get_tensor(name).to(torch.float32).contiguous()}
                 tensors.update(rank_part.take(one) if rank_part is not None else one)
     return Checkpoint(config=config, tensors=tensors, source=path, part=rank_part)
 

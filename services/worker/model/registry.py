@@ -2,7 +2,7 @@
 
 Adding a model = its file (the class, or the ModelConfig fields it sets on the Llama decoder)
 plus one line in ARCHITECTURES (docs/adding_a_model.md). Everything else is refused by name:
-Gemma 1, Qwen2-MoE (shared experts), Mixtral, ... would load as Llama and compute wrong logits.
+Gemma 1, Qwen2-MoE (shared experts), DeepSeek-MoE, ... would load as Llama and compute wrong logits.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from services.worker.model.config import ModelConfig
 from services.worker.model.gemma2 import Gemma2ForCausalLM, gemma2_fields
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.mistral import mistral_fields
+from services.worker.model.mixtral import mixtral_fields, mixtral_hf_name, mixtral_model
 from services.worker.model.phi3 import phi3_fields
 from services.worker.model.qwen3 import qwen3_fields
 from services.worker.model.qwen3_moe import qwen3_moe_fields, qwen3_moe_model
@@ -22,6 +23,10 @@ from services.worker.model.qwen3_moe import qwen3_moe_fields, qwen3_moe_model
 
 def _no_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return {}
+
+
+def _same_name(name: str) -> str:
+    return name
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,10 @@ class Architecture:
     # config.json → ModelConfig fields beyond ModelConfig.from_hf_dict's; raises ValueError for
     # a variant the class does not compute.
     config_fields: Callable[[dict[str, Any]], dict[str, Any]] = _no_fields
+    # A checkpoint tensor's name → the one load_hf_tensors and tensor parallelism read (Mixtral's
+    # original block_sparse_moe names); the HF loader applies it to each tensor as it reads it,
+    # before a worker group's rank cuts its slice.
+    hf_name: Callable[[str], str] = _same_name
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -45,6 +54,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture("mistral", LlamaForCausalLM, mistral_fields),
     "Gemma2ForCausalLM": Architecture("gemma2", Gemma2ForCausalLM, gemma2_fields),
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qwen3_moe_model, qwen3_moe_fields),
+    "MixtralForCausalLM": Architecture("mixtral", mixtral_model, mixtral_fields, mixtral_hf_name),
 }
 
 
