@@ -133,6 +133,24 @@ class WorkerConfig:
         "help": "tensor parallelism: split each layer over this many worker processes (ranks) joined by "
                 "torch.distributed (gloo); the worker is rank 0 and starts the others (services/worker/parallel). "
                 "It must divide the attention heads; each rank holds its share of the weights and KV"})
+    ep_size: int = field(default=1, metadata={
+        "help": "expert parallelism: split a MoE model's experts over this many ranks (each holds its share of "
+                "whole experts; tokens cross by all-to-all), attention staying tensor-parallel over the same ranks: "
+                "1 (off) or --tp-size (docs/parallelism.md)"})
+    ep_num_redundant_experts: int = field(default=0, metadata={
+        "help": "expert parallelism: physical expert slots beyond the logical experts, holding replicas of the "
+                "hottest ones (EPLB); experts + this must divide by --ep-size"})
+    enable_eplb: bool = field(default=False, metadata={
+        "help": "expert parallelism: re-place the experts (DeepSeek's EPLB) from the loads recorded since the "
+                "last placement, every --eplb-rebalance-num-iterations forward passes, moving weights between ranks"})
+    eplb_rebalance_num_iterations: int = field(default=1000, metadata={
+        "help": "--enable-eplb: forward passes between two rebalances"})
+    init_expert_location: str | None = field(default=None, metadata={
+        "help": "expert parallelism: place the experts at start from a recorded load (a JSON dump from "
+                "/admin/expert_distribution/dump) with EPLB, instead of expert e in slot e"})
+    enable_two_batch_overlap: bool = field(default=False, metadata={
+        "help": "expert parallelism: split each rank's tokens into two micro-batches and overlap one's "
+                "all-to-all with the other's expert compute (async collectives; bench/moe.py says where it pays)"})
     pp_size: int = field(default=1, metadata={
         "help": "pipeline parallelism: split the layers over this many stages, each its own worker process(es) "
                 "(--tp-size of them); with --tp-size the group has tp x pp ranks (docs/parallelism.md)"})
@@ -254,8 +272,33 @@ class WorkerConfig:
                              "--tp-size / --pp-size > 1 with disaggregation is not supported yet")
         if not self.disaggregation_timeout_s > 0:
             raise ValueError(f"--disaggregation-timeout-s must be > 0, got {self.disaggregation_timeout_s}")
+        self._check_expert_parallel()
         if self.pp_micro_batch_tokens < 1:
             raise ValueError(f"--pp-micro-batch-tokens must be >= 1, got {self.pp_micro_batch_tokens}")
+
+    def _check_expert_parallel(self) -> None:
+        ep = self.ep_size
+        if ep < 1:
+            raise ValueError(f"--ep-size must be >= 1, got {ep}")
+        if ep > 1 and ep != self.tp_size:
+            raise ValueError(f"--ep-size {ep} must equal --tp-size ({self.tp_size}): the experts are split over the "
+                             "ranks whose attention is tensor-parallel (1: expert parallelism off)")
+        if ep > 1 and self.pp_size > 1:
+            raise ValueError("--ep-size > 1 with --pp-size > 1 is not supported: expert parallelism runs on a "
+                             "one-stage group")
+        extras = {"--ep-num-redundant-experts": self.ep_num_redundant_experts > 0, "--enable-eplb": self.enable_eplb,
+                  "--init-expert-location": self.init_expert_location is not None,
+                  "--enable-two-batch-overlap": self.enable_two_batch_overlap}
+        given = [flag for flag, on in extras.items() if on]
+        if given and ep == 1:
+            raise ValueError(f"{', '.join(given)} place experts over an expert-parallel group: give --ep-size > 1")
+        if self.ep_num_redundant_experts < 0:
+            raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {self.ep_num_redundant_experts}")
+        if self.eplb_rebalance_num_iterations < 1:
+            raise ValueError(f"--eplb-rebalance-num-iterations must be >= 1, got {self.eplb_rebalance_num_iterations}")
+        if ep > 1 and self.uses_cuda_graphs:
+            raise ValueError("--ep-size > 1 runs without CUDA graphs (the all-to-all sizes change every step): "
+                             "add --disable-cuda-graph")
 
     @property
     def world_size(self) -> int:

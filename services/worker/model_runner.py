@@ -39,6 +39,8 @@ from services.worker.model.registry import model_class
 from services.worker.model.weight_bytes import format_bytes, resident_weight_bytes, weight_formats
 from services.worker.parallel.communicator import Communicator, Solo
 from services.worker.parallel.pipeline import MicroBatch, PipeLink, PipelineStage, split_by_request
+from services.worker.model.expert_load import ExpertLoadRecorder
+from services.worker.parallel.moe_parallel import install_expert_parallel, rank_expert_slots
 from services.worker.parallel.rank_part import RankPart
 from services.worker.parallel.tensor_parallel import TensorShard
 from services.worker.sampler_inputs import run_sampler
@@ -93,8 +95,9 @@ class ModelRunner:
         stage: PipelineStage | None = None
         local = mc  # the model this rank computes
         if self.comm.world_size > 1 or pipe is not None:  # a group's rank: its layers, heads, MLP share, vocabulary rows
-            part = RankPart(mc, (pipe.rank if pipe else 0) * self.comm.world_size + self.comm.rank,
-                            self.comm.world_size, pipe.size if pipe else 1)
+            rank = (pipe.rank if pipe else 0) * self.comm.world_size + self.comm.rank
+            part = RankPart(mc, rank, self.comm.world_size, pipe.size if pipe else 1,
+                            rank_expert_slots(config, mc, rank))
             checkpoint = _rank_checkpoint(checkpoint, part)
             stage, self.shard, local = part.stage, part.shard, part.config
         self.model = build_model(local, checkpoint.tensors, config.torch_dtype, self.device,
@@ -103,6 +106,10 @@ class ModelRunner:
             self.shard.install(self.model, self.comm)
         if stage is not None:
             stage.install(self.model, pipe)
+        # MoE: the tokens each expert is routed (/metrics, EPLB); with --ep-size, the all-to-all dispatch.
+        self.expert_load = ExpertLoadRecorder.install(self.model)
+        self.expert_parallel = (install_expert_parallel(self.model, self.expert_load, config, mc, self.comm.rank)
+                                if config.ep_size > 1 else None)
         # oneDNN prepacking is a CPU layout; on CUDA the linears run on the dense weights.
         self.prepacked = config.prepack_weights and self.device.type == "cpu" and self.model.prepack_weights()
         self.model.ops = create_layer_ops(config.fused_ops, self.device)
@@ -576,6 +583,15 @@ class ModelRunner:
         if self._weight_groups is None:
             self._weight_groups = UpdateGroups()
         return update_from_distributed(self, self._weight_groups, group_name, names, dtypes, shapes)
+
+    def rebalance_experts(self) -> dict | None:
+        """EPLB from the loads recorded since the last placement (--ep-size > 1; between two steps,
+        on every rank of the group): the rebalance's record (imbalance before, expected after,
+        seconds, weights moved), or None when no token was recorded. ValueError without EP."""
+        if self.expert_parallel is None:
+            raise ValueError("rebalancing experts needs expert parallelism (--ep-size > 1)")
+        rebalancer = self.expert_parallel.rebalancer
+        return rebalancer.stats.history[-1] if rebalancer.rebalance() else None
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         if self._weight_groups is not None:

@@ -2,7 +2,7 @@
 
 Started by the leader with two pipe descriptors: commands in (a RankSetup first, then
 ("execute", plan), ("compute_logits", plan), ("lora_load", name, path),
-("lora_unload", name), ("reset",), ("stop",)), and one reply out ("ready" once its shard is built,
+("lora_unload", name), ("reset",), ("rebalance_experts",), ("stop",)), and one reply out ("ready" once its shard is built,
 or ("error", why)). It joins the group's process group before loading, so the leader's join
 does not wait for a load. Any failure ends the process: the leader's watchdog names the rank,
 and the leader's next collective fails instead of hanging.
@@ -87,6 +87,8 @@ def run_command(runner, command: tuple) -> bool:
         runner.loras.unload(command[1])
     elif kind == "reset":
         runner.reset()
+    elif kind == "rebalance_experts":
+        runner.rebalance_experts()
     elif kind == "stop":
         return False
     else:

@@ -315,6 +315,11 @@ class GroupRunner:
         self.group.send(("reset",))
         self.runner.reset()
 
+    def rebalance_experts(self) -> dict | None:
+        """EPLB now, on every rank (between two steps)."""
+        self.group.send(("rebalance_experts",))
+        return self.runner.rebalance_experts()
+
     def close(self) -> None:
         try:
             self.group.close()
@@ -374,9 +379,10 @@ def load_rank_checkpoint(config: WorkerConfig, source: str, rank: int = 0):
     from services.worker.loader.checkpoint import load_checkpoint
     if config.world_size == 1:
         return load_checkpoint(source, config.quantization)
+    from services.worker.parallel.moe_parallel import rank_expert_slots
     from services.worker.parallel.rank_part import RankPart
-    return load_checkpoint(source, config.quantization,
-                           part=lambda full: RankPart(full, rank, config.tp_size, config.pp_size))
+    return load_checkpoint(source, config.quantization, part=lambda full: RankPart(
+        full, rank, config.tp_size, config.pp_size, rank_expert_slots(config, full, rank)))
 
 
 def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Callable[[str], None] | None = None):
@@ -394,8 +400,10 @@ def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Calla
     from services.worker.parallel.pipeline import PipelineStage
     from services.worker.parallel.tensor_parallel import TensorShard
     # Sizes the model cannot take: refused before any rank starts.
+    from services.worker.parallel.moe_parallel import rank_expert_slots
     stage = PipelineStage(checkpoint.config, 0, config.pp_size)
-    why = TensorShard(stage.config, 0, config.tp_size).blocks_refusal() if checkpoint.quantized else None
+    shard = TensorShard(stage.config, 0, config.tp_size, rank_expert_slots(config, stage.config, 0))
+    why = shard.blocks_refusal() if checkpoint.quantized else None
     if why is not None:
         raise ValueError(why)
     group = WorkerGroup(config, checkpoint.source, checkpoint.config.hidden_size, on_lost)

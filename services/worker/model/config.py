@@ -46,6 +46,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # The experts' weight slots a sparse block holds: 0 = one per expert; an expert-parallel rank's
+    # model holds only its physical experts (services/worker/parallel/expert_parallel.py).
+    expert_slots: int = 0
     # The HF `architectures` name the model registry builds (services/worker/model/registry.py).
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None

@@ -43,8 +43,7 @@ def qwen3_moe_mlp(config: ModelConfig, layer: int) -> nn.Module:
     """Layer `layer`'s MLP: a sparse block, or a dense MLP of intermediate_size."""
     if not config.is_moe_layer(layer):
         return MLP(config)
-    return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                          config.num_experts_per_tok, config.norm_topk_prob)
+    return SparseMoeBlock.for_layer(config, layer)
 
 
 def qwen3_moe_model(config: ModelConfig) -> LlamaForCausalLM:

@@ -23,6 +23,7 @@ class RankPart:
     rank: int
     tp: int
     pp: int
+    expert_slots: tuple[tuple[int, ...], ...] = ()  # expert parallelism: TensorShard.expert_slots
 
     def __post_init__(self) -> None:
         self.shard  # the sizes the model cannot take raise ValueError here, naming the flag
@@ -35,7 +36,8 @@ class RankPart:
     @cached_property
     def shard(self) -> TensorShard | None:
         stage = self.stage
-        return TensorShard(stage.config if stage else self.full, self.rank % self.tp, self.tp) if self.tp > 1 else None
+        return (TensorShard(stage.config if stage else self.full, self.rank % self.tp, self.tp, self.expert_slots)
+                if self.tp > 1 else None)
 
     @property
     def config(self) -> ModelConfig:

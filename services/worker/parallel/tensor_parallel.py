@@ -21,6 +21,7 @@ float32 logits, bit for bit, so every rank samples the same tokens.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,8 +32,8 @@ from services.worker.model.config import ModelConfig
 from services.worker.parallel.communicator import Communicator
 
 
-def tp_refusal(mc: ModelConfig, tp: int) -> str | None:
-    """Why a model cannot be split over tp ranks, or None when it can."""
+def tp_refusal(mc: ModelConfig, tp: int, ep: bool = False) -> str | None:
+    """Why a model cannot be split over tp ranks (ep: its experts whole, over the same ranks), or None."""
     if tp < 1:
         return f"--tp-size must be >= 1, got {tp}"
     heads, kv = mc.num_attention_heads, mc.num_key_value_heads
@@ -43,22 +44,30 @@ def tp_refusal(mc: ModelConfig, tp: int) -> str | None:
                 "(so KV heads cannot be split or replicated evenly)")
     if mc.intermediate_size % tp:
         return f"--tp-size {tp} does not divide the MLP's intermediate size {mc.intermediate_size}"
-    if mc.num_experts and mc.moe_intermediate_size % tp:
+    if mc.num_experts and not ep and mc.moe_intermediate_size % tp:
         return f"--tp-size {tp} does not divide the experts' intermediate size {mc.moe_intermediate_size}"
     return None
 
 
 @dataclass(frozen=True)
 class TensorShard:
-    """Rank `rank` of `size`: which heads, MLP columns and vocabulary rows it holds."""
+    """Rank `rank` of `size`: which heads, MLP columns and vocabulary rows it holds.
+    expert_slots: under expert parallelism (--ep-size), per decoder layer the logical experts of
+    this rank's physical slots (() for a dense layer), each expert whole; () = the experts are
+    split like an MLP, over their intermediate size."""
     full: ModelConfig
     rank: int
     size: int
+    expert_slots: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
-        why = tp_refusal(self.full, self.size)
+        why = tp_refusal(self.full, self.size, self.ep)
         if why is not None:
             raise ValueError(why)
+
+    @property
+    def ep(self) -> bool:
+        return bool(self.expert_slots)
 
     @property
     def heads(self) -> int:
@@ -85,17 +94,20 @@ class TensorShard:
     def config(self) -> ModelConfig:
         """The model this rank builds: its heads, MLP share and vocabulary rows."""
         f = self.full
+        if self.ep:
+            experts = dict(moe_intermediate_size=f.moe_intermediate_size,
+                           expert_slots=max(len(slots) for slots in self.expert_slots))
+        else:
+            experts = dict(moe_intermediate_size=f.moe_intermediate_size // self.size)
         return replace(f, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
-                       intermediate_size=f.intermediate_size // self.size,
-                       moe_intermediate_size=f.moe_intermediate_size // self.size,
-                       vocab_size=self.vocab_rows)
+                       intermediate_size=f.intermediate_size // self.size, vocab_size=self.vocab_rows, **experts)
 
     def blocks_refusal(self) -> str | None:
         """Why a file's quantized blocks cannot be split over this group, or None: a row-parallel
         linear's input columns are cut in whole groups of 32 (the packed layout), never inside one."""
         f = self.full
         cuts = {"o_proj": self.heads * f.head_dim, "down_proj": f.intermediate_size // self.size}
-        if f.num_experts:
+        if f.num_experts and not self.ep:
             cuts["the experts' down_proj"] = f.moe_intermediate_size // self.size
         bad = [f"{name} ({n} columns per rank)" for name, n in cuts.items() if n % GROUP]
         if bad:
@@ -107,7 +119,14 @@ class TensorShard:
 
     def tensors(self, full_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF name → this rank's slice, for every tensor of the full checkpoint."""
-        return {name: self.slice(name, t) for name, t in _unfused(full_tensors, self.full).items()}
+        out: dict[str, Weight] = {}
+        for name, t in _unfused(full_tensors, self.full).items():
+            per_expert = _PER_EXPERT.match(name) if self.ep else None
+            if per_expert:
+                out.update(self._expert_copies(per_expert, t))
+            else:
+                out[name] = self.slice(name, t)
+        return out
 
     def slice(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """One HF-named tensor → this rank's part of it (a replicated one as it is)."""
@@ -129,7 +148,7 @@ class TensorShard:
         if base.endswith("mlp.down_proj"):
             return self._row_parallel(t, leaf, *self._share(f.intermediate_size))
         if ".mlp.experts." in name:
-            return self._expert(name, t)
+            return self._whole_experts(name, t) if self.ep else self._expert(name, t)
         if base.endswith(("embed_tokens", "lm_head")):
             return _padded_rows(t, self.rank * self.vocab_rows, self.vocab_rows)
         return t
@@ -156,6 +175,23 @@ class TensorShard:
         if leaf == "bias":
             return t if self.rank == 0 else torch.zeros_like(t)
         return _columns(t, start, length)
+
+    def _whole_experts(self, name: str, t: Weight) -> torch.Tensor:
+        """Stacked expert weights [E, ...] → [slots, ...]: the experts of this rank's slots, whole."""
+        if isinstance(t, QuantWeight):
+            raise ValueError("--ep-size > 1 needs the experts' weights dense: use --quantization none, or an HF "
+                             "checkpoint, for expert parallelism")
+        layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+        return t.index_select(0, torch.tensor(self.expert_slots[layer])).contiguous()
+
+    def _expert_copies(self, match, t: Weight) -> dict[str, Weight]:
+        """A per-expert tensor (…layers.L.mlp.experts.E.rest) → one copy per slot of this rank that holds
+        expert E, named by the slot (none when this rank holds no replica of it)."""
+        prefix, layer, expert, rest = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
+        if isinstance(t, QuantWeight):
+            raise ValueError("--ep-size > 1 needs the experts' weights dense: use --quantization none, or an HF "
+                             "checkpoint, for expert parallelism")
+        return {f"{prefix}{slot}.{rest}": t for slot, e in enumerate(self.expert_slots[layer]) if e == expert}
 
     def _expert(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Per-expert (experts.{e}.gate_proj ...) or stacked (experts.gate_up_proj [E, 2I, H],
@@ -228,6 +264,9 @@ def _vocab_parallel_embedding(embedding: nn.Module, first_row: int, comm: Commun
     embedding.register_forward_pre_hook(local_ids)
     embedding.register_forward_hook(summed)
 
+
+# A per-expert checkpoint tensor: (….layers.L.mlp.experts.)(L)(E).(gate_proj.weight)
+_PER_EXPERT = re.compile(r"^(.*\.layers\.(\d+)\.mlp\.experts\.)(\d+)\.(.*)$")
 
 # A checkpoint tensor is a dense tensor or a file's quantized blocks (QuantWeight, from a GGUF):
 # both are cut by output rows and input columns, the blocks in their packed layout.
