@@ -2,7 +2,7 @@
 
 Adding a model = its file (the class, or the ModelConfig fields it sets on the Llama decoder)
 plus one line in ARCHITECTURES (docs/adding_a_model.md). Everything else is refused by name:
-Gemma 1, Qwen2-MoE (shared experts), DeepSeek-MoE, ... would load as Llama and compute wrong logits.
+Gemma 1, Qwen2-MoE (shared experts), DeepSeek-V3 (MLA), ... would load as Llama and compute wrong logits.
 """
 from __future__ import annotations
 
