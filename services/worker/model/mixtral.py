@@ -68,9 +68,9 @@ def mixtral_hf_name(name: str) -> str:
 
 def mixtral_mlp(config: ModelConfig, layer: int) -> nn.Module:
     """Every layer's MLP: a sparse block over intermediate_size (moe_intermediate_size here, the
-    size tensor parallelism divides among the ranks)."""
-    return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                          config.num_experts_per_tok, config.norm_topk_prob)
+    size tensor parallelism divides among the ranks; an expert-parallel rank's config holds its
+    expert slots)."""
+    return SparseMoeBlock.for_layer(config, layer)
 
 
 def mixtral_model(config: ModelConfig) -> LlamaForCausalLM:
