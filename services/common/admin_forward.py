@@ -9,7 +9,8 @@ import grpc
 from protos.radixmesh.v1 import admin_pb2_grpc
 
 METHODS = ("GetModelState", "LoadLoraAdapter", "UnloadLoraAdapter", "UpdateWeightsFromDisk",
-           "UpdateWeightsFromTensor", "InitWeightsUpdateGroup", "UpdateWeightsFromDistributed")
+           "UpdateWeightsFromTensor", "InitWeightsUpdateGroup", "UpdateWeightsFromDistributed",
+           "ExpertDistribution")
 TIMEOUT_S = 900.0  # a weight update waits for running requests to finish first
 
 

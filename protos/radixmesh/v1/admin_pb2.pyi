@@ -12,8 +12,19 @@ class RunningRequests(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RUNNING_REQUESTS_FINISH: _ClassVar[RunningRequests]
     RUNNING_REQUESTS_RETRACT: _ClassVar[RunningRequests]
+
+class ExpertDistributionAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EXPERT_DISTRIBUTION_ACTION_UNSPECIFIED: _ClassVar[ExpertDistributionAction]
+    EXPERT_DISTRIBUTION_START: _ClassVar[ExpertDistributionAction]
+    EXPERT_DISTRIBUTION_STOP: _ClassVar[ExpertDistributionAction]
+    EXPERT_DISTRIBUTION_DUMP: _ClassVar[ExpertDistributionAction]
 RUNNING_REQUESTS_FINISH: RunningRequests
 RUNNING_REQUESTS_RETRACT: RunningRequests
+EXPERT_DISTRIBUTION_ACTION_UNSPECIFIED: ExpertDistributionAction
+EXPERT_DISTRIBUTION_START: ExpertDistributionAction
+EXPERT_DISTRIBUTION_STOP: ExpertDistributionAction
+EXPERT_DISTRIBUTION_DUMP: ExpertDistributionAction
 
 class GetModelStateRequest(_message.Message):
     __slots__ = ()
@@ -109,8 +120,34 @@ class WeightUpdateReport(_message.Message):
     total_seconds: float
     def __init__(self, path: _Optional[str] = ..., bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ..., pause_seconds: _Optional[float] = ..., flush_seconds: _Optional[float] = ..., flushed_pages: _Optional[int] = ..., retracted: _Optional[int] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
+class ExpertDistributionRequest(_message.Message):
+    __slots__ = ("action",)
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    action: ExpertDistributionAction
+    def __init__(self, action: _Optional[_Union[ExpertDistributionAction, str]] = ...) -> None: ...
+
+class ExpertCounts(_message.Message):
+    __slots__ = ("counts",)
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, counts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExpertDistribution(_message.Message):
+    __slots__ = ("layers", "logical_count", "forwards", "seconds", "recording")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECORDING_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    logical_count: _containers.RepeatedCompositeFieldContainer[ExpertCounts]
+    forwards: int
+    seconds: float
+    recording: bool
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., logical_count: _Optional[_Iterable[_Union[ExpertCounts, _Mapping]]] = ..., forwards: _Optional[int] = ..., seconds: _Optional[float] = ..., recording: _Optional[bool] = ...) -> None: ...
+
 class ModelState(_message.Message):
-    __slots__ = ("model", "weights_version", "adapters", "max_loras", "update", "address", "replicas", "seconds")
+    __slots__ = ("model", "weights_version", "adapters", "max_loras", "update", "address", "replicas", "seconds", "expert_distribution")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +156,7 @@ class ModelState(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_DISTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     model: str
     weights_version: str
     adapters: _containers.RepeatedCompositeFieldContainer[_worker_pb2.AdapterInfo]
@@ -127,4 +165,5 @@ class ModelState(_message.Message):
     address: str
     replicas: _containers.RepeatedCompositeFieldContainer[ModelState]
     seconds: float
-    def __init__(self, model: _Optional[str] = ..., weights_version: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[_worker_pb2.AdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., update: _Optional[_Union[WeightUpdateReport, _Mapping]] = ..., address: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., seconds: _Optional[float] = ...) -> None: ...
+    expert_distribution: ExpertDistribution
+    def __init__(self, model: _Optional[str] = ..., weights_version: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[_worker_pb2.AdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., update: _Optional[_Union[WeightUpdateReport, _Mapping]] = ..., address: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., seconds: _Optional[float] = ..., expert_distribution: _Optional[_Union[ExpertDistribution, _Mapping]] = ...) -> None: ...

@@ -69,6 +69,11 @@ class ModelAdminStub:
                 request_serializer=radixmesh_dot_v1_dot_admin__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_admin__pb2.ModelState.FromString,
                 _registered_method=True)
+        self.ExpertDistribution = channel.unary_unary(
+                '/radixmesh.v1.ModelAdmin/ExpertDistribution',
+                request_serializer=radixmesh_dot_v1_dot_admin__pb2.ExpertDistributionRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_admin__pb2.ModelState.FromString,
+                _registered_method=True)
 
 
 class ModelAdminServicer:
@@ -119,6 +124,16 @@ class ModelAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExpertDistribution(self, request, context):
+        """Starts, stops or reads a recording of how many tokens the MoE router sends to each expert
+        (SGLang's expert distribution recorder); the answer's expert_distribution is the recording.
+        Touches no weights and no cache: the scheduler passes it to the worker without pausing
+        admission. FAILED_PRECONDITION for a model without experts, or a dump before any start.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +170,11 @@ def add_ModelAdminServicer_to_server(servicer, server):
             'UpdateWeightsFromDistributed': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeightsFromDistributed,
                     request_deserializer=radixmesh_dot_v1_dot_admin__pb2.UpdateWeightsFromDistributedRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_admin__pb2.ModelState.SerializeToString,
+            ),
+            'ExpertDistribution': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExpertDistribution,
+                    request_deserializer=radixmesh_dot_v1_dot_admin__pb2.ExpertDistributionRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_admin__pb2.ModelState.SerializeToString,
             ),
     }
@@ -346,6 +366,33 @@ class ModelAdmin:
             target,
             '/radixmesh.v1.ModelAdmin/UpdateWeightsFromDistributed',
             radixmesh_dot_v1_dot_admin__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
+            radixmesh_dot_v1_dot_admin__pb2.ModelState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExpertDistribution(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.ModelAdmin/ExpertDistribution',
+            radixmesh_dot_v1_dot_admin__pb2.ExpertDistributionRequest.SerializeToString,
             radixmesh_dot_v1_dot_admin__pb2.ModelState.FromString,
             options,
             channel_credentials,
