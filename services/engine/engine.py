@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from protos.radixmesh.v1 import admin_pb2 as apb
+from services.common import expert_distribution
 from services.common.hicache_config import HiCacheConfig
 from services.common.host_memory import return_freed_memory
 from services.common.model_path import resolve_model_path
@@ -345,6 +346,17 @@ class Engine:
             apb.TensorMeta(name=name, dtype=str(dtype).removeprefix("torch."), shape=list(shape))
             for name, dtype, shape in metas])
         return self.admin_call(self.admin.update_weights("UpdateWeightsFromDistributed", request, retract))
+
+    def expert_distribution(self, action: str):
+        """SGLang's expert distribution recorder: "start", "stop" or "dump"; returns the recording
+        as it then stands (an ExpertDump). Between two steps, without pausing admission.
+        Raises AdminError (a model without experts, a dump before any start)."""
+        from services.worker.model.expert_load import ExpertDump
+        if action not in expert_distribution.ACTIONS:
+            raise ValueError(f"action must be one of {sorted(expert_distribution.ACTIONS)}, got {action!r}")
+        state = self.admin_call(self._runner_admin.call("ExpertDistribution", apb.ExpertDistributionRequest(
+            action=expert_distribution.ACTIONS[action])))
+        return ExpertDump(**expert_distribution.to_dict(state.expert_distribution))
 
     def flush_kv_writes(self) -> None:
         """Wait until the pages written to the kvstore so far have landed (tests)."""

@@ -54,12 +54,19 @@ class SchedulerAdminService(admin_pb2_grpc.ModelAdminServicer):
             "UpdateWeightsFromTensor", request, request.running == _RETRACT))
 
     async def InitWeightsUpdateGroup(self, request, context):
+        return await self._passed_on("InitWeightsUpdateGroup", request, context)
+
+    async def ExpertDistribution(self, request, context):
+        # The recorder touches no weights and no cache: admission goes on, the worker runs it
+        # between two steps under its model lock.
+        return await self._passed_on("ExpertDistribution", request, context)
+
+    async def _passed_on(self, method: str, request, context: grpc.aio.ServicerContext) -> apb.ModelState:
+        """Straight to the worker: nothing the scheduler caches changes."""
         try:
-            self._core()
-            state = await self._link().call("InitWeightsUpdateGroup", request)
+            return await self._link().call(method, request)
         except AdminError as e:
             await context.abort(e.status_code, e.message)
-        return state
 
     async def UpdateWeightsFromDistributed(self, request, context):
         return await self._run(context, self._admin.update_weights(

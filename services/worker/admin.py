@@ -16,6 +16,7 @@ import time
 
 from protos.radixmesh.v1 import admin_pb2 as apb
 from protos.radixmesh.v1 import worker_pb2 as wpb
+from services.common import expert_distribution
 from services.common.admin_error import FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, AdminError
 from services.worker.lora.adapter import AdapterError
 from services.worker.weights.errors import WeightUpdateError
@@ -81,6 +82,29 @@ class WorkerAdmin:
         shapes = [list(t.shape) for t in request.tensors]
         return self._updated(lambda: self.runner.update_weights_from_distributed(
             names, dtypes, shapes, request.group_name or "weights"))
+
+    # --- the expert distribution recorder ------------------------------------------------
+    def _ExpertDistribution(self, request: apb.ExpertDistributionRequest) -> apb.ModelState:
+        """Start, stop or read the recorder (services/worker/model/expert_load.py); every action
+        answers the recording as it then stands (a start: zeros, recording)."""
+        recorder = self.runner.expert_load
+        if recorder is None:
+            raise AdminError(FAILED_PRECONDITION, f"the model {self.runner.model_config.name} has no experts "
+                             "(not a mixture of experts): there is no expert distribution to record")
+        action = request.action
+        if action == apb.EXPERT_DISTRIBUTION_START:
+            recorder.start()
+        elif action == apb.EXPERT_DISTRIBUTION_STOP:
+            recorder.stop()
+        elif action != apb.EXPERT_DISTRIBUTION_DUMP:
+            raise AdminError(INVALID_ARGUMENT, f"unknown expert distribution action {action}: start, stop or dump")
+        try:
+            dump = recorder.dump()
+        except ValueError as e:  # nothing was recorded yet
+            raise AdminError(FAILED_PRECONDITION, str(e)) from None
+        state = self.state()
+        state.expert_distribution.CopyFrom(expert_distribution.to_proto(dump))
+        return state
 
     def _updated(self, update) -> apb.ModelState:
         try:
