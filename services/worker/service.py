@@ -44,6 +44,7 @@ from services.common.model_path import resolve_model_path
 from services.common.sampling_params import InvalidRequest
 from services.step.convert import plan_from_proto, result_to_proto
 from services.worker.config import WorkerConfig
+from services.worker.expert_metrics import ExpertCollector
 from services.worker.info import worker_info
 from services.worker.step_loop import StepLoop
 
@@ -85,6 +86,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         r.register(m.InfoCollector(lambda: self._model if self.info is not None else None, "kv_cache",
                                    "the KV pool's storage dtype (--kv-cache-dtype resolved)",
                                    lambda: {"kv_dtype": self.info.kv_dtype}))
+        # MoE models: tokens per expert, EP imbalance and rebalances (services/worker/expert_metrics.py)
+        r.register(ExpertCollector(lambda: self._model if self.info is not None else None, lambda: self.runner))
 
     async def start(self) -> None:
         """Load the model on the step thread (health stays NOT_SERVING meanwhile)."""
