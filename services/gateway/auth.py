@@ -3,8 +3,9 @@
 Three kinds of route:
   probes  /health, /ready, /metrics: open, unless --probes-need-key (then as user routes)
   admin   /admin/*, model administration (/model_state, /v1/load_lora_adapter,
-          /v1/unload_lora_adapter, /init_weights_update_group, /update_weights*: services/gateway/
-          model_admin.py) and /flush_cache: the admin key (--admin-api-key)
+          /v1/unload_lora_adapter, /init_weights_update_group, /update_weights*, SGLang's
+          /*_expert_distribution_record: services/gateway/model_admin.py) and /flush_cache: the
+          admin key (--admin-api-key)
   user    everything else, /openapi.json included (it names the served model): a user key
           (--api-key, --api-key-file, $RADIXMESH_API_KEY) or the admin key
 
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 ADMIN_PREFIXES = ("/admin/", "/flush_cache", "/update_weights", "/model_state", "/v1/load_lora_adapter",
-                  "/v1/unload_lora_adapter", "/init_weights_update_group")
+                  "/v1/unload_lora_adapter", "/init_weights_update_group", "/start_expert_distribution_record",
+                  "/stop_expert_distribution_record", "/dump_expert_distribution_record")
 _CHALLENGE = 'Bearer realm="radixmesh"'
 
 

@@ -94,6 +94,54 @@ _SCHEME = "apiKey"
 _PROBES = ("/health", "/ready")
 
 
+# The expert distribution recorder (model_admin.py): ExpertDump's JSON, what --init-expert-location reads.
+_COUNTS = {"type": "array", "items": _COUNT}
+_DUMP_FIELDS = {"layers": {**_COUNTS, "description": "the decoder layers with experts, in row order"},
+                "logical_count": {"type": "array", "items": _COUNTS,
+                                  "description": "tokens routed to each logical expert: [layers][experts]"},
+                "forwards": _COUNT, "seconds": {"type": "number", "minimum": 0}, "recording": {"type": "boolean"}}
+_DUMP_REQUIRED = ["layers", "logical_count", "forwards", "seconds", "recording"]
+_EXPERT_DUMP = {"type": "object", "required": _DUMP_REQUIRED, "properties": {
+    **_DUMP_FIELDS,
+    "replicas": {"type": "array", "description": "behind a router: each replica's recording (the top level "
+                                                 "adds them up)",
+                 "items": {"type": "object", "required": ["address", *_DUMP_REQUIRED],
+                           "properties": {"address": {"type": "string"}, **_DUMP_FIELDS}}}}}
+_ADMIN_ERRORS = {
+    "400": _json(_ERROR, "the model has no experts, or nothing was recorded yet (dump before any start)"),
+    "401": _json(_ERROR, "no valid admin key: send `Authorization: Bearer ADMIN_KEY`"),
+    "403": _json(_ERROR, "a user key on an admin route, or admin routes are off (no --admin-api-key)"),
+    "404": _json(_ERROR, "the backend has no model administration"),
+    "503": _ERRORS["503"],
+}
+_EXPERT_ACTIONS = {
+    "start": "Start recording how many tokens the MoE router sends to each expert (a running recording "
+             "restarts from zero); answers the new recording",
+    "stop": "Stop the recording; answers it (dumps keep returning it)",
+    "dump": "The running recording, else the last stopped one: save it as an --init-expert-location file",
+}
+
+
+_NO_PARAMETERS = {"required": False, "content": {"application/json": {"schema": {
+    "type": "object", "maxProperties": 0, "description": "no parameters: no body, or {}"}}}}
+
+
+def _expert_distribution(action: str, method: str) -> dict:
+    op = {"summary": _EXPERT_ACTIONS[action] + ". Needs the admin key.",
+          "responses": {"200": _json(_EXPERT_DUMP, "The recording (ExpertDump's JSON)."), **_ADMIN_ERRORS,
+                        **_LIMITED}}
+    return {method: {**op, "requestBody": _NO_PARAMETERS} if method == "post" else op}
+
+
+def _expert_paths() -> dict:
+    """/admin/expert_distribution/{start,stop,dump} and SGLang's /{action}_expert_distribution_record."""
+    paths = {f"/{a}_expert_distribution_record": _expert_distribution(a, "post") for a in _EXPERT_ACTIONS}
+    for action in _EXPERT_ACTIONS:
+        paths[f"/admin/expert_distribution/{action}"] = _expert_distribution(action,
+                                                                            "get" if action == "dump" else "post")
+    return paths
+
+
 def _generation(summary: str, request: dict, ok: dict, ok_description: str) -> dict:
     return {"post": {
         "summary": summary,
@@ -180,6 +228,7 @@ def _plain(model_names: tuple[str, ...]) -> dict:
                                              "503": _ERRORS["503"]}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {
                 "200": _json({"type": "object"}, "The OpenAPI document."), **_LIMITED}}},
+            **_expert_paths(),
         },
     }
 
