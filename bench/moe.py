@@ -9,8 +9,9 @@ sit on rank 0, which computes most rows while rank 1 waits at the all-to-all.
 
 1. EP 2 (TP 2 attention), --ep-num-redundant-experts R: the workload (a batch of prompts, prefill
    then decode), step time and the imbalance gauge (max over mean tokens per rank, mean over layers).
-2. A rebalance (EPLB from the loads just recorded; every rank, between steps), then the same
-   workload: the gauge and the step time again.
+2. A rebalance (EPLB from the loads just recorded; every rank, between steps): one run of the
+   workload while its layers move (one per forward pass), then the workload again: the gauge and
+   the step time, and the longest pause one layer's move added to a step.
 3. Two-batch overlap: the same workload on groups started with that placement
    (--init-expert-location, the recording dumped from phase 1), TBO off, then on; rank 0's time
    waiting for the all-to-alls with each; hidden share = 1 - waiting(on) / waiting(off).
@@ -90,12 +91,12 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--redundant", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--intermediate", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lean", type=float, default=6.0, help="how hard the HOT experts' router rows lean along v")
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=96)
-    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -111,15 +112,18 @@ def main() -> None:
     eng = engine(tmp, ep_num_redundant_experts=args.redundant)
     try:
         run(eng, workload(2, 16, 2, 9), 2)  # warm-up
-        on_step_thread(eng, eng.runner.expert_load.start)
+        on_step_thread(eng, eng.runner.expert_load.start)  # the leader's recording (the dump below)
         rebalancer = eng.runner.expert_parallel.rebalancer
-        on_step_thread(eng, eng.runner.expert_load.reset_window)
         n0 = steps(eng)
         before_s = min(run(eng, prompts, args.new_tokens) for _ in range(args.repeats))
         per_pass = (steps(eng) - n0) // args.repeats
         gauge_before = rebalancer.imbalance()
         dump = on_step_thread(eng, eng.runner.expert_load.dump)
         record = on_step_thread(eng, eng.runner.rebalance_experts)
+        n1, moving_s = steps(eng), 0.0
+        while rebalancer.moving:  # its weights move over the next passes
+            moving_s += run(eng, prompts, args.new_tokens)
+        moving_passes = steps(eng) - n1  # its window restarted when the last layer moved, on every rank
         after_s = min(run(eng, prompts, args.new_tokens) for _ in range(args.repeats))
         gauge_after = rebalancer.imbalance()
     finally:
@@ -129,8 +133,13 @@ def main() -> None:
     print("|---|---|---|---|")
     print(f"| spread placement | {gauge_before:.3f} | {before_s:.3f} | {1e3 * before_s / per_pass:.1f} |")
     print(f"| after EPLB | {gauge_after:.3f} | {after_s:.3f} | {1e3 * after_s / per_pass:.1f} |")
-    print(f"rebalance: {record['seconds'] * 1e3:.1f} ms, {record['moved']} expert weights moved to rank 0; "
-          f"step time after/before {after_s / before_s:.2f}x")
+    print(f"| while moving (2 weights per pass) | | {moving_s:.3f} ({moving_passes} passes) | "
+          f"{1e3 * moving_s / moving_passes:.1f} |")
+    step_ms = 1e3 * before_s / per_pass
+    print(f"rebalance: {record['layers']} layers moved in {record['seconds'] * 1e3:.1f} ms, {record['moved']} expert "
+          f"weights received by rank 0; longest pause {record['longest_pause_s'] * 1e3:.1f} ms = "
+          f"{record['longest_pause_s'] * 1e3 / step_ms:.2f} of a mean step (plan {record['plan_ms']} ms, then per "
+          f"pass {record['pauses_ms']} ms); step time after/before {after_s / before_s:.2f}x")
 
     placement = tmp / "expert-loads.json"
     placement.write_text(dump.to_json())

@@ -145,6 +145,12 @@ class WorkerConfig:
                 "last placement, every --eplb-rebalance-num-iterations forward passes, moving weights between ranks"})
     eplb_rebalance_num_iterations: int = field(default=1000, metadata={
         "help": "--enable-eplb: forward passes between two rebalances"})
+    eplb_rebalance_layers_per_chunk: int = field(default=1, metadata={
+        "help": "EPLB: MoE layers moved together (they switch to the new placement once all their expert "
+                "weights arrived; a rebalance spreads over the next forward passes)"})
+    eplb_rebalance_weights_per_pass: int = field(default=2, metadata={
+        "help": "EPLB: expert weights that cross between ranks per forward pass (each crosses while the pass "
+                "computes; a chunk's layers switch once all of theirs arrived)"})
     init_expert_location: str | None = field(default=None, metadata={
         "help": "expert parallelism: place the experts at start from a recorded load (a JSON dump from "
                 "/admin/expert_distribution/dump) with EPLB, instead of expert e in slot e"})
@@ -294,6 +300,10 @@ class WorkerConfig:
             raise ValueError(f"{', '.join(given)} place experts over an expert-parallel group: give --ep-size > 1")
         if self.ep_num_redundant_experts < 0:
             raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {self.ep_num_redundant_experts}")
+        if self.eplb_rebalance_weights_per_pass < 1:
+            raise ValueError(f"--eplb-rebalance-weights-per-pass must be >= 1, got {self.eplb_rebalance_weights_per_pass}")
+        if self.eplb_rebalance_layers_per_chunk < 1:
+            raise ValueError(f"--eplb-rebalance-layers-per-chunk must be >= 1, got {self.eplb_rebalance_layers_per_chunk}")
         if self.eplb_rebalance_num_iterations < 1:
             raise ValueError(f"--eplb-rebalance-num-iterations must be >= 1, got {self.eplb_rebalance_num_iterations}")
         if ep > 1 and self.uses_cuda_graphs:

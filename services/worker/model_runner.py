@@ -585,13 +585,13 @@ class ModelRunner:
         return update_from_distributed(self, self._weight_groups, group_name, names, dtypes, shapes)
 
     def rebalance_experts(self) -> dict | None:
-        """EPLB from the loads recorded since the last placement (--ep-size > 1; between two steps,
-        on every rank of the group): the rebalance's record (imbalance before, expected after,
-        seconds, weights moved), or None when no token was recorded. ValueError without EP."""
+        """Plan an EPLB rebalance from the loads recorded since the last placement (--ep-size > 1;
+        between two steps, on every rank of the group); its layers move over the next forward
+        passes. Its record (imbalance before and expected, then seconds and weights moved as they
+        move), or None when no token was recorded. ValueError without expert parallelism."""
         if self.expert_parallel is None:
             raise ValueError("rebalancing experts needs expert parallelism (--ep-size > 1)")
-        rebalancer = self.expert_parallel.rebalancer
-        return rebalancer.stats.history[-1] if rebalancer.rebalance() else None
+        return self.expert_parallel.rebalancer.plan()
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         if self._weight_groups is not None:

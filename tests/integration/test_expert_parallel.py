@@ -79,7 +79,7 @@ def test_live_eplb_rebalances_move_weights_between_ranks_without_changing_a_stre
             t.join(300)
         stats = engine.runner.expert_parallel.rebalancer.stats
         assert [r.token_ids for r in results] == want
-        assert stats.rebalances >= 3 and stats.moved_experts > 0, stats
+        assert stats.rebalances >= 2 and stats.moved_experts > 0, stats
         assert not torch.equal(engine.runner.expert_parallel.location.phy2log, initial)
     finally:
         engine.shutdown()

@@ -51,6 +51,11 @@ class _Counter:
     counts: torch.Tensor  # [layers, experts] int64
     forwards: int = 0
     started: float = field(default_factory=time.monotonic)
+    stopped: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        return (self.stopped or time.monotonic()) - self.started
 
     def add(self, row: int, counts: torch.Tensor) -> None:
         self.counts[row] += counts
@@ -103,6 +108,7 @@ class ExpertLoadRecorder:
 
     def stop(self) -> None:
         if self.recording is not None:
+            self.recording.stopped = time.monotonic()
             self.recorded, self.recording = self.recording, None
 
     def dump(self) -> ExpertDump:
@@ -110,8 +116,8 @@ class ExpertLoadRecorder:
         counter = self.recording or self.recorded
         if counter is None:
             raise ValueError("no expert distribution was recorded: start a recording first")
-        return ExpertDump(self.layers, counter.counts.cpu().tolist(), counter.forwards,
-                          time.monotonic() - counter.started, recording=self.recording is not None)
+        return ExpertDump(self.layers, counter.counts.cpu().tolist(), counter.forwards, counter.seconds,
+                          recording=self.recording is not None)
 
 
 def moe_blocks(model: nn.Module) -> list:

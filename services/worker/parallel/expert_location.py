@@ -80,6 +80,16 @@ class ExpertLocation:
     def same_as(self, other: "ExpertLocation") -> bool:
         return torch.equal(self.phy2log, other.phy2log)
 
+    def changed_rows(self, other: "ExpertLocation") -> list[int]:
+        """The MoE layers whose placement differs in `other`."""
+        return [r for r in range(self.phy2log.shape[0]) if not torch.equal(self.phy2log[r], other.phy2log[r])]
+
+    def with_rows(self, other: "ExpertLocation", rows: list[int]) -> "ExpertLocation":
+        """This placement with `other`'s rows `rows` (a rebalance that has moved those layers)."""
+        phy2log = self.phy2log.clone()
+        phy2log[rows] = other.phy2log[rows]
+        return ExpertLocation(phy2log, self.num_experts, self.ep_size)
+
 
 def pick_physical(location: ExpertLocation, row: int, experts: torch.Tensor) -> torch.Tensor:
     """experts [T, k] logical ids of MoE layer `row` → [T, k] physical slots: the n-th occurrence of

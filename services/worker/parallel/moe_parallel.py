@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from services.worker.config import WorkerConfig
@@ -76,7 +77,11 @@ def install_expert_parallel(model: nn.Module, recorder: ExpertLoadRecorder, conf
         block.dispatch = ExpertParallel(rank, config.ep_size, holder, row, config.enable_two_batch_overlap,
                                         times, group)
     every = config.eplb_rebalance_num_iterations if config.enable_eplb else None
+    # Weight moves cross while a step computes: a process group of their own, so that they never
+    # queue in front of that step's dispatches (a collective: every rank creates it here, in order).
+    moves = dist.new_group(backend=dist.get_backend(group)) if dist.is_initialized() else group
     rebalancer = ExpertRebalancer(blocks, holder, recorder, rank, config.ep_size, config.ep_num_redundant_experts,
-                                  every, group)
+                                  every, config.eplb_rebalance_layers_per_chunk,
+                                  config.eplb_rebalance_weights_per_pass, moves)
     model.register_forward_pre_hook(lambda *_: rebalancer.before_forward())
     return ExpertParallelRank(holder, rebalancer, times)
