@@ -21,6 +21,8 @@ from services.gateway.connections import CONNECTIONS, ConnectionGuard, read_body
 from services.gateway.errors import UNAVAILABLE, APIError, error_response, from_backend
 from services.gateway.limits import LIMITER, TOKENS_USED, RateLimiter
 from services.gateway.observe import METRICS, GatewayMetrics, middleware
+from services.gateway.responses import responses_routes
+from services.gateway.responses_store import RESPONSES, ResponseStore
 from services.gateway.routes import routes
 from services.gateway.sse import OPENED
 from services.gateway.state import STATE, GatewayState, monitor
@@ -109,7 +111,9 @@ def build_app(config: GatewayConfig, backend: Backend, *, monitor_backend: bool 
     app[KEYS] = KeyRing(user_keys, admin_keys, config.probes_need_key)
     app[LIMITER] = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
     app[CONNECTIONS] = ConnectionGuard(config.header_timeout_s, config.max_connections_per_client)
+    app[RESPONSES] = ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
     app.add_routes(routes)
+    app.add_routes(responses_routes)  # the Responses API (services/gateway/responses.py)
     app.add_routes(admin_routes)  # /admin: the router's replicas (services/gateway/admin.py)
     app.add_routes(model_admin_routes)  # adapters and weight updates (services/gateway/model_admin.py)
 

@@ -83,6 +83,12 @@ class GatewayConfig:
     max_connections_per_client: int | None = field(default=256, metadata={
         "help": "open connections one client address may hold; the next one is answered 429 and closed; "
                 "none = no cap"})
+    # The Responses API's store (services/gateway/responses_store.py).
+    responses_store_size: int = field(default=1024, metadata={
+        "help": "stored responses (POST /v1/responses with store, the default) kept for GET and "
+                "previous_response_id; beyond it the oldest goes"})
+    responses_store_ttl_s: float = field(default=3600.0, metadata={
+        "help": "seconds a stored response is kept; then GET and previous_response_id answer it not found"})
 
     def tool_format(self, reported: str) -> str:
         """The tool-call format requests get: --tool-call-parser, or with auto `reported` (the
@@ -135,6 +141,10 @@ class GatewayConfig:
         if self.retry_after_s < 0:
             raise ValueError(f"--retry-after-s must be >= 0, got {self.retry_after_s}")
         self._check_limits()
+        if self.responses_store_size < 1:
+            raise ValueError(f"--responses-store-size must be >= 1, got {self.responses_store_size}")
+        if not self.responses_store_ttl_s > 0:
+            raise ValueError(f"--responses-store-ttl-s must be > 0, got {self.responses_store_ttl_s}")
         self.keys()  # an unreadable file or a malformed key: a usage error at start
 
     def _check_limits(self) -> None:

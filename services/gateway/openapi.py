@@ -9,6 +9,7 @@ import functools
 from collections.abc import Sequence
 
 from services.gateway import schemas
+from services.gateway.responses_protocol import RESPONSES_REQUEST
 
 _ERROR = {
     "type": "object", "required": ["error"],
@@ -158,6 +159,32 @@ def _generation(summary: str, request: dict, ok: dict, ok_description: str) -> d
     }}
 
 
+_RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
+             "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                            "created_at": {"type": "integer"}, "model": {"type": "string"},
+                            "status": {"enum": ["in_progress", "completed", "incomplete", "cancelled", "failed"]},
+                            "output": {"type": "array", "items": {"type": "object", "required": ["id", "type"]}}}}
+_RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+_NO_RESPONSE = _json(_ERROR, "No stored response has this id (store=false, expired, evicted or never existed).")
+
+
+def _responses_paths(model_names: tuple[str, ...]) -> dict:
+    """The Responses API (services/gateway/responses.py)."""
+    create = _generation("Create a model response (OpenAI's Responses API), served as a chat completion; "
+                         "streamed as OpenAI's response.* events", _with_model(RESPONSES_REQUEST, model_names),
+                         _RESPONSE, "The response.")
+    return {"/v1/responses": create,
+            "/v1/responses/{response_id}": {"get": {
+                "summary": "A stored response", "parameters": _RESPONSE_ID,
+                "responses": {"200": _json(_RESPONSE, "The response."), "404": _NO_RESPONSE, **_LIMITED}}},
+            "/v1/responses/{response_id}/cancel": {"post": {
+                "summary": "Cancel a stored response in progress", "parameters": _RESPONSE_ID,
+                "requestBody": _NO_PARAMETERS,
+                "responses": {"200": _json(_RESPONSE, "The response, cancelled."),
+                              "400": _json(_ERROR, "The response has ended (not cancelled)."),
+                              "404": _NO_RESPONSE, **_LIMITED}}}}
+
+
 def _with_model(request: dict, model_names: tuple[str, ...]) -> dict:
     """The served names are the only valid `model`s: say so (fuzzers then use them)."""
     if not model_names:
@@ -229,6 +256,7 @@ def _plain(model_names: tuple[str, ...]) -> dict:
             "/openapi.json": {"get": {"summary": "This document", "responses": {
                 "200": _json({"type": "object"}, "The OpenAPI document."), **_LIMITED}}},
             **_expert_paths(),
+            **_responses_paths(model_names),
         },
     }
 
