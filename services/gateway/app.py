@@ -26,6 +26,7 @@ from services.gateway.responses_store import RESPONSES, ResponseStore
 from services.gateway.routes import routes
 from services.gateway.sse import OPENED
 from services.gateway.state import STATE, GatewayState, monitor
+from services.gateway.tokenize_routes import tokenize_routes
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ def build_app(config: GatewayConfig, backend: Backend, *, monitor_backend: bool 
     app[RESPONSES] = ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
     app.add_routes(routes)
     app.add_routes(responses_routes)  # the Responses API (services/gateway/responses.py)
+    app.add_routes(tokenize_routes)  # /tokenize, /detokenize, /v1/tokenize, /v1/detokenize
     app.add_routes(admin_routes)  # /admin: the router's replicas (services/gateway/admin.py)
     app.add_routes(model_admin_routes)  # adapters and weight updates (services/gateway/model_admin.py)
 

@@ -106,6 +106,18 @@ class Backend(Protocol):
     async def close(self) -> None:
         """Release connections; in-flight generate iterators are cancelled."""
 
+    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Each text's token ids, in order."""
+
+    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None,
+                                  add_generation_prompt: bool) -> str:
+        """The conversation rendered by the model's chat template (INVALID_ARGUMENT without one)."""
+
+    async def detokenize(self, items: list[list[int]], skip_special_tokens: bool
+                         ) -> tuple[list[str], list[list[str]]]:
+        """(each item's text, each item's ids as the vocabulary spells them); INVALID_ARGUMENT for
+        an id outside the vocabulary."""
+
 
 # --- the gRPC client -----------------------------------------------------------------
 
@@ -186,6 +198,31 @@ class GrpcBackend:
         return ModelInfo(r.model_name, r.vocab_size, r.context_length, tuple(r.eos_token_ids),
                          r.has_chat_template, r.tool_call_format, tuple(a.name for a in state.adapters),
                          tuple(a.path for a in state.adapters), state.weights_version)
+
+    async def _unary(self, method: str, request):
+        try:
+            return await getattr(self._stub, method)(request, timeout=ADMIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise _rpc_error(e) from None
+
+    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        r = await self._unary("Tokenize", tokenizer_pb2.TokenizeRequest(
+            texts=tokenizer_pb2.TextBatch(texts=texts), add_special_tokens=add_special_tokens))
+        return [list(item.ids) for item in r.items]
+
+    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None,
+                                  add_generation_prompt: bool) -> str:
+        conv = tokenizer_pb2.Conversation(messages=[_chat_message(m) for m in messages],
+                                          tools_json=json.dumps(tools) if tools else "")
+        r = await self._unary("ApplyChatTemplate", tokenizer_pb2.ApplyChatTemplateRequest(
+            conversations=[conv], add_generation_prompt=add_generation_prompt))
+        return r.prompts[0]
+
+    async def detokenize(self, items: list[list[int]], skip_special_tokens: bool
+                         ) -> tuple[list[str], list[list[str]]]:
+        r = await self._unary("Detokenize", tokenizer_pb2.DetokenizeIdsRequest(
+            items=[tokenizer_pb2.TokenIds(ids=ids) for ids in items], skip_special_tokens=skip_special_tokens))
+        return list(r.texts), [list(t.strs) for t in r.tokens]
 
     async def admin(self, method: str, request) -> admin_pb2.ModelState:
         """One radixmesh.v1.ModelAdmin call (a router fans it out to every replica)."""

@@ -9,6 +9,7 @@ import functools
 from collections.abc import Sequence
 
 from services.gateway import schemas
+from services.gateway import tokenize_routes as tr
 from services.gateway.responses_protocol import RESPONSES_REQUEST
 
 _ERROR = {
@@ -185,6 +186,33 @@ def _responses_paths(model_names: tuple[str, ...]) -> dict:
                               "404": _NO_RESPONSE, **_LIMITED}}}}
 
 
+def _post(summary: str, request: dict, ok: dict) -> dict:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                     "responses": {"200": _json(ok, "The result."), **_ERRORS, **_LIMITED}}}
+
+
+def _tokenize_paths() -> dict:
+    """vLLM's /tokenize and /detokenize, SGLang's /v1/tokenize and /v1/detokenize (tokenize_routes.py)."""
+    ids, n = {"type": "array", "items": {"type": "integer"}}, {"type": "integer"}
+    many = {"type": "array", "items": ids}
+    return {
+        "/tokenize": _post("Token ids of a prompt, or of messages rendered by the chat template (vLLM)",
+                           tr.VLLM_TOKENIZE, {"type": "object", "required": ["count", "max_model_len", "tokens"],
+                                              "properties": {"count": n, "max_model_len": n, "tokens": ids,
+                                                             "token_strs": {"type": ["array", "null"]}}}),
+        "/detokenize": _post("Text of token ids (vLLM)", tr.VLLM_DETOKENIZE,
+                             {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}),
+        "/v1/tokenize": _post("Token ids of a prompt or of several (SGLang)", tr.SGLANG_TOKENIZE, {
+            "type": "object", "required": ["tokens", "count", "max_model_len"], "properties": {
+                "tokens": {"anyOf": [ids, many]}, "count": {"anyOf": [n, {"type": "array", "items": n}]},
+                "max_model_len": n}}),
+        "/v1/detokenize": _post("Text of token ids, or of several lists of them (SGLang)", tr.SGLANG_DETOKENIZE, {
+            "type": "object", "required": ["text"], "properties": {"text": {"anyOf": [
+                {"type": "string"}, {"type": "array", "items": {"type": "string"}}]}}}),
+    }
+
+
 def _with_model(request: dict, model_names: tuple[str, ...]) -> dict:
     """The served names are the only valid `model`s: say so (fuzzers then use them)."""
     if not model_names:
@@ -257,6 +285,7 @@ def _plain(model_names: tuple[str, ...]) -> dict:
                 "200": _json({"type": "object"}, "The OpenAPI document."), **_LIMITED}}},
             **_expert_paths(),
             **_responses_paths(model_names),
+            **_tokenize_paths(),
         },
     }
 

@@ -119,6 +119,9 @@ class RouterFront(tokenizer_pb2_grpc.TokenizerServicer):
     async def ApplyChatTemplate(self, request, context):
         return await self._any("ApplyChatTemplate", request, context)
 
+    async def Detokenize(self, request, context):
+        return await self._any("Detokenize", request, context)
+
     async def Ready(self, request: pb.ReadyRequest, context: grpc.aio.ServicerContext) -> pb.ReadyResponse:
         """Ready when some routable replica's whole path is (disaggregated: some replica of each
         pool); one stage line per replica, named by its pool."""

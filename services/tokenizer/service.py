@@ -362,6 +362,20 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.ApplyChatTemplateResponse(prompts=prompts)
 
+    async def Detokenize(self, request: pb.DetokenizeIdsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeIdsResponse:
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        vocab = self.model_info.model.vocab_size
+        for item in request.items:
+            bad = [i for i in item.ids if not 0 <= i < vocab]
+            if bad:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        tok = self.tokenizer
+        return pb.DetokenizeIdsResponse(
+            texts=[tok.decode(list(item.ids), skip_special_tokens=skip) for item in request.items],
+            tokens=[pb.TokenStrings(strs=[tok.id_to_token(i) or "" for i in item.ids]) for item in request.items])
+
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         m, tok = self.model_info.model, self.tokenizer
         resp = pb.InfoResponse(model_name=m.name, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids,

@@ -65,12 +65,32 @@ class FakeBackend:
     async def close(self) -> None:
         pass
 
-    def tokenize(self, call: GenerateCall) -> list[int]:
+    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [([EOS] if add_special_tokens else []) + self._ids(t) for t in texts]  # EOS stands in for BOS
+
+    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None,
+                                  add_generation_prompt: bool) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt
+                                                                               else "")
+
+    async def detokenize(self, items: list[list[int]], skip_special_tokens: bool
+                         ) -> tuple[list[str], list[list[str]]]:
+        bad = [t for ids in items for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BackendError("INVALID_ARGUMENT", f"token ids {bad[:5]} are outside the vocabulary "
+                                                   f"[0, {self.vocab_size})")
+        return ["".join(WORDS[t] for t in ids if not (skip_special_tokens and t == EOS)) for ids in items], \
+            [[WORDS[t] for t in ids] for ids in items]
+
+    def _ids(self, text: str) -> list[int]:
+        return [1 + zlib.crc32(w.encode()) % (len(WORDS) - 1) for w in text.split()]
+
+    def tokenize_call(self, call: GenerateCall) -> list[int]:
         if call.input_ids is not None:
             return list(call.input_ids)
         text = call.text if call.text is not None else "".join(
             f"{m['role']}: {m['content']}\n" for m in call.messages or [])
-        return [1 + zlib.crc32(w.encode()) % (len(WORDS) - 1) for w in text.split()]
+        return self._ids(text)
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[list[Event]]:
         if not self.is_serving:
@@ -78,7 +98,7 @@ class FakeBackend:
         if self.queue_full:
             raise BackendError("RESOURCE_EXHAUSTED", "1 requests are waiting (limit 1)")
         self.calls.append(call)
-        ids = self.tokenize(call)
+        ids = self.tokenize_call(call)
         sp = call.sampling
         try:
             if not ids:

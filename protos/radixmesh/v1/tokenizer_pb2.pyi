@@ -81,6 +81,28 @@ class ApplyChatTemplateResponse(_message.Message):
     prompts: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, prompts: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class DetokenizeIdsRequest(_message.Message):
+    __slots__ = ("items", "skip_special_tokens")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    skip_special_tokens: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class TokenStrings(_message.Message):
+    __slots__ = ("strs",)
+    STRS_FIELD_NUMBER: _ClassVar[int]
+    strs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, strs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DetokenizeIdsResponse(_message.Message):
+    __slots__ = ("texts", "tokens")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenStrings]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., tokens: _Optional[_Iterable[_Union[TokenStrings, _Mapping]]] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -55,6 +55,11 @@ class TokenizerStub:
                 request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/radixmesh.v1.Tokenizer/Detokenize',
+                request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.DetokenizeIdsRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.DetokenizeIdsResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/radixmesh.v1.Tokenizer/Info',
                 request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.InfoRequest.SerializeToString,
@@ -105,6 +110,14 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Token ids back to text, a batch at a time; ids outside the vocabulary fail the call with
+        INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """What clients need to know about the model's vocabulary.
         """
@@ -142,6 +155,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.ApplyChatTemplate,
                     request_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.DetokenizeIdsRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.DetokenizeIdsResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -262,6 +280,33 @@ class Tokenizer:
             '/radixmesh.v1.Tokenizer/ApplyChatTemplate',
             radixmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateRequest.SerializeToString,
             radixmesh_dot_v1_dot_tokenizer__pb2.ApplyChatTemplateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Tokenizer/Detokenize',
+            radixmesh_dot_v1_dot_tokenizer__pb2.DetokenizeIdsRequest.SerializeToString,
+            radixmesh_dot_v1_dot_tokenizer__pb2.DetokenizeIdsResponse.FromString,
             options,
             channel_credentials,
             insecure,
