@@ -38,7 +38,7 @@ class TokenLogprob:
     """One generated token's logprob under the model's raw distribution, and the most likely tokens."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (prompt logprobs): it has none
     top: list[TopToken] = field(default_factory=list)  # most likely first
     token: str | None = None
     bytes: bytes | None = None
@@ -75,6 +75,10 @@ class RequestOutput:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     weights_version: str = ""  # of the weights that computed the tokens (set by the services' streams)
+    # A sequence's first output only, when asked (SamplingParams.prompt_logprobs): one per prompt
+    # position from logprob_start_len on; and its pooled final hidden state (SamplingParams.embed).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    embedding: list[float] = field(default_factory=list)
 
     @classmethod
     def joined(cls, outputs: list["RequestOutput"]) -> "RequestOutput":
@@ -85,4 +89,5 @@ class RequestOutput:
                    "".join(o.text for o in outputs), last.index, last.finished, last.finish_reason,
                    last.matched_stop, last.prompt_tokens, last.completion_tokens, last.cached_tokens, last.error,
                    last.spec_verify_steps, last.spec_draft_tokens, last.spec_accepted_tokens,
-                   next((o.weights_version for o in reversed(outputs) if o.weights_version), ""))
+                   next((o.weights_version for o in reversed(outputs) if o.weights_version), ""),
+                   [lp for o in outputs for lp in o.prompt_logprobs], [v for o in outputs for v in o.embedding])

@@ -37,14 +37,16 @@ def matched_stop_from_proto(msg: pb.Finish) -> int | str | None:
 
 
 def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
-    msg = pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=[
+    msg = pb.TokenLogprob(token_id=lp.token_id, top=[
         _named(pb.TokenLogprob.Top(token_id=t.token_id, logprob=t.logprob), t) for t in lp.top])
+    if lp.logprob is not None:  # None: a prompt's first token
+        msg.logprob = lp.logprob
     return _named(msg, lp)
 
 
 def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(msg.token_id, msg.logprob, [TopToken(t.token_id, t.logprob, *_text(t)) for t in msg.top],
-                        *_text(msg))
+    return TokenLogprob(msg.token_id, msg.logprob if msg.HasField("logprob") else None,
+                        [TopToken(t.token_id, t.logprob, *_text(t)) for t in msg.top], *_text(msg))
 
 
 def _named(msg, lp: TokenLogprob | TopToken):
@@ -73,6 +75,10 @@ def output_to_proto(out: RequestOutput, weights_version: str = "") -> v2.Sequenc
                             usage=usage_to_proto(out), weights_version=out.weights_version or weights_version)
     if out.logprobs:
         msg.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
+    if out.embedding:
+        msg.embedding.extend(out.embedding)
     if out.finished:
         msg.finish.CopyFrom(finish_to_proto(out.index, out.finish_reason, out.matched_stop))
     return msg
@@ -84,7 +90,9 @@ def output_from_proto(msg: v2.SequenceOutput) -> RequestOutput:
                         msg.index, prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                         cached_tokens=u.cached_tokens, spec_verify_steps=u.spec_verify_steps,
                         spec_draft_tokens=u.spec_draft_tokens, spec_accepted_tokens=u.spec_accepted_tokens,
-                        weights_version=msg.weights_version)
+                        weights_version=msg.weights_version,
+                        prompt_logprobs=[logprob_from_proto(lp) for lp in msg.prompt_logprobs],
+                        embedding=list(msg.embedding))
     if msg.HasField("finish"):
         out.finished = True
         out.finish_reason = finish_reason_from_proto(msg.finish.finish_reason)

@@ -30,6 +30,14 @@ class SamplingParams:
     top_logprobs: int = 0
     constraint: Constraint | None = None  # structured output: masked in the worker (services/common/grammar)
     speculative: bool = True  # False: this request never speculates, even when the server does
+    # Prompt (input) logprobs: -1 none; k >= 0: the logprob of every prompt token from position
+    # logprob_start_len on (the first token has none) with its top k. The scheduler reuses no cached
+    # prefix past logprob_start_len - 1: a cached position has no logits.
+    prompt_logprobs: int = -1
+    logprob_start_len: int = 0
+    # Return the prompt's pooled, L2-normalized final hidden state (the worker's --pooling); such a
+    # request reuses no cached prefix (mean pooling needs every position's hidden state).
+    embed: bool = False
 
     @property
     def is_greedy(self) -> bool:
@@ -58,14 +66,18 @@ class SamplingParams:
             raise InvalidRequest(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise InvalidRequest(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if self.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:  # 0: prefill only (the prompt's KV cached, prompt logprobs, embedding)
+            raise InvalidRequest(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise InvalidRequest(
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
                 f"got {self.min_new_tokens}")
         if not 0 <= self.top_logprobs <= 20:
             raise InvalidRequest(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if not -1 <= self.prompt_logprobs <= 20:
+            raise InvalidRequest(f"prompt_logprobs must be in [0, 20] (or -1: none), got {self.prompt_logprobs}")
+        if self.logprob_start_len < 0:
+            raise InvalidRequest(f"logprob_start_len must be >= 0, got {self.logprob_start_len}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise InvalidRequest(f"seed must be in [0, 2**63), got {self.seed}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]

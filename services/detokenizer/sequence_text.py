@@ -11,7 +11,7 @@ cannot differ in what text a request gets:
   the scheduler, without waiting for it);
 - text held back (a partial UTF-8 character, a possible stop-string prefix) is released when
   the sequence ends;
-- logprobs get their tokens' text and bytes.
+- logprobs (and prompt logprobs) get their tokens' text and bytes.
 """
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ class SequenceText:
                 reason, matched = FinishReason.STOP, self._detok.matched_stop
         self.ended = finished
         logprobs = [self._named(lp) for lp in out.logprobs] if self._token_text else out.logprobs
-        return replace(out, text=text, logprobs=logprobs, finished=finished, finish_reason=reason,
-                       matched_stop=matched), stopped_here
+        prompt = [self._named(lp) for lp in out.prompt_logprobs] if self._token_text else out.prompt_logprobs
+        return replace(out, text=text, logprobs=logprobs, prompt_logprobs=prompt, finished=finished,
+                       finish_reason=reason, matched_stop=matched), stopped_here
 
     def _named(self, lp: TokenLogprob) -> TokenLogprob:
         name = self._token_text

@@ -49,15 +49,17 @@ class KVManager:
         return -(-n_tokens // self.page_size)
 
     # --- request lifecycle ------------------------------------------------------
-    def match(self, req: Request) -> int:
+    def match(self, req: Request, limit: int | None = None) -> int:
         """Attach the longest cached prefix of req.seq (leaving >= 1 token to run,
-        since sampling needs the last token's logits); returns its length."""
+        since sampling needs the last token's logits; at most `limit` tokens when given:
+        prompt logprobs and embeddings need their positions computed); returns its length."""
         if not self.cache_enabled:
             return 0
-        hit = self.cache.match_prefix(req.seq[: req.seq_len - 1], req.namespace)
+        end = req.seq_len - 1 if limit is None else min(req.seq_len - 1, limit)
+        hit = self.cache.match_prefix(req.seq[:end], req.namespace)
         if hit.host_nodes and self.should_load(HOST, hit.host_tokens) and self._load(hit.host_nodes):
             self.host_hit_tokens += hit.host_tokens
-            hit = self.cache.match_prefix(req.seq[: req.seq_len - 1], req.namespace)
+            hit = self.cache.match_prefix(req.seq[:end], req.namespace)
         self.cache.inc_lock(hit.node)
         req.node, req.pages, req.tree_tokens = hit.node, list(hit.pages), hit.num_tokens
         req.computed = hit.num_tokens

@@ -68,6 +68,11 @@ class Request:
     store_pages: int = 0
     store_state: str = ""  # "" not probed yet | "probed" | "prefetching"
     pd: "PDSpec | None" = None  # its part in a disaggregated pair (services/scheduler/disaggregation.py)
+    # Prompt logprobs and embedding (services/scheduler/prompt_outputs.py): gathered from the worker's
+    # results until the first output carries them.
+    prompt_logprobs: list = field(default_factory=list)
+    embedding: list[float] = field(default_factory=list)
+    extras_sent: bool = False
 
     @property
     def seq(self) -> list[int]:

@@ -40,6 +40,7 @@ from services.scheduler.kv_manager import KVManager, new_radix_cache
 from services.scheduler.page_keys import PageKeys
 from services.scheduler.outputs import QueueFull, SchedulerStats
 from services.scheduler.policy import order_waiting
+from services.scheduler import prompt_outputs
 from services.scheduler.request import Request, Status
 from services.scheduler.speculation import SpeculationPolicy
 from services.step.contract import (
@@ -128,6 +129,9 @@ class Scheduler:
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {lim.vocab_size})")
         sampling.validate(lim.vocab_size)
+        if sampling.prompt_logprobs >= 0 and sampling.logprob_start_len >= len(prompt_ids):
+            raise InvalidRequest(f"logprob_start_len ({sampling.logprob_start_len}) must be below the prompt's "
+                                 f"length ({len(prompt_ids)} tokens)")
         if sampling.constraint is not None:
             if self._grammar_checker is None:
                 self._grammar_checker = create_grammar_backend(self.config.grammar_checker)
@@ -347,7 +351,7 @@ class Scheduler:
             item = StepItem(req.rid, [LAST_SAMPLED], start, list(new_pages), reset)
         else:
             item = StepItem(req.rid, req.tokens(start, n), start, list(new_pages), reset,
-                            sample=start + n == req.seq_len)
+                            sample=start + n == req.seq_len and req.sampling.max_new_tokens > 0)
         return item
 
     def _set_draft_depths(self, items: list[StepItem], scheduled: list[Request]) -> None:
@@ -501,7 +505,7 @@ class Scheduler:
             return 0  # its prefix is being computed right now: reuse it next step
         if not self._adapter_fits(req):
             return 0  # max_loras other adapters are running: wait for one to finish
-        matched = self.kv.match(req)
+        matched = self.kv.match(req, prompt_outputs.reuse_limit(req))
         n = min(req.pending, budget)
         if n < req.pending and self.config.chunked_prefill_size < 0:
             if not first:
@@ -571,9 +575,13 @@ class Scheduler:
                                                  result.accepted or none, result.drafts or none)}
         now = time.monotonic()
         speculated = False
+        extras = result.prompt_logprobs or result.embeddings  # prompt_outputs.py: only when some request asked
         for (req, n, samples), item in zip(sent.runs, plan.items):
             if req.status is Status.FINISHED:  # ended while the step ran: its token is dropped
                 continue
+            if extras:
+                prompt_outputs.collect(req, [p for p in result.prompt_logprobs if p.rid == req.rid],
+                                       next((e for e in result.embeddings if e.rid == req.rid), None))
             if samples:
                 if req.rid not in sampled:
                     raise RuntimeError(f"step {plan.step_id}: the worker sampled no token for {req.rid}")
@@ -588,6 +596,9 @@ class Scheduler:
                 self._note_draft(req, draft)
             if n > 1 and req.status is Status.RUNNING:
                 self.kv.cache_progress(req)
+            if not samples and req.sampling.max_new_tokens == 0 and req.status is Status.RUNNING \
+                    and item.start_pos + n >= req.seq_len:
+                self._prefilled(req)
         self.stats.steps += 1
         self.stats.draft_seconds += result.draft_seconds
         if speculated:
@@ -636,8 +647,20 @@ class Scheduler:
         out = RequestOutput(req.rid, taken, logprobs, prompt_tokens=len(req.prompt_ids),
                             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
                             **spec_counters(req))
+        if not req.extras_sent and (req.sampling.prompt_logprobs >= 0 or req.sampling.embed):
+            prompt_outputs.attach(req, out)
         if reason:
             self._finish(req, reason, matched, out)
+        self._outputs.append(out)
+
+    def _prefilled(self, req: Request) -> None:
+        """A request of max_new_tokens 0 ran its whole prompt: it ends (its prompt cached like any
+        finished request's) with what it asked for, no tokens."""
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        out = RequestOutput(req.rid, prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
+        prompt_outputs.attach(req, out)
+        self._finish(req, FinishReason.LENGTH, None, out)
         self._outputs.append(out)
 
     def _more_in_flight(self, req: Request) -> bool:

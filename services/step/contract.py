@@ -127,6 +127,32 @@ class SampledLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of a run of prompt tokens that one item's rows computed (prompt logprobs: the
+    request's sampling.prompt_logprobs): logprobs[i] is prompt[start + i]'s, and its top k are
+    (top_token_ids[j], top_logprobs[j]) for j in [i * top_k, (i + 1) * top_k), most likely first."""
+
+    rid: str
+    start: int  # prompt position of logprobs[0] (>= 1: the first token has none)
+    logprobs: list[float] = field(default_factory=list)
+    top_k: int = 0
+    top_token_ids: list[int] = field(default_factory=list)  # packed: len(logprobs) * top_k
+    top_logprobs: list[float] = field(default_factory=list)
+
+    def top(self, i: int) -> list[tuple[int, float]]:
+        k = self.top_k
+        return list(zip(self.top_token_ids[i * k:(i + 1) * k], self.top_logprobs[i * k:(i + 1) * k]))
+
+
+@dataclass
+class Embedding:
+    """A request's pooled, L2-normalized final hidden state (sampling.embed), once its prompt ran."""
+
+    rid: str
+    values: list[float] = field(default_factory=list)  # [hidden]
+
+
+@dataclass
 class TokenRun:
     ids: list[int] = field(default_factory=list)
     speculative: bool = False  # a draft from the speculative drafter, not a grammar's forced tokens
@@ -151,3 +177,6 @@ class StepResult:
     drafts: list[TokenRun] = field(default_factory=list)
     draft_seconds: float = 0.0  # speculation: the drafter's time in this step
     kv_sends: list[KVSendResult] = field(default_factory=list)  # one per plan.kv_sends entry
+    # Only for requests that ask (sampling.prompt_logprobs, sampling.embed), of any item, sampled or not.
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    embeddings: list[Embedding] = field(default_factory=list)

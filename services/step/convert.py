@@ -18,6 +18,8 @@ from __future__ import annotations
 from protos.radixmesh.v1 import worker_pb2 as pb
 from services.common.convert import sampling_from_proto, sampling_to_proto
 from services.step.contract import (
+    Embedding,
+    PromptLogprobs,
     KVCopy,
     KVSend,
     KVSendResult,
@@ -134,7 +136,18 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
         draft_seconds=result.draft_seconds,
         kv_sends=[pb.KVSendResult(room=k.room, pages=k.pages, bytes=k.bytes, seconds=k.seconds, error=k.error)
                   for k in result.kv_sends],
+        prompt_logprobs=[_prompt_logprobs_to_proto(p) for p in result.prompt_logprobs],
+        embeddings=[pb.Embedding(rid=e.rid, values=e.values) for e in result.embeddings],
     )
+
+
+def _prompt_logprobs_to_proto(p: PromptLogprobs) -> pb.PromptLogprobs:
+    return pb.PromptLogprobs(rid=p.rid, start=p.start, logprobs=p.logprobs, top_k=p.top_k,
+                             top_token_ids=p.top_token_ids, top_logprobs=p.top_logprobs)
+
+
+def _prompt_logprobs_from_proto(m: pb.PromptLogprobs) -> PromptLogprobs:
+    return PromptLogprobs(m.rid, m.start, list(m.logprobs), m.top_k, list(m.top_token_ids), list(m.top_logprobs))
 
 
 def result_from_proto(msg: pb.StepResult) -> StepResult:
@@ -150,4 +163,6 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
         drafts=[TokenRun(list(r.ids), r.speculative) for r in msg.drafts],
         draft_seconds=msg.draft_seconds,
         kv_sends=[KVSendResult(k.room, k.pages, k.bytes, k.seconds, k.error) for k in msg.kv_sends],
+        prompt_logprobs=[_prompt_logprobs_from_proto(p) for p in msg.prompt_logprobs],
+        embeddings=[Embedding(e.rid, list(e.values)) for e in msg.embeddings],
     )

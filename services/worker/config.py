@@ -122,6 +122,9 @@ class WorkerConfig:
                 "one call on the quantized blocks (--decode-stack), whose logits do not depend on the rows "
                 "beside them; larger ones run op by op"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
+    pooling: str = field(default="last", metadata={
+        "help": "embeddings (/v1/embeddings, embed requests): pool the final norm's output over the prompt's "
+                "last token (last) or all its tokens (mean), then L2-normalize"})
     lora_paths: tuple[str, ...] = field(default=(), metadata={
         "help": "LoRA adapters to load at start, each NAME=PATH (a PEFT directory: adapter_config.json and "
                 "adapter_model.safetensors; services/worker/lora); requests name their adapter"})
@@ -209,6 +212,8 @@ class WorkerConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.pooling not in ("last", "mean"):
+            raise ValueError(f"--pooling must be last or mean, got {self.pooling!r}")
         if self.max_requests < 1:
             raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
         if self.lead_cpu is not None:

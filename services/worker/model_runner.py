@@ -43,6 +43,7 @@ from services.worker.model.expert_load import ExpertLoadRecorder
 from services.worker.parallel.moe_parallel import install_expert_parallel, rank_expert_slots
 from services.worker.parallel.rank_part import RankPart
 from services.worker.parallel.tensor_parallel import TensorShard
+from services.worker.prompt_extras import StepExtras, plan_extras, wants_extras
 from services.worker.sampler_inputs import run_sampler
 from services.worker.speculative.drafter import Drafter, DraftRequest, create_drafter
 
@@ -61,6 +62,9 @@ class _Request:
     drafted_speculatively: bool = False  # its last draft came from the drafter, not its grammar
     adapter: str = ""  # the LoRA adapter it runs under ("" = the base model)
     unapplied: int = 0  # tokens sampled on the device whose deferred step has not been finished yet
+    wants_extras: bool = False  # prompt logprobs or an embedding still to compute (prompt_extras.py)
+    pool_sum: torch.Tensor | None = None  # mean pooling: the final hidden states' sum so far [H] float32
+    pool_count: int = 0
 
 
 @dataclass
@@ -130,6 +134,8 @@ class ModelRunner:
         self.page_table = torch.zeros((config.max_requests, max_pages), dtype=torch.int64)
         self.free_rows = list(range(config.max_requests - 1, -1, -1))
         self.requests: dict[str, _Request] = {}
+        self._extra_rids: set[str] = set()  # requests whose prompt rows a step must return (prompt_extras.py)
+        self._step_extras: tuple[list, list] | None = None  # the last compute_logits' prompt logprobs, embeddings
         self.device_stats = DeviceStats(self.device)  # launch vs device time, graph replays (/metrics)
         # Each page-table row's last sampled token, on the device: a LAST_SAMPLED input of a request
         # whose previous step is still deferred is gathered from here, never from the host.
@@ -201,6 +207,9 @@ class ModelRunner:
         req = self.requests[spec.rid] = _Request(self.free_rows.pop(), list(spec.prompt_ids),
                                                  list(spec.output_ids), spec.sampling, spec.seed,
                                                  adapter=spec.adapter)
+        if wants_extras(spec.sampling, req.output_ids):
+            req.wants_extras = True
+            self._extra_rids.add(spec.rid)
         if spec.sampling.constraint is not None:
             req.matcher = self.grammars.matcher(spec.sampling.constraint)
             for token in req.output_ids:  # re-admitted after a retraction: replay what it generated
@@ -210,6 +219,7 @@ class ModelRunner:
 
     def _release(self, rid: str) -> None:
         req = self.requests.pop(rid, None)
+        self._extra_rids.discard(rid)
         if req is not None:
             self.free_rows.append(req.row)
             if self.drafter is not None:
@@ -280,6 +290,8 @@ class ModelRunner:
     def _run_items(self, plan: StepPlan, result: StepResult, defer: bool = False) -> None:
         logits, sampled = self.compute_logits(plan)  # [R, V]: a row per sampled item, per position of a verify item
         self.finish_pending()  # the previous step's tokens reach the requests before this step samples
+        if self._step_extras is not None:  # prompt logprobs, embeddings (prompt_extras.py)
+            (result.prompt_logprobs, result.embeddings), self._step_extras = self._step_extras, None
         if not sampled:
             return
         items = [plan.items[i] for i in sampled]
@@ -395,6 +407,13 @@ class ModelRunner:
                     on_device.append((first, req.row))
             first += len(item.input_ids)
         sampled = [i for i, item in enumerate(plan.items) if item.sample]
+        extras = None  # rows of prompt logprobs and embeddings, in steps that carry such requests only
+        if self._extra_rids and not self._extra_rids.isdisjoint(item.rid for item in plan.items):
+            extras = plan_extras(plan.items, reqs, self.config.pooling)
+            self._extra_rids.difference_update(extras.done)
+            for rid in extras.done:
+                self.requests[rid].wants_extras = False
+            return self._logits_with_extras(plan, reqs, sampled, extras, on_device), sampled
         if self.graphs is not None:  # CUDA: a pure-decode step replays its bucket's graph
             most = self.graphs.buckets[-1]  # a verify item's rows share its page-table row, as in one-call steps
             step = self._one_call(plan, reqs, max_rows=most, max_verify_rows=most)
@@ -429,6 +448,44 @@ class ModelRunner:
             if self.device.type == "cuda":  # queued on the GPU: post (and finish) the previous step meanwhile
                 self._computing()
             return logits, sampled
+
+    def _logits_with_extras(self, plan: StepPlan, reqs: list[_Request], sampled: list[int], extras: StepExtras,
+                            on_device: list[tuple[int, int]]) -> torch.Tensor:
+        """compute_logits for a step with prompt-logprob or embedding rows: op by op (never a
+        one-call step or a graph), the extra rows' logits and final hidden states computed in the
+        same forward; their entries wait in _step_extras for the step's result."""
+        ends = list(itertools.accumulate(len(item.input_ids) for item in plan.items))
+        wanted: list[int] = []
+        for i in sampled:
+            n = len(plan.items[i].input_ids) if plan.items[i].verify else 1
+            wanted += range(ends[i] - n, ends[i])
+        rows = wanted + extras.logit_rows
+        parts = self._micro_batches(plan.items)
+        flat = torch.tensor([t for item in plan.items for t in item.input_ids], dtype=torch.int64)
+        input_ids, = to_device([flat], self.device)
+        self._fill_last_sampled(input_ids, on_device)
+        hidden = None
+        if parts is not None:  # pipelined: rows ascending, then back in this order
+            if extras.hidden_rows:
+                raise ValueError("embeddings are not supported with pipeline parallelism")
+            order = sorted(range(len(rows)), key=rows.__getitem__)
+            out = self._pipelined(plan.items, reqs, parts, input_ids, [rows[i] for i in order])
+            logits = torch.empty_like(out)
+            logits[torch.tensor(order, device=out.device)] = out
+        else:
+            layout = self._layout(plan.items, reqs)
+            index, hidden_index = to_device([torch.tensor(rows, dtype=torch.int64),
+                                             torch.tensor(extras.hidden_rows, dtype=torch.int64)], self.device)
+            lora = None
+            if self.loras is not None and any(req.adapter for req in reqs):
+                lora = self.loras.batch([(req.adapter, len(item.input_ids)) for req, item in zip(reqs, plan.items)])
+            with self.loras.active(lora) if lora is not None else contextlib.nullcontext():
+                self._computing()
+                out = self.model(input_ids, self.forward_meta(layout.positions), index,
+                                 hidden_index if extras.hidden_rows else None)
+            logits, hidden = out if extras.hidden_rows else (out, None)
+        self._step_extras = extras.finish(logits[len(wanted):], hidden)
+        return logits[:len(wanted)]
 
     def _fill_last_sampled(self, input_ids: torch.Tensor, on_device: list[tuple[int, int]]) -> None:
         """input_ids [T] on the device: the LAST_SAMPLED inputs whose step is still deferred take

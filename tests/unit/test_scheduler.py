@@ -109,7 +109,7 @@ def test_eos_min_new_tokens_and_stop_ids(overlap):
     ([1] * 250, sp(max_new=10), "context length"),
     ([1, 2], SamplingParams(temperature=float("nan")), "temperature"),
     ([1, 2], SamplingParams(top_p=-0.5), "top_p"),
-    ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    ([1, 2], SamplingParams(max_new_tokens=-1), "max_new_tokens"),
 ])
 def test_bad_input_is_rejected_with_a_message(prompt, params, message):
     sched, worker = make()

@@ -136,7 +136,7 @@ class LogprobSlot(_message.Message):
     def __init__(self, value: _Optional[_Union[SampledLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds", "kv_transfers", "accepted", "drafts", "draft_seconds", "kv_sends")
+    __slots__ = ("step_id", "rids", "next_token_ids", "logprobs", "forward_seconds", "kv_transfers", "accepted", "drafts", "draft_seconds", "kv_sends", "prompt_logprobs", "embeddings")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RIDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,8 @@ class StepResult(_message.Message):
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_SENDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rids: _containers.RepeatedScalarFieldContainer[str]
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -157,7 +159,33 @@ class StepResult(_message.Message):
     drafts: _containers.RepeatedCompositeFieldContainer[TokenRun]
     draft_seconds: float
     kv_sends: _containers.RepeatedCompositeFieldContainer[KVSendResult]
-    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv_transfers: _Optional[_Iterable[_Union[KVTransferStat, _Mapping]]] = ..., accepted: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., kv_sends: _Optional[_Iterable[_Union[KVSendResult, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, step_id: _Optional[int] = ..., rids: _Optional[_Iterable[str]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[LogprobSlot, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv_transfers: _Optional[_Iterable[_Union[KVTransferStat, _Mapping]]] = ..., accepted: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[TokenRun, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., kv_sends: _Optional[_Iterable[_Union[KVSendResult, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("rid", "start", "logprobs", "top_k", "top_token_ids", "top_logprobs")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    start: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_k: int
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, rid: _Optional[str] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_k: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("rid", "values")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, rid: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenRun(_message.Message):
     __slots__ = ("ids", "speculative")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.radixmesh.v1 import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aradixmesh/v2/outputs.proto\x12\x0cradixmesh.v2\x1a\x19radixmesh/v1/common.proto\"\xac\x01\n\x0bTextOptions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x03 \x01(\x08\x12\x13\n\x0b\x63ontext_ids\x18\x04 \x03(\x05\x12\x12\n\nmin_tokens\x18\x05 \x01(\r\x12\x10\n\x08reply_to\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"\x8f\x02\n\x0eSequenceOutput\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.radixmesh.v1.TokenLogprob\x12\x0c\n\x04text\x18\x05 \x01(\t\x12$\n\x06\x66inish\x18\x06 \x01(\x0b\x32\x14.radixmesh.v1.Finish\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.radixmesh.v1.Usage\x12\x17\n\x0fweights_version\x18\x08 \x01(\t\x12/\n\x0ctext_options\x18\t \x01(\x0b\x32\x19.radixmesh.v2.TextOptions\"Q\n\x0cRequestError\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.radixmesh.v1.Error\x12\x10\n\x08reply_to\x18\x03 \x01(\t\"h\n\x0bOutputBatch\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.radixmesh.v2.SequenceOutput\x12*\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1a.radixmesh.v2.RequestErrorb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aradixmesh/v2/outputs.proto\x12\x0cradixmesh.v2\x1a\x19radixmesh/v1/common.proto\"\xac\x01\n\x0bTextOptions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x03 \x01(\x08\x12\x13\n\x0b\x63ontext_ids\x18\x04 \x03(\x05\x12\x12\n\nmin_tokens\x18\x05 \x01(\r\x12\x10\n\x08reply_to\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"\xd7\x02\n\x0eSequenceOutput\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.radixmesh.v1.TokenLogprob\x12\x0c\n\x04text\x18\x05 \x01(\t\x12$\n\x06\x66inish\x18\x06 \x01(\x0b\x32\x14.radixmesh.v1.Finish\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.radixmesh.v1.Usage\x12\x17\n\x0fweights_version\x18\x08 \x01(\t\x12/\n\x0ctext_options\x18\t \x01(\x0b\x32\x19.radixmesh.v2.TextOptions\x12\x33\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1a.radixmesh.v1.TokenLogprob\x12\x11\n\tembedding\x18\x0b \x03(\x02\"Q\n\x0cRequestError\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.radixmesh.v1.Error\x12\x10\n\x08reply_to\x18\x03 \x01(\t\"h\n\x0bOutputBatch\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.radixmesh.v2.SequenceOutput\x12*\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1a.radixmesh.v2.RequestErrorb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TEXTOPTIONS']._serialized_start=72
   _globals['_TEXTOPTIONS']._serialized_end=244
   _globals['_SEQUENCEOUTPUT']._serialized_start=247
-  _globals['_SEQUENCEOUTPUT']._serialized_end=518
-  _globals['_REQUESTERROR']._serialized_start=520
-  _globals['_REQUESTERROR']._serialized_end=601
-  _globals['_OUTPUTBATCH']._serialized_start=603
-  _globals['_OUTPUTBATCH']._serialized_end=707
+  _globals['_SEQUENCEOUTPUT']._serialized_end=590
+  _globals['_REQUESTERROR']._serialized_start=592
+  _globals['_REQUESTERROR']._serialized_end=673
+  _globals['_OUTPUTBATCH']._serialized_start=675
+  _globals['_OUTPUTBATCH']._serialized_end=779
 # @@protoc_insertion_point(module_scope)

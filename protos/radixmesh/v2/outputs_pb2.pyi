@@ -26,7 +26,7 @@ class TextOptions(_message.Message):
     def __init__(self, stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., reply_to: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("rid", "index", "token_ids", "logprobs", "text", "finish", "usage", "weights_version", "text_options")
+    __slots__ = ("rid", "index", "token_ids", "logprobs", "text", "finish", "usage", "weights_version", "text_options", "prompt_logprobs", "embedding")
     RID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class SequenceOutput(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     TEXT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     rid: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -45,7 +47,9 @@ class SequenceOutput(_message.Message):
     usage: _common_pb2.Usage
     weights_version: str
     text_options: TextOptions
-    def __init__(self, rid: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., text: _Optional[str] = ..., finish: _Optional[_Union[_common_pb2.Finish, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., weights_version: _Optional[str] = ..., text_options: _Optional[_Union[TextOptions, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, rid: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., text: _Optional[str] = ..., finish: _Optional[_Union[_common_pb2.Finish, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., weights_version: _Optional[str] = ..., text_options: _Optional[_Union[TextOptions, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("rid", "error", "reply_to")

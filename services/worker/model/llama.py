@@ -265,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
     def unpack_weights(self) -> None:
         unpack_linears(self)
 
-    def forward(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,
+                hidden_indices: torch.Tensor | None = None):
         """input_ids [T] → logits [len(logits_indices), vocab] (float32).
 
         Only the rows that are sampled go through the LM head: a prefill chunk
@@ -274,7 +275,15 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, self.rope, meta, self.ops)
+        if hidden_indices is not None:  # embeddings: (logits, the final norm's output of those rows)
+            return self.head(x, residual, logits_indices), self.final_hidden(x, residual, hidden_indices)
         return self.head(x, residual, logits_indices)
+
+    def final_hidden(self, x: torch.Tensor, residual: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The last layer's (x, residual) [T, hidden] → the final norm's float32 output of rows
+        `indices` (HF's last hidden state)."""
+        x, _ = self.ops.add_rms_norm(x[indices], residual[indices], self.norm.weight, self.norm.eps)
+        return x.float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → the first layer's input [T, hidden]."""
