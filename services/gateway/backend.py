@@ -165,10 +165,10 @@ def events(msg: tokenizer2_pb2.GenerateResponse, rid: str | None = None) -> list
         event = output_from_proto(seq)
         if rid is not None:
             event.rid = rid
-        if event.token_ids or event.text:
+        if event.token_ids or event.text or event.prompt_logprobs or event.embedding:
             out.append(replace(event, finished=False, finish_reason=None, matched_stop=None))
         if event.finished:
-            out.append(replace(event, token_ids=[], logprobs=[], text=""))
+            out.append(replace(event, token_ids=[], logprobs=[], text="", prompt_logprobs=[], embedding=[]))
     return out
 
 

@@ -24,7 +24,6 @@ from services.gateway.tools import ToolPlan, plan_tools
 
 # Fields that exist in OpenAI's API but not here: the reason replaces the schema's message.
 _UNSUPPORTED = {
-    "echo": "echo=true is not supported: the response carries only the completion",
     "best_of": "best_of is not supported: use n to get several completions",
     "logit_bias": "logit_bias is not supported",
     "suffix": "suffix is not supported",
@@ -44,6 +43,11 @@ class ParsedRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     tools: ToolPlan | None = None  # chat with tools: how the output becomes tool_calls
+    # Prompt logprobs (docs/prompt_logprobs_and_embeddings.md): vLLM's prompt_logprobs (top k; -1 none),
+    # legacy completions' echo, /generate's input logprobs (return_logprob with logprob_start_len >= 0).
+    prompt_logprobs: int = -1
+    echo: bool = False
+    input_logprobs: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -243,10 +247,26 @@ def parse_completion(body: dict, info: ModelInfo, served: Sequence[str], default
             if not fills and len(p["input_ids"]) + sp.max_new_tokens > info.context_length:
                 raise invalid(f"prompt ({len(p['input_ids'])} tokens) + max_tokens ({sp.max_new_tokens}) exceeds "
                               f"the model's context length of {info.context_length} tokens", param="prompt")
+    echo, prompt_logprobs = bool(body.get("echo")), body.get("prompt_logprobs")
+    _ask_prompt_logprobs(sp, stream, echo, prompt_logprobs, logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
     calls = _with_adapter(_calls(rid, sp, n, prompts, body, default_max_tokens, fills), adapter)
     return ParsedRequest("completion", rid, model, calls, n, stream, include_usage, logprobs is not None,
-                         logprobs or 0)
+                         logprobs or 0, prompt_logprobs=-1 if prompt_logprobs is None else prompt_logprobs,
+                         echo=echo)
+
+
+def _ask_prompt_logprobs(sp: SamplingParams, stream: bool, echo: bool, prompt_logprobs: int | None,
+                         logprobs: int | None) -> None:
+    """Prompt logprobs from position 0 for echo (top `logprobs`) and vLLM's prompt_logprobs (top k): the
+    larger k serves both (tops are most likely first)."""
+    if not echo and prompt_logprobs is None:
+        return
+    if stream:
+        raise invalid("echo and prompt_logprobs are not supported with stream", param="echo" if echo else
+                      "prompt_logprobs")
+    sp.prompt_logprobs = max(prompt_logprobs or 0, (logprobs or 0) if echo else 0)
+    sp.logprob_start_len = 0
 
 
 def parse_chat(body: dict, info: ModelInfo, served: Sequence[str], default_max_tokens: int | None = None
@@ -271,11 +291,14 @@ def parse_chat(body: dict, info: ModelInfo, served: Sequence[str], default_max_t
     if tools is not None and sp.constraint is None:
         sp.constraint = tools.constraint()
     messages = [_chat_message(m) for m in body["messages"]]
+    prompt_logprobs = body.get("prompt_logprobs")
+    _ask_prompt_logprobs(sp, stream, False, prompt_logprobs, None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     prompt = {"messages": messages, "tools": tools.tools if tools is not None else None,
               "tool_call_format": tools.format.name if tools is not None else ""}
     calls = _with_adapter(_calls(rid, sp, n, [prompt], body, default_max_tokens, fills), adapter)
-    return ParsedRequest("chat", rid, model, calls, n, stream, include_usage, logprobs, top, tools)
+    return ParsedRequest("chat", rid, model, calls, n, stream, include_usage, logprobs, top, tools,
+                         prompt_logprobs=-1 if prompt_logprobs is None else prompt_logprobs)
 
 
 def _chat_message(m: dict) -> dict:
@@ -303,6 +326,10 @@ def parse_generate(body: dict, info: ModelInfo, served: Sequence[str], default_m
     sp = _sampling(values, info, default_max_tokens, names)
     logprobs, top = bool(body.get("return_logprob")), body.get("top_logprobs_num") or 0
     sp = _finish_sampling(sp, info, logprobs or top > 0, top)
+    start = body.get("logprob_start_len")
+    input_logprobs = logprobs and start is not None and start >= 0  # SGLang's input logprobs
+    if input_logprobs:
+        sp.prompt_logprobs, sp.logprob_start_len = top, start
     sp.constraint = constraint_of(params, json_schema_field=True)
     if "input_ids" in body:
         _check_ids(body["input_ids"], info, "input_ids")
@@ -317,4 +344,4 @@ def parse_generate(body: dict, info: ModelInfo, served: Sequence[str], default_m
                       param="adapter")
     calls = _with_adapter(_calls(rid, sp, n, [prompt], params), adapter)
     return ParsedRequest("generate", rid, adapter or served[0], calls, n, bool(body.get("stream")), False,
-                         sp.logprobs, top)
+                         sp.logprobs, top, input_logprobs=input_logprobs)

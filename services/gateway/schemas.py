@@ -126,7 +126,12 @@ COMPLETION_REQUEST = {
             {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": 64},
         ]},
         "logprobs": _int(0, MAX_TOP_LOGPROBS, description="return the log probabilities of this many most likely tokens"),
-        "echo": {"enum": [False, None], "description": "echo=true is not supported"},
+        "max_tokens": _int(0, INT32_MAX, description="tokens to generate at most (0: none, with echo: score the "
+                                                     "prompt); default: what the context leaves after the prompt"),
+        "echo": {**BOOL, "description": "the prompt (and with logprobs its tokens' logprobs, the first null) "
+                                        "precedes the completion; not with stream"},
+        "prompt_logprobs": _int(0, MAX_TOP_LOGPROBS, description="vLLM's: each prompt token's logprob and its "
+                                                                 "top k (the first token: null); not with stream"),
         "best_of": _int(1, 1, description="only 1 (use n for several completions)"),
         "logit_bias": {"type": ["object", "null"], "maxProperties": 0, "description": "not supported"},
         "suffix": {"type": "null", "description": "not supported"},
@@ -185,6 +190,8 @@ CHAT_REQUEST = {
         "messages": {"type": "array", "items": CHAT_MESSAGE, "minItems": 1, "maxItems": 1024},
         "logprobs": BOOL,
         "top_logprobs": _int(0, MAX_TOP_LOGPROBS, description="needs logprobs=true"),
+        "prompt_logprobs": _int(0, MAX_TOP_LOGPROBS, description="vLLM's: each prompt token's logprob and its "
+                                                                 "top k, at the response's top level; not with stream"),
         "tools": {"type": ["array", "null"], "items": TOOL, "maxItems": 128},
         "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, _NAMED_TOOL_CHOICE],
                         "description": "none, auto (default with tools), required (at least one call), or a "
@@ -198,7 +205,7 @@ CHAT_REQUEST = {
 NATIVE_SAMPLING = {
     "type": ["object", "null"], "additionalProperties": False,
     "properties": {
-        "max_new_tokens": _int(1, INT32_MAX),
+        "max_new_tokens": _int(0, INT32_MAX, description="0: prefill only (input logprobs, the prompt cached)"),
         "min_new_tokens": _int(0, INT32_MAX),
         "temperature": _num(0, description="0 = greedy"),
         "top_p": _num(0, 1, exclusive_lo=True),
@@ -235,6 +242,8 @@ GENERATE_REQUEST = {
         "stream": BOOL,
         "return_logprob": BOOL,
         "top_logprobs_num": _int(0, MAX_TOP_LOGPROBS),
+        "logprob_start_len": _int(-1, INT32_MAX, description="with return_logprob: input logprobs from this "
+                                                             "prompt position on; -1 (default): none"),
         "rid": {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_RID_CHARS},
         "adapter": {"type": ["string", "null"], "maxLength": 256,
                     "description": "a loaded LoRA adapter's name (GET /v1/models); none: the base model"},

@@ -31,6 +31,7 @@ class Choice:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     text_offset: int = 0  # characters of token text so far (completions logprobs)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked: one per prompt position
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Collector:
         choice.text += event.text
         choice.token_ids += event.token_ids
         choice.logprobs += event.logprobs
+        choice.prompt_logprobs += event.prompt_logprobs
         return index
 
     def aborts(self) -> list[tuple[int, RequestOutput]]:
@@ -126,18 +128,48 @@ def chat_logprobs(lps: list[TokenLogprob]) -> dict:
     } for lp in lps], "refusal": None}
 
 
-def completion_logprobs(lps: list[TokenLogprob], choice: Choice) -> dict:
-    """Advances choice.text_offset past the tokens given."""
+def completion_logprobs(lps: list[TokenLogprob], choice: Choice, top: int | None = None) -> dict:
+    """Advances choice.text_offset past the tokens given. A prompt's first token (echo) has null
+    logprobs; `top`: at most this many alternatives (echo's prompt tokens carry the larger of
+    logprobs and prompt_logprobs)."""
     offsets = []
     for lp in lps:
         offsets.append(choice.text_offset)
         choice.text_offset += len(_token(lp.token, lp.token_id))
     return {
         "tokens": [_token(lp.token, lp.token_id) for lp in lps],
-        "token_logprobs": [_finite(lp.logprob) for lp in lps],
-        "top_logprobs": [{_token(t.token, t.token_id): _finite(t.logprob) for t in lp.top} for lp in lps],
+        "token_logprobs": [None if lp.logprob is None else _finite(lp.logprob) for lp in lps],
+        "top_logprobs": [None if lp.logprob is None else
+                         {_token(t.token, t.token_id): _finite(t.logprob) for t in lp.top[:top]} for lp in lps],
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(lps: list[TokenLogprob], k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt position {token id: {logprob, rank, decoded_token}}, the prompt
+    token and its top k (rank: 1-based among the top k; null for a prompt token outside them); the first null."""
+    out: list[dict | None] = []
+    for lp in lps:
+        if lp.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(t.token_id): {"logprob": _finite(t.logprob), "rank": r, "decoded_token": _token(t.token, t.token_id)}
+                 for r, t in enumerate(lp.top[:k], 1)}
+        if str(lp.token_id) not in entry:
+            entry[str(lp.token_id)] = {"logprob": _finite(lp.logprob), "rank": None,
+                                       "decoded_token": _token(lp.token, lp.token_id)}
+        out.append(entry)
+    return out
+
+
+def _echo_text(col: Collector, index: int) -> str:
+    """The prompt's text for echo: as given, or its tokens' bytes decoded (a token-id prompt)."""
+    call = col.req.calls[index // col.req.n]
+    if call.text is not None:
+        return call.text
+    raw = b"".join(lp.bytes if lp.bytes is not None else (lp.token or "").encode()
+                   for lp in col.choices[index].prompt_logprobs)
+    return raw.decode("utf-8", errors="replace")
 
 
 # --- streamed chunks ---------------------------------------------------------------------
@@ -210,20 +242,35 @@ def usage_chunk(col: Collector) -> dict:
 # --- whole responses -----------------------------------------------------------------------
 
 def completion_response(col: Collector) -> dict:
-    choices = []
+    choices, req = [], col.req
     for i, c in enumerate(col.choices):
         c.text_offset = 0
-        choices.append({"index": i, "text": c.text, "logprobs": completion_logprobs(c.logprobs, c)
-                        if col.req.logprobs else None, "finish_reason": c.finish_reason,
-                        "matched_stop": c.matched_stop})
+        text, logprobs = c.text, None
+        if req.echo:
+            text = _echo_text(col, i) + c.text
+        if req.logprobs:
+            logprobs = completion_logprobs(c.logprobs, c)
+            if req.echo:  # the prompt's tokens first, as OpenAI's legacy API returns them
+                c.text_offset = 0
+                head = completion_logprobs(c.prompt_logprobs, c, req.top_logprobs)
+                tail = completion_logprobs(c.logprobs, c)
+                logprobs = {key: head[key] + tail[key] for key in head}
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                  "matched_stop": c.matched_stop}
+        if req.prompt_logprobs >= 0:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, req.prompt_logprobs)
+        choices.append(choice)
     return {**col._envelope("text_completion"), "choices": choices, "usage": col.usage()}
 
 
 def chat_response(col: Collector) -> dict:
-    return {**col._envelope("chat.completion"), "choices": [{
+    obj = {**col._envelope("chat.completion"), "choices": [{
         "index": i, **_message(col, c),
         "logprobs": chat_logprobs(c.logprobs) if col.req.logprobs else None, "matched_stop": c.matched_stop,
     } for i, c in enumerate(col.choices)], "usage": col.usage()}
+    if col.req.prompt_logprobs >= 0:  # vLLM: the one prompt's, at the top level
+        obj["prompt_logprobs"] = vllm_prompt_logprobs(col.choices[0].prompt_logprobs, col.req.prompt_logprobs)
+    return obj
 
 
 def _message(col: Collector, c: Choice) -> dict:
@@ -259,6 +306,12 @@ def generate_object(col: Collector, index: int, meta: bool = True) -> dict:
         info["output_token_logprobs"] = [[_finite(lp.logprob), lp.token_id, lp.token] for lp in c.logprobs]
         info["output_top_logprobs"] = [[[_finite(t.logprob), t.token_id, t.token] for t in lp.top]
                                        for lp in c.logprobs]
+    if col.req.input_logprobs:  # SGLang's: from logprob_start_len on, the prompt's first token's logprob null
+        lps = c.prompt_logprobs
+        info["input_token_logprobs"] = [[None if lp.logprob is None else _finite(lp.logprob), lp.token_id, lp.token]
+                                        for lp in lps]
+        info["input_top_logprobs"] = [None if lp.logprob is None else
+                                      [[_finite(t.logprob), t.token_id, t.token] for t in lp.top] for lp in lps]
     return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": info}
 
 

@@ -18,9 +18,10 @@ def output_events(out: RequestOutput, weights_version: str = "") -> list[cpb.Gen
     a chunk (when it has tokens), then its Finish."""
     events = []
     finish = finish_to_proto(out.index, out.finish_reason, out.matched_stop) if out.finished else None
-    if out.token_ids:
+    if out.token_ids or out.prompt_logprobs or out.embedding:
         chunk = cpb.GenerateChunk(
             index=out.index, token_ids=out.token_ids, logprobs=[logprob_to_proto(lp) for lp in out.logprobs],
+            prompt_logprobs=[logprob_to_proto(lp) for lp in out.prompt_logprobs], embedding=out.embedding,
             weights_version=weights_version, prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens, **spec_counters(out))
         if finish is not None:

@@ -474,9 +474,10 @@ def v1_events(resp: pb2.GenerateResponse) -> list[cpb.GenerateResponse]:
     events = []
     for out in resp.outputs:
         u = out.usage
-        if out.token_ids or out.text:
+        if out.token_ids or out.text or out.prompt_logprobs or out.embedding:
             chunk = cpb.GenerateChunk(
                 index=out.index, token_ids=out.token_ids, text=out.text, logprobs=out.logprobs,
+                prompt_logprobs=out.prompt_logprobs, embedding=out.embedding,
                 prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
                 spec_verify_steps=u.spec_verify_steps, spec_draft_tokens=u.spec_draft_tokens,
                 spec_accepted_tokens=u.spec_accepted_tokens, weights_version=out.weights_version)

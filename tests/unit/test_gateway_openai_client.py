@@ -87,7 +87,7 @@ def test_errors_raise_the_right_exceptions(client, model):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=model, prompt="x", temperature=5)
     with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=model, prompt="x", echo=True)
+        client.completions.create(model=model, prompt="x", echo=True, stream=True)
 
 
 def test_queue_full_is_retryable(gateway, client, model):
