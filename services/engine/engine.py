@@ -60,6 +60,11 @@ class EngineConfig:
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 
 
+class EngineBroken(RuntimeError):
+    """The engine's worker failed and could not be reset (a worker group lost a rank): every
+    request still open ended with the error; new ones are refused with it."""
+
+
 @dataclass
 class _Handle:
     """A submitted request until the engine thread queues it: then its owner in OpenRequests."""
@@ -105,6 +110,7 @@ class Engine:
         self.model_name = mc.name
         self.overlap = not self._sched_config.disable_overlap_schedule
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._broken: str | None = None  # why the driver stopped for good (a worker group that broke)
         self._requests = OpenRequests()
         self._early: list[tuple[str, str]] = []  # (core rid, matched stop string) to end between steps
         self._loop = asyncio.new_event_loop()
@@ -162,6 +168,8 @@ class Engine:
         """Queue a request of `n` sequences (under LoRA `adapter`, "" = the base model); `sink`
         receives their outputs (RequestOutput.index: the sequence) from the engine thread, with
         their text. Raises InvalidRequest or QueueFull at once, before anything is queued."""
+        if self._broken is not None:
+            raise EngineBroken(self._broken)
         rid = rid or uuid.uuid4().hex
         check_request_limits(sampling, n, rid)
         self.scheduler.validate(ids, sampling)
@@ -171,6 +179,8 @@ class Engine:
                                          include_stop_str_in_output)
         texts = [SequenceText(self.tokenizer, options, self.tokenizer.token_text) for _ in range(n)]
         self._inbox.put(("submit", _Handle(rid, ids, sampling, sink, texts, namespace, adapter)))
+        if self._broken is not None:  # it broke while this one was being queued: no driver will take it
+            self._fail_inbox()
         self._notify()
         return rid
 
@@ -282,15 +292,31 @@ class Engine:
         """The driver's failure policy: every open request ends with the error; a fresh
         scheduler (nothing the old one cached is trusted) drives a runner that forgot
         every request."""
-        # after the step running now, if any
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.reset)
+        failed, self._requests, self._early = self._requests, OpenRequests(), []
+        for req in failed.requests.values():  # first: a runner that cannot recover must not strand them
+            self._send(req.owner, RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ERROR, error=reason))
+        try:  # after the step running now, if any
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.reset)
+        except Exception as e:  # a broken worker group: nothing will run again
+            self._broken = f"{reason}; the engine cannot recover: {e}"
+            self._fail_inbox()
+            raise
         core = build_core(self._sched_config, self._worker_info(), self._hicache, self.kvstore)
         carry_counters(self.scheduler.stats, core.stats)
         self.scheduler = core
-        failed, self._requests, self._early = self._requests, OpenRequests(), []
-        for req in failed.requests.values():
-            self._send(req.owner, RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ERROR, error=reason))
         return core, RunnerLink(self.runner, self._executor)
+
+    def _fail_inbox(self) -> None:
+        """End every request still queued for a driver that has stopped, with the reason."""
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                for index in range(len(item.texts)):
+                    self._send(item, RequestOutput(item.rid, index=index, finished=True,
+                                                        finish_reason=FinishReason.ERROR, error=self._broken))
 
     def _drain_inbox(self, core: Scheduler) -> None:
         """Between steps: stop strings found since the last step end their sequences, then new

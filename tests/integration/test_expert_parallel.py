@@ -6,7 +6,9 @@ EPLB rebalancing every few forward passes while several streams run moves expert
 between the ranks without losing a request or changing a token of transformers' greedy text."""
 from __future__ import annotations
 
+import re
 import threading
+import time
 
 import pytest
 import torch
@@ -93,3 +95,36 @@ def test_expert_parallel_sizes_a_model_cannot_take_are_refused_before_any_rank_s
     with pytest.raises(ValueError, match="does not divide the 8 experts"):
         create_runner(WorkerConfig(dtype="float32", tp_size=2, ep_size=2, ep_num_redundant_experts=1),
                       load_checkpoint(moe))
+
+
+def test_a_rank_killed_mid_stream_ends_the_streams_with_its_name_and_refuses_new_requests(tmp_path):
+    """A follower that dies: the running requests end with an error naming the rank (no hang), and
+    the Engine, whose group cannot be reset, refuses what comes next with the same reason."""
+    import os
+    import signal
+
+    from services.engine.engine import EngineBroken
+    path, _ = save_for_generation(tmp_path, "qwen3_moe")
+    engine = Engine(path, worker=WorkerConfig(dtype="float32", kv_cache_bytes=8 << 20, max_requests=4, tp_size=2,
+                                              ep_size=2, dist_timeout_s=10))
+    try:
+        follower = engine.runner.group.followers[0].proc
+        stream = threading.Thread(target=lambda: results.append(engine.generate(
+            input_ids=[5, 17, 33], sampling=SamplingParams(temperature=0.0, max_new_tokens=400), timeout=60)))
+        results: list = []
+        stream.start()
+        os.kill(follower.pid, signal.SIGKILL)
+        stream.join(60)
+        assert not stream.is_alive() and results[0].finish_reason.name == "ERROR"
+        assert re.search(r"rank(\(s\))? \[?1", results[0].error), results[0].error
+        for _ in range(50):  # the driver gives up once its reset fails
+            try:
+                engine.generate(input_ids=[5, 17], sampling=SamplingParams(max_new_tokens=2), timeout=60)
+            except EngineBroken as e:
+                assert "worker rank 1" in str(e)
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the engine kept accepting requests with a dead rank")
+    finally:
+        engine.shutdown()
