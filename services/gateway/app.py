@@ -16,6 +16,7 @@ from services.gateway.model_admin import model_admin_routes
 from services.gateway.auth import KEYS, KeyRing
 from services.gateway.backend import Backend, BackendError
 from services.gateway.config import GatewayConfig
+from services.gateway.embeddings import embeddings_routes
 from services.common import metrics
 from services.gateway.connections import CONNECTIONS, ConnectionGuard, read_body, track
 from services.gateway.errors import UNAVAILABLE, APIError, error_response, from_backend
@@ -116,6 +117,7 @@ def build_app(config: GatewayConfig, backend: Backend, *, monitor_backend: bool 
     app.add_routes(routes)
     app.add_routes(responses_routes)  # the Responses API (services/gateway/responses.py)
     app.add_routes(tokenize_routes)  # /tokenize, /detokenize, /v1/tokenize, /v1/detokenize
+    app.add_routes(embeddings_routes)  # /v1/embeddings (services/gateway/embeddings.py)
     app.add_routes(admin_routes)  # /admin: the router's replicas (services/gateway/admin.py)
     app.add_routes(model_admin_routes)  # adapters and weight updates (services/gateway/model_admin.py)
 

@@ -128,7 +128,13 @@ class FakeBackend:
         seqs = [_Sequence(i, base + i * 3, sp, eos_at, call.include_stop_str_in_output) for i in range(call.n)]
         self.active.add(call.rid)
         finished, produced = False, 0
+        extras = _prompt_extras(ids, sp)
         try:
+            if sp.max_new_tokens == 0:  # prefill only: what the prompt asked for, then the finish
+                yield [RequestOutput(call.rid, index=s.index, prompt_tokens=len(ids), **extras) for s in seqs] + [
+                    RequestOutput(call.rid, index=s.index, finished=True, finish_reason=FinishReason.LENGTH)
+                    for s in seqs]
+                seqs = []
             while not all(s.done for s in seqs):
                 for s in seqs:
                     if s.done:
@@ -143,6 +149,8 @@ class FakeBackend:
                         await asyncio.Event().wait()  # until cancelled
                     produced += 1
                     chunk = s.step(call.rid)
+                    if s.k == 1:
+                        chunk.prompt_logprobs, chunk.embedding = extras["prompt_logprobs"], extras["embedding"]
                     chunk.prompt_tokens, chunk.cached_tokens = len(ids), cached
                     chunk.completion_tokens = produced
                     if self.draft_tokens and sp.speculative:
@@ -158,6 +166,16 @@ class FakeBackend:
             self.active.discard(call.rid)
             if not finished:
                 self.aborted.append(call.rid)
+
+
+def _prompt_extras(ids: list[int], sp) -> dict:
+    """Made-up prompt logprobs (-0.5 each, top k ids 0..k-1) and a unit embedding, when asked."""
+    lps = []
+    if sp.prompt_logprobs >= 0:
+        lps = [TokenLogprob(t, None if j == 0 else -0.5, [] if j == 0 else
+                            [TopToken(i, -0.1 * (i + 1), f"t{i}") for i in range(sp.prompt_logprobs)], f"t{t}")
+               for j, t in enumerate(ids) if j >= sp.logprob_start_len]
+    return {"prompt_logprobs": lps, "embedding": [0.6, 0.8] if sp.embed else []}
 
 
 class _Sequence:
