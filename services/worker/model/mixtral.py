@@ -28,7 +28,7 @@ from torch import nn
 from services.worker.model.config import ModelConfig
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.mistral import effective_window
-from services.worker.model.moe import SparseMoeBlock
+from services.worker.model.moe import SparseMoeBlock, routing_fields
 
 # MixtralConfig's defaults that differ from ModelConfig.from_hf_dict's Llama ones
 # (save_pretrained writes both, but a hand-written config.json may omit them).
@@ -41,14 +41,8 @@ _PROJ = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 
 def mixtral_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """config.json → the ModelConfig fields Mixtral sets beyond the Llama ones."""
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"Mixtral hidden_act {act!r} is not supported (only 'silu')")
     # transformers' attribute_map reads num_experts as num_local_experts
-    experts = int(raw.get("num_local_experts", raw.get("num_experts", 8)))
-    top_k = int(raw.get("num_experts_per_tok", 2))
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"Mixtral num_experts_per_tok={top_k} must be within 1 .. num_local_experts={experts}")
+    experts, top_k = routing_fields(raw, "Mixtral", ("num_local_experts", "num_experts"), 8, 2)
     context = int(raw.get("max_position_embeddings", _CONTEXT))
     fields = {"sliding_window": effective_window({**raw, "max_position_embeddings": context}),
               "max_position_embeddings": context, "num_experts": experts, "num_experts_per_tok": top_k,

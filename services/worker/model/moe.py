@@ -29,6 +29,20 @@ from services.worker.model.layer_ops import LayerOps
 from services.worker.model.linear import Linear
 
 
+def routing_fields(raw: dict, family: str, experts_keys: tuple[str, str], default_experts: int,
+                   default_top_k: int) -> tuple[int, int]:
+    """config.json's (experts, experts per token) for a sparse MoE family, checked: SiLU experts
+    only, top-k within 1 .. experts. experts_keys: the key the family writes, then its alias."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{family} hidden_act {act!r} is not supported (only 'silu')")
+    experts = int(raw.get(experts_keys[0], raw.get(experts_keys[1], default_experts)))
+    top_k = int(raw.get("num_experts_per_tok", default_top_k))
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{family} num_experts_per_tok={top_k} must be within 1 .. {experts_keys[0]}={experts}")
+    return experts, top_k
+
+
 class GroupedExperts(nn.Module):
     def __init__(self, slots: int, hidden: int, intermediate: int):
         super().__init__()

@@ -17,19 +17,13 @@ from torch import nn
 
 from services.worker.model.config import ModelConfig
 from services.worker.model.llama import MLP, LlamaForCausalLM
-from services.worker.model.moe import SparseMoeBlock
+from services.worker.model.moe import SparseMoeBlock, routing_fields
 
 
 def qwen3_moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """config.json → the ModelConfig fields Qwen3-MoE sets beyond the Llama ones."""
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"Qwen3-MoE hidden_act {act!r} is not supported (only 'silu')")
     # transformers' attribute_map writes num_experts as num_local_experts; older configs as num_experts
-    experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))
-    top_k = int(raw.get("num_experts_per_tok", 8))
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"Qwen3-MoE num_experts_per_tok={top_k} must be within 1 .. num_experts={experts}")
+    experts, top_k = routing_fields(raw, "Qwen3-MoE", ("num_experts", "num_local_experts"), 128, 8)
     step = int(raw.get("decoder_sparse_step", 1))
     if step < 1:
         raise ValueError(f"Qwen3-MoE decoder_sparse_step={step} must be at least 1")
