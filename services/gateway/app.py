@@ -25,6 +25,7 @@ from services.gateway.observe import METRICS, GatewayMetrics, middleware
 from services.gateway.responses import responses_routes
 from services.gateway.responses_store import RESPONSES, ResponseStore
 from services.gateway.routes import routes
+from services.gateway.sglang_compat import sglang_routes
 from services.gateway.sse import OPENED
 from services.gateway.state import STATE, GatewayState, monitor
 from services.gateway.tokenize_routes import tokenize_routes
@@ -116,6 +117,7 @@ def build_app(config: GatewayConfig, backend: Backend, *, monitor_backend: bool 
     app[RESPONSES] = ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
     app.add_routes(routes)
     app.add_routes(responses_routes)  # the Responses API (services/gateway/responses.py)
+    app.add_routes(sglang_routes)  # SGLang's /get_model_info, /flush_cache (services/gateway/sglang_compat.py)
     app.add_routes(tokenize_routes)  # /tokenize, /detokenize, /v1/tokenize, /v1/detokenize
     app.add_routes(embeddings_routes)  # /v1/embeddings (services/gateway/embeddings.py)
     app.add_routes(admin_routes)  # /admin: the router's replicas (services/gateway/admin.py)

@@ -16,7 +16,7 @@ from typing import Any
 
 from services.common.request_limits import check_request_limits
 from services.common.sampling_params import InvalidRequest, SamplingParams
-from services.gateway import schemas
+from services.gateway import schemas, sglang_compat
 from services.gateway.backend import GenerateCall, ModelInfo
 from services.gateway.errors import APIError, invalid
 from services.gateway.structured import constraint_of
@@ -319,6 +319,9 @@ def parse_generate(body: dict, info: ModelInfo, served: Sequence[str], default_m
     if ("text" in body) == ("input_ids" in body):
         raise invalid("give exactly one of text and input_ids", param="text")
     body = _validated(schemas.GENERATE_REQUEST, body)
+    if sglang_compat.is_batch(body):  # SGLang's batch: one call per prompt, answered as a list
+        return sglang_compat.parse_batch(body, parse_generate, info, served, default_max_tokens)
+    body = sglang_compat.without_frontend_extras(body)
     params = body.get("sampling_params") or {}
     values = {**params, "max_tokens": params.get("max_new_tokens"), "min_tokens": params.get("min_new_tokens")}
     names = {"max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",

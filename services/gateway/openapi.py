@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from services.gateway import schemas
 from services.gateway import embeddings as emb
+from services.gateway import sglang_compat
 from services.gateway import tokenize_routes as tr
 from services.gateway.responses_protocol import RESPONSES_REQUEST
 
@@ -287,6 +288,7 @@ def _plain(model_names: tuple[str, ...]) -> dict:
             **_expert_paths(),
             **_responses_paths(model_names),
             **_tokenize_paths(),
+            **sglang_compat.openapi_paths(),
             "/v1/embeddings": _post("Embeddings of texts or token ids: the served model's final hidden states, "
                                     "pooled (--pooling) and L2-normalized (OpenAI)",
                                     _with_model(emb.EMBEDDING_REQUEST, model_names), emb.EMBEDDING_RESPONSE),

@@ -228,6 +228,8 @@ NATIVE_SAMPLING = {
         "choice": OPENAI_SAMPLING["choice"],
         "structural_tag": OPENAI_SAMPLING["structural_tag"],
         "speculative": OPENAI_SAMPLING["speculative"],
+        "spaces_between_special_tokens": {**BOOL, "description": "SGLang's; accepted, changes nothing"},
+        "stop_regex": {"type": "null", "description": "SGLang's; only null (unsupported)"},
     },
 }
 
@@ -236,8 +238,11 @@ GENERATE_REQUEST = {
     "description": "exactly one of text and input_ids",
     "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
     "properties": {
-        "text": {"type": "string", "minLength": 1},
-        "input_ids": TOKEN_IDS,
+        "text": {"anyOf": [{"type": "string", "minLength": 1},
+                           {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                            "maxItems": 64}], "description": "a prompt, or a batch of them (answered as a list)"},
+        "input_ids": {"anyOf": [TOKEN_IDS, {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": 64}]},
+        "return_text_in_logprobs": {**BOOL, "description": "SGLang's; logprob entries always carry the text"},
         "sampling_params": NATIVE_SAMPLING,
         "stream": BOOL,
         "return_logprob": BOOL,

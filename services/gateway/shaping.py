@@ -57,12 +57,13 @@ class Collector:
         """Record an event; returns its choice index."""
         index = call_index * self.req.n + event.index
         choice = self.choices[index]
+        u = self._usage[call_index]
+        # a prefill-only request (max_new_tokens 0) may have no event but its finish: that carries its usage
+        u.prompt, u.cached = max(u.prompt, event.prompt_tokens), max(u.cached, event.cached_tokens)
         if event.finished:
             choice.finish_reason, choice.matched_stop = event.finish_reason, event.matched_stop
             return index
-        u = self._usage[call_index]
         self.weights_version = event.weights_version or self.weights_version
-        u.prompt, u.cached = max(u.prompt, event.prompt_tokens), max(u.cached, event.cached_tokens)
         u.completion = max(u.completion, event.completion_tokens)
         spec = (event.spec_verify_steps, event.spec_draft_tokens, event.spec_accepted_tokens)
         u.spec = tuple(map(max, u.spec, spec))
@@ -84,12 +85,14 @@ class Collector:
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
 
-    def usage(self) -> dict:
-        prompt = sum(u.prompt for u in self._usage)
-        completion = sum(max(u.completion, u.counted) for u in self._usage)
+    def usage(self, call: int | None = None) -> dict:
+        """Summed over the calls, or of one call."""
+        calls = self._usage if call is None else self._usage[call:call + 1]
+        prompt = sum(u.prompt for u in calls)
+        completion = sum(max(u.completion, u.counted) for u in calls)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                 "prompt_tokens_details": {"cached_tokens": sum(u.cached for u in self._usage)}}
-        verify, draft, accepted = (sum(u.spec[i] for u in self._usage) for i in range(3))
+                 "prompt_tokens_details": {"cached_tokens": sum(u.cached for u in calls)}}
+        verify, draft, accepted = (sum(u.spec[i] for u in calls) for i in range(3))
         if verify:
             usage["speculative"] = {"verify_steps": verify, "draft_tokens": draft, "accepted_tokens": accepted,
                                     "acceptance_rate": round(accepted / draft, 4) if draft else 0.0}
@@ -289,9 +292,10 @@ def _message(col: Collector, c: Choice) -> dict:
 def generate_object(col: Collector, index: int, meta: bool = True) -> dict:
     """SGLang's shape: the text and ids so far, and meta_info (usage, finish)."""
     c = col.choices[index]
-    usage = col.usage()
+    call = index // col.req.n
+    usage = col.usage(call) if col.req.extra.get("batch") else col.usage()  # a batch: each prompt its own
     info: dict = {
-        "id": col.req.calls[0].rid, "index": index,
+        "id": col.req.calls[call].rid, "index": index,
         "finish_reason": None if c.finish_reason is None else {"type": c.finish_reason, "matched": c.matched_stop},
         "prompt_tokens": usage["prompt_tokens"], "completion_tokens": len(c.token_ids),
         "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
@@ -317,4 +321,4 @@ def generate_object(col: Collector, index: int, meta: bool = True) -> dict:
 
 def generate_response(col: Collector) -> dict | list[dict]:
     objs = [generate_object(col, i) for i in range(len(col.choices))]
-    return objs[0] if len(objs) == 1 else objs
+    return objs[0] if len(objs) == 1 and not col.req.extra.get("batch") else objs
