@@ -7,7 +7,8 @@ experts, and (expert parallel) how unevenly that loads the ranks and what rebala
     radixmesh:expert_imbalance                     max over mean tokens per EP rank, averaged over
                                                    layers, since the placement last changed
     radixmesh:expert_rebalances_total              EPLB rebalances run
-    radixmesh:expert_rebalance_last_seconds        the last one's time
+    radixmesh:expert_rebalance_last_seconds        the last one's time, all its pauses together
+    radixmesh:expert_rebalance_longest_pause_seconds  the longest one step waited for a rebalance
     radixmesh:expert_moved_weights_total           expert weights that crossed ranks, all rebalances
 
 Nothing for a dense model; the imbalance only with --ep-size > 1 once a token was routed, the
@@ -71,7 +72,10 @@ def rebalance_families(model: str, rebalancer) -> Iterator[Metric]:
     yield _one(CounterMetricFamily, model, "expert_rebalances", "EPLB rebalances of the expert placement",
                stats.rebalances)
     yield _one(GaugeMetricFamily, model, "expert_rebalance_last_seconds",
-               "the last rebalance's time (placement and weight moves)", stats.last_seconds)
+               "the last rebalance's time (placement and weight moves, all its pauses together)", stats.last_seconds)
+    yield _one(GaugeMetricFamily, model, "expert_rebalance_longest_pause_seconds",
+               "the longest a forward pass waited for a rebalance (a plan, or packing and unpacking a few "
+               "expert weights), all rebalances", stats.longest_pause_s)
     yield _one(CounterMetricFamily, model, "expert_moved_weights",
                "expert weights this rank received from another rank, all rebalances", stats.moved_experts)
 
