@@ -229,7 +229,7 @@ NATIVE_SAMPLING = {
         "structural_tag": OPENAI_SAMPLING["structural_tag"],
         "speculative": OPENAI_SAMPLING["speculative"],
         "spaces_between_special_tokens": {**BOOL, "description": "SGLang's; accepted, changes nothing"},
-        "stop_regex": {"type": "null", "description": "SGLang's; only null (unsupported)"},
+        "stop_regex": {"type": ["array", "null"], "maxItems": 0, "description": "SGLang's; only null or [] (unsupported)"},
     },
 }
 

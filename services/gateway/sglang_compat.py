@@ -36,7 +36,7 @@ def without_frontend_extras(body: dict) -> dict:
     """`body` less the fields SGLang's frontend adds that need nothing done; a stop_regex that is set
     is refused (radixmesh has string and token stops, not regular-expression ones)."""
     params = body.get("sampling_params")
-    if isinstance(params, dict) and params.get("stop_regex") is not None:
+    if isinstance(params, dict) and params.get("stop_regex"):
         raise APIError(400, "sampling_params.stop_regex is not supported: use stop (strings) or regex (constrains "
                        "the whole output)", "invalid_request_error", param="sampling_params.stop_regex")
     out = {k: v for k, v in body.items() if k not in _ACCEPTED}
