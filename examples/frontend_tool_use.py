@@ -7,7 +7,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from radixmesh.lang import HttpBackend, function, gen, select  # noqa: E402
 
-TOOLS = {"calculator": lambda expr: str(eval(expr, {"__builtins__": {}})),  # digits and + - * / only (regex)
+
+
+def calculator(expr: str) -> str:
+    """Arithmetic only: the regex lets nothing but digits, letters, + - * / . and spaces through, and
+    eval sees no builtins."""
+    try:
+        return str(eval(expr, {"__builtins__": {}}, {}))
+    except Exception as e:  # a malformed expression is the tool's answer, not the program's end
+        return f"error: {type(e).__name__}"
+
+
+TOOLS = {"calculator": calculator,
          "lookup": lambda key: {"pi": "3.14159", "e": "2.71828"}.get(key.strip(), "unknown")}
 
 
