@@ -7,8 +7,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class Seq(tuple):
+    """Pieces joined with + ("Q: " + gen("a") + "\n"), appended in order."""
+
+    def __add__(self, other):
+        return Seq(tuple(self) + (other,))
+
+    def __radd__(self, other):
+        return Seq((other,) + tuple(self))
+
+
+class _Joins:
+    def __add__(self, other):
+        return Seq((self, other))
+
+    def __radd__(self, other):
+        return Seq((other, self))
+
+
 @dataclass(frozen=True)
-class Gen:
+class Gen(_Joins):
     """Generate into variable `name`. With `choices`, it is a select (scored by logprobs)."""
     name: str | None = None
     max_tokens: int = 128
@@ -36,7 +54,7 @@ class Gen:
 
 
 @dataclass(frozen=True)
-class Select:
+class Select(_Joins):
     """Append the choice the prompt's logprobs favour (by `method`, radixmesh/lang/choices.py) and
     store it in variable `name`."""
     name: str | None
@@ -45,7 +63,7 @@ class Select:
 
 
 @dataclass(frozen=True)
-class Role:
+class Role(_Joins):
     """`role`'s turn: the chat template's prefix, the body, its suffix."""
     role: str  # system | user | assistant
     body: tuple = field(default_factory=tuple)

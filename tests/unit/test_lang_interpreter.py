@@ -100,8 +100,7 @@ def test_fork_prefills_the_parent_once_then_runs_branches_and_join_gathers():
         s += "Root."
         forks = s.fork(3)
         for i, f in enumerate(forks):
-            f += f" B{i}:" + ""
-            f += gen("v", max_tokens=2)
+            f += f" B{i}:" + gen("v", max_tokens=2)
         forks.join()
 
     st = prog.run(backend=b)
