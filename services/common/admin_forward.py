@@ -10,7 +10,7 @@ from protos.radixmesh.v1 import admin_pb2_grpc
 
 METHODS = ("GetModelState", "LoadLoraAdapter", "UnloadLoraAdapter", "UpdateWeightsFromDisk",
            "UpdateWeightsFromTensor", "InitWeightsUpdateGroup", "UpdateWeightsFromDistributed",
-           "ExpertDistribution")
+           "ExpertDistribution", "FlushCache")
 TIMEOUT_S = 900.0  # a weight update waits for running requests to finish first
 
 

@@ -38,6 +38,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import carry_counters
 from services.scheduler.core_factory import build_core, fit_config
 from services.scheduler.driver import DriverHooks, StepDriver
+from services.scheduler.admin_service import flush
 from services.scheduler.model_admin import ModelAdmin
 from services.scheduler.open_requests import OpenRequests
 from services.scheduler.outputs import QueueFull
@@ -383,6 +384,13 @@ class Engine:
         state = self.admin_call(self._runner_admin.call("ExpertDistribution", apb.ExpertDistributionRequest(
             action=expert_distribution.ACTIONS[action])))
         return ExpertDump(**expert_distribution.to_dict(state.expert_distribution))
+
+    def flush_cache(self) -> int:
+        """Drop every cached prefix (both tiers), as a scheduler's ModelAdmin.FlushCache does; the
+        pages dropped. Raises AdminError, dropping nothing, while requests run or wait."""
+        async def call() -> int:
+            return flush(self.scheduler)
+        return self.admin_call(call())
 
     def flush_kv_writes(self) -> None:
         """Wait until the pages written to the kvstore so far have landed (tests)."""

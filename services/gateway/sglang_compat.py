@@ -14,7 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.errors import APIError
+from protos.radixmesh.v1 import scheduler_pb2 as spb
+from services.gateway.backend import BackendError
+from services.gateway.errors import APIError, from_backend
 from services.gateway.state import STATE, GatewayState
 
 sglang_routes = web.RouteTableDef()
@@ -86,14 +88,18 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 @sglang_routes.post("/flush_cache")
 async def flush_cache(request: web.Request) -> web.Response:
-    """Drops every cached prefix when the backend can (an admin route: auth.py). The tokenizer's gRPC
-    API has no flush yet (the scheduler's FlushCache is not forwarded), so a mesh answers 400 saying so."""
+    """Drops every cached prefix (an admin route: auth.py) through the backend's ModelAdmin.FlushCache:
+    the router fans it out to every replica, each tokenizer forwards it to its scheduler. 400 while a
+    scheduler has requests running or waiting (it flushes nothing then), as SGLang's flush refuses."""
     state: GatewayState = request.app[STATE]
-    flush = getattr(state.backend, "flush_cache", None)
-    if flush is None:
-        raise APIError(400, "this gateway's backend cannot flush the prefix cache (the tokenizer does not forward "
-                       "the scheduler's FlushCache yet)", "invalid_request_error", code="unsupported")
-    await flush()
+    admin = getattr(state.backend, "admin", None)
+    if admin is None:
+        raise APIError(400, "this gateway's backend cannot flush the prefix cache (it has no model administration)",
+                       "invalid_request_error", code="unsupported")
+    try:
+        await admin("FlushCache", spb.FlushCacheRequest())
+    except BackendError as e:
+        raise from_backend(e, state.config.retry_after_s) from None
     return web.Response(text="Cache flushed.\n")
 
 
@@ -114,6 +120,7 @@ def openapi_paths() -> dict:
                                                 "403": {"description": "A user key on an admin route, or admin "
                                                                        "routes are off (no --admin-api-key).",
                                                         "content": {"application/json": {"schema": obj}}},
-                                                "400": {"description": "The backend cannot flush.",
+                                                "400": {"description": "Requests are running or waiting (nothing "
+                                                                       "flushed), or the backend cannot flush.",
                                                         "content": {"application/json": {"schema": obj}}}}}},
     }

@@ -5,7 +5,7 @@ import grpc
 
 from protos.radixmesh.v1 import admin_pb2 as apb
 from protos.radixmesh.v1 import admin_pb2_grpc
-from services.common.admin_error import UNAVAILABLE, AdminError
+from services.common.admin_error import FAILED_PRECONDITION, UNAVAILABLE, AdminError
 from services.scheduler.model_admin import GrpcWorkerAdmin, ModelAdmin
 
 _RETRACT = apb.RUNNING_REQUESTS_RETRACT
@@ -61,6 +61,16 @@ class SchedulerAdminService(admin_pb2_grpc.ModelAdminServicer):
         # between two steps under its model lock.
         return await self._passed_on("ExpertDistribution", request, context)
 
+    async def FlushCache(self, request, context):
+        """The scheduler's own FlushCache, with its refusal as FAILED_PRECONDITION."""
+        try:
+            pages = flush(self._core())
+        except AdminError as e:
+            await context.abort(e.status_code, e.message)
+        state = await self._run(context, self._admin.state())
+        state.flushed_pages = pages
+        return state
+
     async def _passed_on(self, method: str, request, context: grpc.aio.ServicerContext) -> apb.ModelState:
         """Straight to the worker: nothing the scheduler caches changes."""
         try:
@@ -71,3 +81,15 @@ class SchedulerAdminService(admin_pb2_grpc.ModelAdminServicer):
     async def UpdateWeightsFromDistributed(self, request, context):
         return await self._run(context, self._admin.update_weights(
             "UpdateWeightsFromDistributed", request, request.running == _RETRACT))
+
+
+def flush(core) -> int:
+    """Drop every cached prefix of a scheduler core (both tiers); the pages dropped. Raises
+    AdminError(FAILED_PRECONDITION), changing nothing, while requests run or wait."""
+    cache = core.kv.cache
+    pages = cache.cached_pages + cache.host_pages
+    running, waiting = len(core.running), len(core.waiting)
+    if not core.flush_cache():
+        raise AdminError(FAILED_PRECONDITION, f"cannot flush the prefix cache: {running} running and {waiting} "
+                         "waiting requests hold or need it (retry when the scheduler is idle)")
+    return pages

@@ -22,46 +22,47 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.radixmesh.v1 import scheduler_pb2 as radixmesh_dot_v1_dot_scheduler__pb2
 from protos.radixmesh.v1 import worker_pb2 as radixmesh_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18radixmesh/v1/admin.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/worker.proto\"\x16\n\x14GetModelStateRequest\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"b\n\x1cUpdateWeightsFromDiskRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12.\n\x07running\x18\x02 \x01(\x0e\x32\x1d.radixmesh.v1.RunningRequests\"b\n\x1eUpdateWeightsFromTensorRequest\x12\x10\n\x08shm_path\x18\x01 \x01(\t\x12.\n\x07running\x18\x02 \x01(\x0e\x32\x1d.radixmesh.v1.RunningRequests\"\xad\x01\n\x1dInitWeightsUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x13\n\x0brank_offset\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\ngroup_name\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"8\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x94\x01\n#UpdateWeightsFromDistributedRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12)\n\x07tensors\x18\x02 \x03(\x0b\x32\x18.radixmesh.v1.TensorMeta\x12.\n\x07running\x18\x03 \x01(\x0e\x32\x1d.radixmesh.v1.RunningRequests\"\xcc\x01\n\x12WeightUpdateReport\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cswap_seconds\x18\x04 \x01(\x01\x12\x15\n\rpause_seconds\x18\x05 \x01(\x01\x12\x15\n\rflush_seconds\x18\x06 \x01(\x01\x12\x15\n\rflushed_pages\x18\x07 \x01(\x04\x12\x11\n\tretracted\x18\x08 \x01(\r\x12\x15\n\rtotal_seconds\x18\t \x01(\x01\"S\n\x19\x45xpertDistributionRequest\x12\x36\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32&.radixmesh.v1.ExpertDistributionAction\"\x1e\n\x0c\x45xpertCounts\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\x04\"\x8d\x01\n\x12\x45xpertDistribution\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12\x31\n\rlogical_count\x18\x02 \x03(\x0b\x32\x1a.radixmesh.v1.ExpertCounts\x12\x10\n\x08\x66orwards\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x11\n\trecording\x18\x05 \x01(\x08\"\xb3\x02\n\nModelState\x12\r\n\x05model\x18\x01 \x01(\t\x12\x17\n\x0fweights_version\x18\x02 \x01(\t\x12+\n\x08\x61\x64\x61pters\x18\x03 \x03(\x0b\x32\x19.radixmesh.v1.AdapterInfo\x12\x11\n\tmax_loras\x18\x04 \x01(\r\x12\x30\n\x06update\x18\x05 \x01(\x0b\x32 .radixmesh.v1.WeightUpdateReport\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\x12*\n\x08replicas\x18\x07 \x03(\x0b\x32\x18.radixmesh.v1.ModelState\x12\x0f\n\x07seconds\x18\x08 \x01(\x01\x12=\n\x13\x65xpert_distribution\x18\t \x01(\x0b\x32 .radixmesh.v1.ExpertDistribution*L\n\x0fRunningRequests\x12\x1b\n\x17RUNNING_REQUESTS_FINISH\x10\x00\x12\x1c\n\x18RUNNING_REQUESTS_RETRACT\x10\x01*\xa1\x01\n\x18\x45xpertDistributionAction\x12*\n&EXPERT_DISTRIBUTION_ACTION_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x45XPERT_DISTRIBUTION_START\x10\x01\x12\x1c\n\x18\x45XPERT_DISTRIBUTION_STOP\x10\x02\x12\x1c\n\x18\x45XPERT_DISTRIBUTION_DUMP\x10\x03\x32\xee\x05\n\nModelAdmin\x12M\n\rGetModelState\x12\".radixmesh.v1.GetModelStateRequest\x1a\x18.radixmesh.v1.ModelState\x12Q\n\x0fLoadLoraAdapter\x12$.radixmesh.v1.LoadLoraAdapterRequest\x1a\x18.radixmesh.v1.ModelState\x12U\n\x11UnloadLoraAdapter\x12&.radixmesh.v1.UnloadLoraAdapterRequest\x1a\x18.radixmesh.v1.ModelState\x12]\n\x15UpdateWeightsFromDisk\x12*.radixmesh.v1.UpdateWeightsFromDiskRequest\x1a\x18.radixmesh.v1.ModelState\x12\x61\n\x17UpdateWeightsFromTensor\x12,.radixmesh.v1.UpdateWeightsFromTensorRequest\x1a\x18.radixmesh.v1.ModelState\x12_\n\x16InitWeightsUpdateGroup\x12+.radixmesh.v1.InitWeightsUpdateGroupRequest\x1a\x18.radixmesh.v1.ModelState\x12k\n\x1cUpdateWeightsFromDistributed\x12\x31.radixmesh.v1.UpdateWeightsFromDistributedRequest\x1a\x18.radixmesh.v1.ModelState\x12W\n\x12\x45xpertDistribution\x12\'.radixmesh.v1.ExpertDistributionRequest\x1a\x18.radixmesh.v1.ModelStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18radixmesh/v1/admin.proto\x12\x0cradixmesh.v1\x1a\x1cradixmesh/v1/scheduler.proto\x1a\x19radixmesh/v1/worker.proto\"\x16\n\x14GetModelStateRequest\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"b\n\x1cUpdateWeightsFromDiskRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12.\n\x07running\x18\x02 \x01(\x0e\x32\x1d.radixmesh.v1.RunningRequests\"b\n\x1eUpdateWeightsFromTensorRequest\x12\x10\n\x08shm_path\x18\x01 \x01(\t\x12.\n\x07running\x18\x02 \x01(\x0e\x32\x1d.radixmesh.v1.RunningRequests\"\xad\x01\n\x1dInitWeightsUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x13\n\x0brank_offset\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\ngroup_name\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"8\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x94\x01\n#UpdateWeightsFromDistributedRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12)\n\x07tensors\x18\x02 \x03(\x0b\x32\x18.radixmesh.v1.TensorMeta\x12.\n\x07running\x18\x03 \x01(\x0e\x32\x1d.radixmesh.v1.RunningRequests\"\xcc\x01\n\x12WeightUpdateReport\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cswap_seconds\x18\x04 \x01(\x01\x12\x15\n\rpause_seconds\x18\x05 \x01(\x01\x12\x15\n\rflush_seconds\x18\x06 \x01(\x01\x12\x15\n\rflushed_pages\x18\x07 \x01(\x04\x12\x11\n\tretracted\x18\x08 \x01(\r\x12\x15\n\rtotal_seconds\x18\t \x01(\x01\"S\n\x19\x45xpertDistributionRequest\x12\x36\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32&.radixmesh.v1.ExpertDistributionAction\"\x1e\n\x0c\x45xpertCounts\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\x04\"\x8d\x01\n\x12\x45xpertDistribution\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12\x31\n\rlogical_count\x18\x02 \x03(\x0b\x32\x1a.radixmesh.v1.ExpertCounts\x12\x10\n\x08\x66orwards\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x11\n\trecording\x18\x05 \x01(\x08\"\xca\x02\n\nModelState\x12\r\n\x05model\x18\x01 \x01(\t\x12\x17\n\x0fweights_version\x18\x02 \x01(\t\x12+\n\x08\x61\x64\x61pters\x18\x03 \x03(\x0b\x32\x19.radixmesh.v1.AdapterInfo\x12\x11\n\tmax_loras\x18\x04 \x01(\r\x12\x30\n\x06update\x18\x05 \x01(\x0b\x32 .radixmesh.v1.WeightUpdateReport\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\x12*\n\x08replicas\x18\x07 \x03(\x0b\x32\x18.radixmesh.v1.ModelState\x12\x0f\n\x07seconds\x18\x08 \x01(\x01\x12=\n\x13\x65xpert_distribution\x18\t \x01(\x0b\x32 .radixmesh.v1.ExpertDistribution\x12\x15\n\rflushed_pages\x18\n \x01(\x04*L\n\x0fRunningRequests\x12\x1b\n\x17RUNNING_REQUESTS_FINISH\x10\x00\x12\x1c\n\x18RUNNING_REQUESTS_RETRACT\x10\x01*\xa1\x01\n\x18\x45xpertDistributionAction\x12*\n&EXPERT_DISTRIBUTION_ACTION_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x45XPERT_DISTRIBUTION_START\x10\x01\x12\x1c\n\x18\x45XPERT_DISTRIBUTION_STOP\x10\x02\x12\x1c\n\x18\x45XPERT_DISTRIBUTION_DUMP\x10\x03\x32\xb7\x06\n\nModelAdmin\x12M\n\rGetModelState\x12\".radixmesh.v1.GetModelStateRequest\x1a\x18.radixmesh.v1.ModelState\x12Q\n\x0fLoadLoraAdapter\x12$.radixmesh.v1.LoadLoraAdapterRequest\x1a\x18.radixmesh.v1.ModelState\x12U\n\x11UnloadLoraAdapter\x12&.radixmesh.v1.UnloadLoraAdapterRequest\x1a\x18.radixmesh.v1.ModelState\x12]\n\x15UpdateWeightsFromDisk\x12*.radixmesh.v1.UpdateWeightsFromDiskRequest\x1a\x18.radixmesh.v1.ModelState\x12\x61\n\x17UpdateWeightsFromTensor\x12,.radixmesh.v1.UpdateWeightsFromTensorRequest\x1a\x18.radixmesh.v1.ModelState\x12_\n\x16InitWeightsUpdateGroup\x12+.radixmesh.v1.InitWeightsUpdateGroupRequest\x1a\x18.radixmesh.v1.ModelState\x12k\n\x1cUpdateWeightsFromDistributed\x12\x31.radixmesh.v1.UpdateWeightsFromDistributedRequest\x1a\x18.radixmesh.v1.ModelState\x12W\n\x12\x45xpertDistribution\x12\'.radixmesh.v1.ExpertDistributionRequest\x1a\x18.radixmesh.v1.ModelState\x12G\n\nFlushCache\x12\x1f.radixmesh.v1.FlushCacheRequest\x1a\x18.radixmesh.v1.ModelStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.radixmesh.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNNINGREQUESTS']._serialized_start=1567
-  _globals['_RUNNINGREQUESTS']._serialized_end=1643
-  _globals['_EXPERTDISTRIBUTIONACTION']._serialized_start=1646
-  _globals['_EXPERTDISTRIBUTIONACTION']._serialized_end=1807
-  _globals['_GETMODELSTATEREQUEST']._serialized_start=69
-  _globals['_GETMODELSTATEREQUEST']._serialized_end=91
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=93
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=155
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=157
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=202
-  _globals['_UPDATEWEIGHTSFROMDISKREQUEST']._serialized_start=204
-  _globals['_UPDATEWEIGHTSFROMDISKREQUEST']._serialized_end=302
-  _globals['_UPDATEWEIGHTSFROMTENSORREQUEST']._serialized_start=304
-  _globals['_UPDATEWEIGHTSFROMTENSORREQUEST']._serialized_end=402
-  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_start=405
-  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_end=578
-  _globals['_TENSORMETA']._serialized_start=580
-  _globals['_TENSORMETA']._serialized_end=636
-  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_start=639
-  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_end=787
-  _globals['_WEIGHTUPDATEREPORT']._serialized_start=790
-  _globals['_WEIGHTUPDATEREPORT']._serialized_end=994
-  _globals['_EXPERTDISTRIBUTIONREQUEST']._serialized_start=996
-  _globals['_EXPERTDISTRIBUTIONREQUEST']._serialized_end=1079
-  _globals['_EXPERTCOUNTS']._serialized_start=1081
-  _globals['_EXPERTCOUNTS']._serialized_end=1111
-  _globals['_EXPERTDISTRIBUTION']._serialized_start=1114
-  _globals['_EXPERTDISTRIBUTION']._serialized_end=1255
-  _globals['_MODELSTATE']._serialized_start=1258
-  _globals['_MODELSTATE']._serialized_end=1565
-  _globals['_MODELADMIN']._serialized_start=1810
-  _globals['_MODELADMIN']._serialized_end=2560
+  _globals['_RUNNINGREQUESTS']._serialized_start=1620
+  _globals['_RUNNINGREQUESTS']._serialized_end=1696
+  _globals['_EXPERTDISTRIBUTIONACTION']._serialized_start=1699
+  _globals['_EXPERTDISTRIBUTIONACTION']._serialized_end=1860
+  _globals['_GETMODELSTATEREQUEST']._serialized_start=99
+  _globals['_GETMODELSTATEREQUEST']._serialized_end=121
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=123
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=185
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=187
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=232
+  _globals['_UPDATEWEIGHTSFROMDISKREQUEST']._serialized_start=234
+  _globals['_UPDATEWEIGHTSFROMDISKREQUEST']._serialized_end=332
+  _globals['_UPDATEWEIGHTSFROMTENSORREQUEST']._serialized_start=334
+  _globals['_UPDATEWEIGHTSFROMTENSORREQUEST']._serialized_end=432
+  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_start=435
+  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_end=608
+  _globals['_TENSORMETA']._serialized_start=610
+  _globals['_TENSORMETA']._serialized_end=666
+  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_start=669
+  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_end=817
+  _globals['_WEIGHTUPDATEREPORT']._serialized_start=820
+  _globals['_WEIGHTUPDATEREPORT']._serialized_end=1024
+  _globals['_EXPERTDISTRIBUTIONREQUEST']._serialized_start=1026
+  _globals['_EXPERTDISTRIBUTIONREQUEST']._serialized_end=1109
+  _globals['_EXPERTCOUNTS']._serialized_start=1111
+  _globals['_EXPERTCOUNTS']._serialized_end=1141
+  _globals['_EXPERTDISTRIBUTION']._serialized_start=1144
+  _globals['_EXPERTDISTRIBUTION']._serialized_end=1285
+  _globals['_MODELSTATE']._serialized_start=1288
+  _globals['_MODELSTATE']._serialized_end=1618
+  _globals['_MODELADMIN']._serialized_start=1863
+  _globals['_MODELADMIN']._serialized_end=2686
 # @@protoc_insertion_point(module_scope)

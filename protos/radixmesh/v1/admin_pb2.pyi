@@ -1,3 +1,4 @@
+from protos.radixmesh.v1 import scheduler_pb2 as _scheduler_pb2
 from protos.radixmesh.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -147,7 +148,7 @@ class ExpertDistribution(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[int]] = ..., logical_count: _Optional[_Iterable[_Union[ExpertCounts, _Mapping]]] = ..., forwards: _Optional[int] = ..., seconds: _Optional[float] = ..., recording: _Optional[bool] = ...) -> None: ...
 
 class ModelState(_message.Message):
-    __slots__ = ("model", "weights_version", "adapters", "max_loras", "update", "address", "replicas", "seconds", "expert_distribution")
+    __slots__ = ("model", "weights_version", "adapters", "max_loras", "update", "address", "replicas", "seconds", "expert_distribution", "flushed_pages")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +158,7 @@ class ModelState(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_DISTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    FLUSHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     weights_version: str
     adapters: _containers.RepeatedCompositeFieldContainer[_worker_pb2.AdapterInfo]
@@ -166,4 +168,5 @@ class ModelState(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[ModelState]
     seconds: float
     expert_distribution: ExpertDistribution
-    def __init__(self, model: _Optional[str] = ..., weights_version: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[_worker_pb2.AdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., update: _Optional[_Union[WeightUpdateReport, _Mapping]] = ..., address: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., seconds: _Optional[float] = ..., expert_distribution: _Optional[_Union[ExpertDistribution, _Mapping]] = ...) -> None: ...
+    flushed_pages: int
+    def __init__(self, model: _Optional[str] = ..., weights_version: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[_worker_pb2.AdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., update: _Optional[_Union[WeightUpdateReport, _Mapping]] = ..., address: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., seconds: _Optional[float] = ..., expert_distribution: _Optional[_Union[ExpertDistribution, _Mapping]] = ..., flushed_pages: _Optional[int] = ...) -> None: ...

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from protos.radixmesh.v1 import admin_pb2 as radixmesh_dot_v1_dot_admin__pb2
+from protos.radixmesh.v1 import scheduler_pb2 as radixmesh_dot_v1_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -74,6 +75,11 @@ class ModelAdminStub:
                 request_serializer=radixmesh_dot_v1_dot_admin__pb2.ExpertDistributionRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_admin__pb2.ModelState.FromString,
                 _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/radixmesh.v1.ModelAdmin/FlushCache',
+                request_serializer=radixmesh_dot_v1_dot_scheduler__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_admin__pb2.ModelState.FromString,
+                _registered_method=True)
 
 
 class ModelAdminServicer:
@@ -134,6 +140,16 @@ class ModelAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushCache(self, request, context):
+        """Drops every cached prefix (both KV tiers) at the scheduler, as its own Scheduler.FlushCache
+        does, so the gateway's /flush_cache reaches it: FAILED_PRECONDITION, nothing dropped, while
+        requests run or wait (they hold or need the cache). The answer's flushed_pages says what went.
+        A worker holds no prefix cache: it is never asked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +191,11 @@ def add_ModelAdminServicer_to_server(servicer, server):
             'ExpertDistribution': grpc.unary_unary_rpc_method_handler(
                     servicer.ExpertDistribution,
                     request_deserializer=radixmesh_dot_v1_dot_admin__pb2.ExpertDistributionRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_admin__pb2.ModelState.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=radixmesh_dot_v1_dot_scheduler__pb2.FlushCacheRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_admin__pb2.ModelState.SerializeToString,
             ),
     }
@@ -393,6 +414,33 @@ class ModelAdmin:
             target,
             '/radixmesh.v1.ModelAdmin/ExpertDistribution',
             radixmesh_dot_v1_dot_admin__pb2.ExpertDistributionRequest.SerializeToString,
+            radixmesh_dot_v1_dot_admin__pb2.ModelState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.ModelAdmin/FlushCache',
+            radixmesh_dot_v1_dot_scheduler__pb2.FlushCacheRequest.SerializeToString,
             radixmesh_dot_v1_dot_admin__pb2.ModelState.FromString,
             options,
             channel_credentials,
