@@ -12,7 +12,10 @@
     state = qa.run(question="What is 2 + 2?", backend=HttpBackend("http://127.0.0.1:8000"))
     print(state["answer"])
 """
-from radixmesh.lang.backend_http import BackendError, HttpBackend
+from radixmesh.lang.backend import Backend, BackendError
+from radixmesh.lang.backend_grpc import GrpcBackend
+from radixmesh.lang.backend_http import HttpBackend
+from radixmesh.lang.backend_openai import OpenAIBackend
 from radixmesh.lang.choices import (greedy_token_selection, token_length_normalized,
                                     unconditional_likelihood_normalized)
 from radixmesh.lang.ir import assistant, gen, select, system, user
@@ -21,5 +24,5 @@ from radixmesh.lang.state import ForkGroup, ProgramState
 
 
 __all__ = ["function", "gen", "select", "system", "user", "assistant", "set_default_backend", "Program",
-           "ProgramState", "ForkGroup", "HttpBackend", "BackendError",
+           "ProgramState", "ForkGroup", "Backend", "HttpBackend", "GrpcBackend", "OpenAIBackend", "BackendError",
            "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized"]

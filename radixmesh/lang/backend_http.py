@@ -1,57 +1,26 @@
-"""radixmesh (or SGLang) over HTTP: the native /generate, in SGLang's shapes.
-
-A backend answers what ProgramState asks: role_format(), generate(text, gen) → (text, meta_info),
-generate_stream(text, gen) → (piece, meta_info)..., prefill(text) → meta_info, and
-choice_logprobs(prompt, choices, unconditional) → per choice its tokens' logprobs (and without
-the prompt). choice_logprobs is shared by the backends that have prompt logprobs (score())."""
+"""radixmesh (or SGLang) over HTTP: the native /generate, in SGLang's shapes (the contract:
+radixmesh/lang/backend.py)."""
 from __future__ import annotations
 
 import json
 import urllib.error
 import urllib.request
-from typing import Callable, Iterator
+from typing import Iterator
 
 from radixmesh.lang import template
+from radixmesh.lang.backend import Backend, BackendError
 from radixmesh.lang.ir import Gen
 
 
-class BackendError(RuntimeError):
-    pass
-
-
-def score(prompt: str, choices: list[str], unconditional: bool,
-          prompt_len: Callable[[str], int],
-          logprobs: Callable[[list[str] | list[list[int]], int], list[list[list]]]
-          ) -> tuple[list[list[float]], list[list[float]] | None]:
-    """Each choice's tokens' logprobs after `prompt`, healing the boundary: the prompt + choice
-    text is tokenized whole, and its token at the prompt's last position belongs to the choice
-    when the merge changed it (" " + "Paris" → " Paris"), to the prompt when the prompt's text
-    still ends with it. `logprobs(texts or id lists, start)` gives SGLang's input_token_logprobs
-    ([logprob, id, text]) from position `start` on; `prompt_len(text)` the prompt's token count."""
-    n = prompt_len(prompt)
-    start = max(n - 1, 0)
-    rows = logprobs([prompt + c for c in choices], start)
-    cond, ids = [], []
-    for row in rows:
-        if n and row and row[0][2] is not None and prompt.endswith(row[0][2]):
-            row = row[1:]  # the prompt's own last token: no healing happened
-        cond.append([lp for lp, _, _ in row if lp is not None])
-        ids.append([tid for _, tid, _ in row])
-    if not unconditional:
-        return cond, None
-    urows = logprobs(ids, 0)
-    return cond, [[lp for lp, _, _ in r] for r in urows]
-
-
-class HttpBackend:
+class HttpBackend(Backend):
     """`base_url` of a radixmesh gateway (`make serve`: http://127.0.0.1:8000) or an SGLang server."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
                  timeout_s: float = 300.0, role_format: template.RoleFormat | None = None) -> None:
+        super().__init__(role_format)
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
-        self._format = role_format
         self.model_info = self._call("GET", "/get_model_info")
 
     # --- transport -----------------------------------------------------------------
@@ -65,7 +34,8 @@ class HttpBackend:
     def _call(self, method: str, path: str, body: dict | None = None):
         try:
             with urllib.request.urlopen(self._request(method, path, body), timeout=self.timeout_s) as resp:
-                return json.loads(resp.read())
+                body = resp.read()  # JSON, but /flush_cache's "Cache flushed." (SGLang's)
+                return json.loads(body) if resp.headers.get_content_type() == "application/json" else body.decode()
         except urllib.error.HTTPError as e:
             raise BackendError(f"{method} {path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
 
@@ -73,12 +43,7 @@ class HttpBackend:
         return self._call("POST", "/generate", body)
 
     # --- the backend contract --------------------------------------------------------
-    def role_format(self) -> template.RoleFormat:
-        if self._format is None:
-            self._format = template.learn(self._render)
-        return self._format
-
-    def _render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict]) -> str:
         ids = self._call("POST", "/tokenize", {"messages": messages, "add_generation_prompt": False})["tokens"]
         return self._call("POST", "/v1/detokenize", {"tokens": ids, "skip_special_tokens": False})["text"]
 
@@ -109,14 +74,11 @@ class HttpBackend:
         """Only computes `text` into the prefix cache (max_new_tokens 0)."""
         return self.generate_raw({"text": text, "sampling_params": {"max_new_tokens": 0}})["meta_info"]
 
-    def choice_logprobs(self, prompt: str, choices: list[str], unconditional: bool):
-        def logprobs(items, start):
-            key = "text" if isinstance(items[0], str) else "input_ids"
-            objs = self.generate_raw({key: items, "sampling_params": {"max_new_tokens": 0},
-                                      "return_logprob": True, "logprob_start_len": start})
-            return [o["meta_info"]["input_token_logprobs"] for o in objs]
-
-        return score(prompt, choices, unconditional, lambda t: self.prefill(t)["prompt_tokens"], logprobs)
+    def prompt_logprobs(self, items, start):
+        key = "text" if isinstance(items[0], str) else "input_ids"
+        objs = self.generate_raw({key: items, "sampling_params": {"max_new_tokens": 0},
+                                  "return_logprob": True, "logprob_start_len": start})
+        return [o["meta_info"]["input_token_logprobs"] for o in objs]
 
     def flush_cache(self) -> None:
         self._call("POST", "/flush_cache", {})

@@ -1,17 +1,22 @@
 """The frontend language against a real mesh (`radixmesh up`, the default model, float32, greedy):
 radixmesh.lang's gen equals the same /generate made by hand, select picks what the prompt's
 logprobs say, a fork's branches find the parent's prefix cached, streaming and run_batch give
-the same text; then SGLang's own frontend (sglang.RuntimeEndpoint, unchanged) runs gen, select,
-fork and regex programs against the gateway. One mesh for the module, stopped explicitly."""
+the same text; the gRPC backend (the tokenizer's Generate) gives the HTTP backend's texts and choices,
+the OpenAI backend (/v1/completions) the text the openai client gets and the same choices (by vLLM's
+prompt_logprobs); /flush_cache empties the prefix cache; then SGLang's own frontend
+(sglang.RuntimeEndpoint, unchanged) runs gen, select, fork and regex programs against the gateway.
+One mesh for the module, stopped explicitly."""
 from __future__ import annotations
 
 import json
 import re
+import time
+import urllib.error
 import urllib.request
 
 import pytest
 
-from radixmesh.lang import (HttpBackend, function, gen, greedy_token_selection, select, system,
+from radixmesh.lang import (BackendError, GrpcBackend, HttpBackend, OpenAIBackend, function, gen, greedy_token_selection, select, system,
                             token_length_normalized, unconditional_likelihood_normalized, user, assistant)
 from tests.integration.mesh_harness import Mesh
 
@@ -119,6 +124,81 @@ def test_fork_branches_find_the_parent_prefix_cached(backend):
     parent = backend.prefill(state.text())["prompt_tokens"]  # the fork left the parent's text as it was
     metas = state.meta["branches"]
     assert parent > 60 and all(m["cached_tokens"] >= parent - 16 for m in metas), (parent, metas)
+
+
+# --- the gRPC and OpenAI backends, /flush_cache ------------------------------------------
+
+@function
+def qa_then_pick(s, q):
+    s += system("Answer in one short sentence.")
+    s += user(q)
+    s += assistant(gen("a", max_tokens=12))
+    s += PROMPT
+    s += select("c", [" Paris", " London", " a city in Europe"])
+
+
+def test_grpc_backend_gives_the_http_backends_text_and_choice(mesh, backend):
+    grpc_backend = GrpcBackend(mesh.addresses["tokenizer"], timeout_s=60)
+    try:
+        assert grpc_backend.role_format() == backend.role_format()
+        over_http = qa_then_pick.run(q="What is the capital of France?", backend=backend)
+        over_grpc = qa_then_pick.run(q="What is the capital of France?", backend=grpc_backend)
+        assert over_grpc.text() == over_http.text() and over_grpc["a"]
+        assert over_grpc["c"] == over_http["c"]
+        assert over_grpc.get_meta_info("c")["scores"] == pytest.approx(over_http.get_meta_info("c")["scores"], abs=1e-4)
+        meta = over_grpc.get_meta_info("a")
+        assert meta["finish_reason"]["type"] in ("stop", "length") and meta["prompt_tokens"] > 0
+        assert meta["cached_tokens"] > 0  # the HTTP run left this prompt cached
+        streamed = qa_then_pick.run(q="What is the capital of France?", backend=grpc_backend, stream=True)
+        assert "".join(streamed.text_iter()) == over_http.text()
+    finally:
+        grpc_backend.close()
+
+
+def test_openai_backend_gen_equals_the_openai_client_and_selects_by_prompt_logprobs(mesh, backend):
+    openai = pytest.importorskip("openai")
+    ob = OpenAIBackend(mesh.url + "/v1", timeout_s=60)
+    assert ob.radixmesh and ob.role_format() == backend.role_format()
+    over_openai = qa_then_pick.run(q="What is the capital of France?", backend=ob)
+    prompt = over_openai.text()[:-len(over_openai["a"]) - len(ob.role_format().end("assistant") + PROMPT)
+                                - len(over_openai["c"])]
+    by_hand = openai.OpenAI(base_url=mesh.url + "/v1", api_key="none").completions.create(
+        model=ob.model, prompt=prompt, max_tokens=12, temperature=0)
+    assert over_openai["a"] == by_hand.choices[0].text and over_openai["a"]
+    over_http = qa_then_pick.run(q="What is the capital of France?", backend=backend)
+    assert over_openai.text() == over_http.text()
+    assert over_openai.get_meta_info("c")["scores"] == pytest.approx(over_http.get_meta_info("c")["scores"], abs=1e-4)
+
+    @function
+    def number(s):
+        s += "A number:" + gen("n", max_tokens=6, regex=r" [0-9]{1,3}")
+
+    assert re.fullmatch(r" [0-9]{1,3}", number.run(backend=ob)["n"])
+    ob.radixmesh = False  # as another OpenAI-compatible server: no constraints
+    with pytest.raises(BackendError, match="needs a radixmesh server"):
+        number.run(backend=ob)["n"]
+
+
+def test_flush_cache_drops_every_cached_prefix(mesh, backend):
+    body = {"text": PROMPT * 4, "sampling_params": {"max_new_tokens": 0}}
+    _generate(mesh.url, body)
+    assert _generate(mesh.url, body)["meta_info"]["cached_tokens"] > 0
+    for _ in range(50):  # a request cut by a stop string may still be ending at the scheduler
+        try:
+            backend.flush_cache()
+            break
+        except BackendError as e:
+            assert "running" in str(e) and "HTTP 400" in str(e), e
+            time.sleep(0.1)
+    else:
+        pytest.fail("the scheduler never went idle")
+    assert _generate(mesh.url, body)["meta_info"]["cached_tokens"] == 0
+    grpc_backend = GrpcBackend(mesh.addresses["tokenizer"], timeout_s=60)
+    try:
+        grpc_backend.flush_cache()  # ModelAdmin.FlushCache at the tokenizer, forwarded to its scheduler
+        assert grpc_backend.prefill(PROMPT * 4)["cached_tokens"] == 0
+    finally:
+        grpc_backend.close()
 
 
 # --- SGLang's own frontend, unchanged ---------------------------------------------------

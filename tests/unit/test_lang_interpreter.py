@@ -10,7 +10,7 @@ import pytest
 from radixmesh.lang import (function, gen, greedy_token_selection, select, system, token_length_normalized,
                             unconditional_likelihood_normalized, user, assistant)
 from radixmesh.lang import template
-from radixmesh.lang.backend_http import score
+from radixmesh.lang.backend import score
 
 
 class FakeBackend:
