@@ -1,7 +1,7 @@
 """The import contracts of pyproject.toml's [tool.importlinter] hold: the scheduler and
 the worker share services/step and never import each other, kernels import no service,
 the front stages import no back stage, the shared layer (services/step, services/common)
-imports no stage. On a break, the failure is lint-imports' report: the contract and the
+imports no stage, radixmesh.lang (a client) imports no service. On a break, the failure is lint-imports' report: the contract and the
 import chain that breaks it."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")  # import-linter, a test extra
-ROOTS = ("services", "kernels")  # [tool.importlinter] root_packages
+ROOTS = ("services", "kernels", "radixmesh")  # [tool.importlinter] root_packages
 
 
 def lint(tree: Path) -> subprocess.CompletedProcess:
@@ -39,3 +39,16 @@ def test_a_forbidden_import_breaks_them(tmp_path: Path) -> None:
     report = proc.stdout + proc.stderr
     assert proc.returncode != 0, report
     assert "services.worker._forbidden -> services.scheduler.config" in report, report
+
+
+def test_the_frontend_language_may_not_import_a_service(tmp_path: Path) -> None:
+    """radixmesh.lang talks to a server only over the wire: importing services breaks the contract
+    (its gRPC backend imports the generated protos, which are no root package: outside the contracts)."""
+    for root in ROOTS:
+        shutil.copytree(REPO / root, tmp_path / root, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    (tmp_path / "radixmesh" / "lang" / "_forbidden.py").write_text("from services.gateway import errors\n")
+    proc = lint(tmp_path)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode != 0, report
+    assert "radixmesh.lang._forbidden -> services.gateway.errors" in report, report
