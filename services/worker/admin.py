@@ -83,6 +83,11 @@ class WorkerAdmin:
         return self._updated(lambda: self.runner.update_weights_from_distributed(
             names, dtypes, shapes, request.group_name or "weights"))
 
+    def _FlushCache(self, request) -> None:
+        """The caches are the scheduler's (its radix tree and KV tiers); the worker holds none to drop."""
+        raise AdminError(FAILED_PRECONDITION, "the worker keeps no prefix cache: flush through its scheduler "
+                         "(ModelAdmin.FlushCache there, or the gateway's POST /flush_cache)")
+
     # --- the expert distribution recorder ------------------------------------------------
     def _ExpertDistribution(self, request: apb.ExpertDistributionRequest) -> apb.ModelState:
         """Start, stop or read the recorder (services/worker/model/expert_load.py); every action

@@ -144,3 +144,11 @@ def test_the_engine_records(tmp_path):
             engine.expert_distribution("pause")
     finally:
         engine.shutdown()
+
+
+def test_a_flush_sent_to_a_worker_directly_is_refused_naming_the_scheduler(moe):
+    from protos.radixmesh.v1 import scheduler_pb2
+    with pytest.raises(AdminError) as err:
+        WorkerAdmin(moe).handle("FlushCache", scheduler_pb2.FlushCacheRequest())
+    assert err.value.status_code == AdminError(FAILED_PRECONDITION, "").status_code
+    assert "scheduler" in err.value.message
