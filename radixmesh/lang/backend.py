@@ -12,6 +12,9 @@ backend_http.py (/generate), backend_grpc.py (the tokenizer's Generate), backend
 (/v1/completions)."""
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from typing import Iterator
 
 from radixmesh.lang import template
@@ -22,6 +25,24 @@ Row = list  # [logprob | None, token id, token text | None]: SGLang's input_toke
 
 class BackendError(RuntimeError):
     pass
+
+
+def sse_events(request, what: str, timeout_s: float) -> Iterator[dict]:
+    """POST `request` (a urllib Request) and yield its server-sent events' JSON, until [DONE];
+    an HTTP error or an error event raises BackendError naming `what` ("POST /generate")."""
+    try:
+        resp = urllib.request.urlopen(request, timeout=timeout_s)
+    except urllib.error.HTTPError as e:
+        raise BackendError(f"{what}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+    with resp:
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise BackendError(f"{what} (stream): {event['error']}")
+            yield event
 
 
 def score(prompt: str, choices: list[str], unconditional: bool, prompt_len, logprobs

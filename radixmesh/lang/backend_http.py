@@ -8,7 +8,7 @@ import urllib.request
 from typing import Iterator
 
 from radixmesh.lang import template
-from radixmesh.lang.backend import Backend, BackendError
+from radixmesh.lang.backend import Backend, BackendError, sse_events
 from radixmesh.lang.ir import Gen
 
 
@@ -54,21 +54,10 @@ class HttpBackend(Backend):
     def generate_stream(self, text: str, g: Gen) -> Iterator[tuple[str, dict]]:
         body = {"text": text, "sampling_params": g.sampling_params(), "stream": True}
         sent = 0
-        try:
-            resp = urllib.request.urlopen(self._request("POST", "/generate", body), timeout=self.timeout_s)
-        except urllib.error.HTTPError as e:
-            raise BackendError(f"POST /generate: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
-        with resp:
-            for line in resp:
-                line = line.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise BackendError(f"POST /generate (stream): {event['error']}")
-                piece = event["text"][sent:]  # SGLang's events carry the text so far
-                sent = len(event["text"])
-                yield piece, event["meta_info"]
+        for event in sse_events(self._request("POST", "/generate", body), "POST /generate", self.timeout_s):
+            piece = event["text"][sent:]  # SGLang's events carry the text so far
+            sent = len(event["text"])
+            yield piece, event["meta_info"]
 
     def prefill(self, text: str) -> dict:
         """Only computes `text` into the prefix cache (max_new_tokens 0)."""

@@ -18,7 +18,7 @@ import urllib.request
 from typing import Iterator
 
 from radixmesh.lang import template
-from radixmesh.lang.backend import Backend, BackendError, Row
+from radixmesh.lang.backend import Backend, BackendError, Row, sse_events
 from radixmesh.lang.ir import Gen
 
 NO_PROMPT_LOGPROBS = ("select needs each choice's prompt logprobs, which an OpenAI-compatible server does not give: "
@@ -94,24 +94,13 @@ class OpenAIBackend(Backend):
 
     def generate_stream(self, text: str, g: Gen) -> Iterator[tuple[str, dict]]:
         body = {**self.completion_body(text, g), "stream": True, "stream_options": {"include_usage": True}}
-        try:
-            resp = urllib.request.urlopen(self._request("POST", "/completions", body), timeout=self.timeout_s)
-        except urllib.error.HTTPError as e:
-            raise BackendError(f"POST /completions: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
         choice: dict = {}
-        with resp:
-            for line in resp:
-                line = line.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise BackendError(f"POST /completions (stream): {event['error']}")
-                if event.get("choices"):
-                    choice = {**choice, **{k: v for k, v in event["choices"][0].items() if v is not None}}
-                    yield event["choices"][0].get("text") or "", meta_info(choice, event.get("usage"))
-                elif event.get("usage"):  # the usage chunk: no choices
-                    yield "", meta_info(choice, event["usage"])
+        for event in sse_events(self._request("POST", "/completions", body), "POST /completions", self.timeout_s):
+            if event.get("choices"):
+                choice = {**choice, **{k: v for k, v in event["choices"][0].items() if v is not None}}
+                yield event["choices"][0].get("text") or "", meta_info(choice, event.get("usage"))
+            elif event.get("usage"):  # the usage chunk: no choices
+                yield "", meta_info(choice, event["usage"])
 
     def prefill(self, text: str) -> dict:
         # max_tokens 0 computes only the prompt on radixmesh; other servers want at least one token

@@ -18,7 +18,7 @@ import pytest
 
 from radixmesh.lang import (BackendError, GrpcBackend, HttpBackend, OpenAIBackend, function, gen, greedy_token_selection, select, system,
                             token_length_normalized, unconditional_likelihood_normalized, user, assistant)
-from tests.integration.mesh_harness import Mesh
+from tests.integration.mesh_harness import gateway_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +29,8 @@ PROMPT = "Q: What is the capital of France?\nA:"
 
 @pytest.fixture(scope="module")
 def mesh():
-    m = Mesh(*MESH_FLAGS, gateway=True)
-    try:
-        m.wait_ready(timeout=240)
-        listening = next(e for e in m.log if e.get("service") == "gateway" and e.get("msg") == "listening")
-        m.url = f"http://127.0.0.1:{listening['http_port']}"
+    with gateway_mesh(*MESH_FLAGS) as m:
         yield m
-        assert m.stop() == 0
-    finally:
-        m.kill_all()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """`radixmesh up` in a subprocess for the mesh tests: start, wait until ready, stop, check for leftovers."""
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import queue
@@ -97,6 +99,12 @@ class Mesh:
         self.addresses, self.pids = ready["addresses"], {k: int(v) for k, v in ready["pids"].items()}
         return self
 
+    @property
+    def url(self) -> str:
+        """The gateway's base URL (a mesh started with gateway=True, once it logged listening)."""
+        listening = next(e for e in self.log if e.get("service") == "gateway" and e.get("msg") == "listening")
+        return f"http://127.0.0.1:{listening['http_port']}"
+
     def channel(self, service: str) -> grpc.Channel:
         ch = grpc.insecure_channel(self.addresses[service])
         self._channels.append(ch)
@@ -141,6 +149,18 @@ class Mesh:
             if not alive or time.monotonic() > end:
                 return alive
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def gateway_mesh(*flags: str, timeout: float = 240):
+    """A mesh with its gateway, ready; stopped cleanly (exit 0) after, killed if anything failed."""
+    m = Mesh(*flags, gateway=True)
+    try:
+        m.wait_ready(timeout=timeout)
+        yield m
+        assert m.stop() == 0
+    finally:
+        m.kill_all()
 
 
 def _alive(pid: int) -> bool:
