@@ -276,7 +276,8 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400,
      "leaves no room for the prompt"),
     ("POST", "/v1/completions", {"prompt": [10 ** 6]}, 400, "outside the vocabulary"),
-    ("POST", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo=true is not supported"),
+    ("POST", "/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400,
+     "echo and prompt_logprobs are not supported with stream"),
     ("POST", "/generate", {"text": "x", "input_ids": [1]}, 400, "exactly one of text and input_ids"),
     ("GET", "/v1/nothing-here", None, 404, "unknown route"),
 ]

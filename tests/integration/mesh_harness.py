@@ -70,6 +70,7 @@ class Mesh:
         self.addresses: dict[str, str] = {}
         self.pids: dict[str, int] = {}
         self._channels: list[grpc.Channel] = []
+        self._url: str | None = None  # the gateway's, once asked (url)
 
     def _read_stderr(self) -> None:
         for line in self.proc.stderr:
@@ -101,9 +102,16 @@ class Mesh:
 
     @property
     def url(self) -> str:
-        """The gateway's base URL (a mesh started with gateway=True, once it logged listening)."""
-        listening = next(e for e in self.log if e.get("service") == "gateway" and e.get("msg") == "listening")
-        return f"http://127.0.0.1:{listening['http_port']}"
+        """The gateway's base URL (a mesh started with gateway=True, once it logged listening), unless
+        a test set another."""
+        if self._url is None:
+            listening = next(e for e in self.log if e.get("service") == "gateway" and e.get("msg") == "listening")
+            self._url = f"http://127.0.0.1:{listening['http_port']}"
+        return self._url
+
+    @url.setter
+    def url(self, value: str) -> None:
+        self._url = value
 
     def channel(self, service: str) -> grpc.Channel:
         ch = grpc.insecure_channel(self.addresses[service])
