@@ -148,11 +148,16 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         group_name=_field(body, "group_name", str, "weights"), tensors=tensors, running=_running(body)))
 
 
+async def refuse_parameters(request: web.Request) -> None:
+    """A route that takes no body, or {}: a body that is not a JSON object, or has any field, is a 400."""
+    extra = sorted(await _body(request))
+    if extra:
+        raise invalid(f"this route takes no parameters, got {extra}", param=extra[0])
+
+
 async def _expert_distribution(request: web.Request, action: str) -> web.Response:
     if request.method == "POST":
-        extra = sorted(await _body(request))
-        if extra:
-            raise invalid(f"this route takes no parameters, got {extra}", param=extra[0])
+        await refuse_parameters(request)
     reply = await _admin(request, "ExpertDistribution",
                          apb.ExpertDistributionRequest(action=expert_distribution.ACTIONS[action]))
     return web.json_response(distribution_body(reply))

@@ -17,6 +17,7 @@ from aiohttp import web
 from protos.radixmesh.v1 import scheduler_pb2 as spb
 from services.gateway.backend import BackendError
 from services.gateway.errors import APIError, from_backend
+from services.gateway.model_admin import refuse_parameters
 from services.gateway.state import STATE, GatewayState
 
 sglang_routes = web.RouteTableDef()
@@ -91,6 +92,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     """Drops every cached prefix (an admin route: auth.py) through the backend's ModelAdmin.FlushCache:
     the router fans it out to every replica, each tokenizer forwards it to its scheduler. 400 while a
     scheduler has requests running or waiting (it flushes nothing then), as SGLang's flush refuses."""
+    await refuse_parameters(request)
     state: GatewayState = request.app[STATE]
     admin = getattr(state.backend, "admin", None)
     if admin is None:
