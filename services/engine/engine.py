@@ -294,18 +294,22 @@ class Engine:
         scheduler (nothing the old one cached is trusted) drives a runner that forgot
         every request."""
         failed, self._requests, self._early = self._requests, OpenRequests(), []
-        for req in failed.requests.values():  # first: a runner that cannot recover must not strand them
-            self._send(req.owner, RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ERROR, error=reason))
         try:  # after the step running now, if any
             await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.reset)
-        except Exception as e:  # a broken worker group: nothing will run again
+        except Exception as e:  # a broken worker group: nothing will run again; strand no request
             self._broken = f"{reason}; the engine cannot recover: {e}"
+            self._fail_open(failed, reason)
             self._fail_inbox()
             raise
         core = build_core(self._sched_config, self._worker_info(), self._hicache, self.kvstore)
         carry_counters(self.scheduler.stats, core.stats)
         self.scheduler = core
+        self._fail_open(failed, reason)  # once a fresh scheduler serves what comes next
         return core, RunnerLink(self.runner, self._executor)
+
+    def _fail_open(self, failed: OpenRequests, reason: str) -> None:
+        for req in failed.requests.values():
+            self._send(req.owner, RequestOutput(req.rid, finished=True, finish_reason=FinishReason.ERROR, error=reason))
 
     def _fail_inbox(self) -> None:
         """End every request still queued for a driver that has stopped, with the reason."""

@@ -63,8 +63,11 @@ def test_live_eplb_rebalances_move_weights_between_ranks_without_changing_a_stre
     path, hf = save_for_generation(tmp_path, "qwen3_moe")
     prompts = [[5 + i, 17, 33 + 2 * i, 9, 60 - i, 41][: 3 + i] for i in range(4)]
     want = [greedy_continuation(hf, p, 12) for p in prompts]
+    # Rebalances every 3 passes, each moving both MoE layers' weights over the next 1-2 passes: several
+    # complete within the streams however they batch.
     config = WorkerConfig(dtype="float32", kv_cache_bytes=8 << 20, max_requests=4, tp_size=2, ep_size=2,
-                          ep_num_redundant_experts=2, enable_eplb=True, eplb_rebalance_num_iterations=3)
+                          ep_num_redundant_experts=2, enable_eplb=True, eplb_rebalance_num_iterations=3,
+                          eplb_rebalance_layers_per_chunk=2, eplb_rebalance_weights_per_pass=16)
     engine = Engine(path, worker=config)
     try:
         initial = engine.runner.expert_parallel.location.phy2log.clone()
