@@ -323,11 +323,20 @@ def test_fuzz_the_real_mesh(mesh):
     schema = schemathesis.openapi.from_dict(doc)
     for result in schema.get_all_operations():
         op = result.ok()
-        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if op.method.upper() == "POST" else [])
+        # A route that takes no parameters (no body, or {}: /flush_cache) has no invalid request to send:
+        # schemathesis's "negative" case for it is the valid empty POST, which a mesh rightly accepts.
+        negative = op.method.upper() == "POST" and takes_parameters(doc, op.path)
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if negative else [])
         for mode in modes:
             fuzz(mesh.url, op, mode, max_examples=8, prepare=small_generation)
     s = settle(mesh)
     assert s.num_running == 0 and in_use(s) == 0
+
+
+def takes_parameters(doc: dict, path: str) -> bool:
+    body = doc["paths"][path]["post"].get("requestBody") or {}
+    schema = body.get("content", {}).get("application/json", {}).get("schema", {})
+    return schema.get("maxProperties") != 0
 
 
 def small_generation(body):
