@@ -49,7 +49,7 @@ class RebalanceStats:
     last_seconds: float = 0.0  # the last one's moves, all chunks
     longest_pause_s: float = 0.0  # the longest one chunk held a step, over all rebalances
     moved_experts: int = 0  # expert weights this rank received from another, all rebalances
-    history: list[dict] = field(default_factory=list)  # one record per planned rebalance
+    last: dict | None = None  # the last planned rebalance's record (plan() returns it too)
 
 
 @dataclass
@@ -179,7 +179,7 @@ class ExpertRebalancer:
                   "imbalance_expected": self.imbalance(new), "layers": len(old.changed_rows(new)), "moved": 0,
                   "seconds": 0.0, "longest_pause_s": 0.0, "pauses_ms": []}
         record["plan_ms"] = round((time.perf_counter() - began) * 1e3, 2)
-        self.stats.history.append(record)
+        self.stats.last = record
         self._pending = _Pending(new, old.changed_rows(new), record)
         self._advance()  # the first chunk leaves now
         return record
