@@ -323,10 +323,12 @@ def test_fuzz_the_real_mesh(mesh):
     schema = schemathesis.openapi.from_dict(doc)
     for result in schema.get_all_operations():
         op = result.ok()
-        # A route that takes no parameters (no body, or {}: /flush_cache) has no invalid request to send:
-        # schemathesis's "negative" case for it is the valid empty POST, which a mesh rightly accepts.
-        negative = op.method.upper() == "POST" and takes_parameters(doc, op.path)
-        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if negative else [])
+        # A POST that takes no parameters (no body, or {}: /flush_cache) has no invalid request to send:
+        # schemathesis marks the valid empty POST as "schema-violating", which a mesh rightly accepts.
+        # The gateway's own fuzz test (tests/unit/test_gateway_fuzz.py) covers those routes.
+        if op.method.upper() == "POST" and not takes_parameters(doc, op.path):
+            continue
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if op.method.upper() == "POST" else [])
         for mode in modes:
             fuzz(mesh.url, op, mode, max_examples=8, prepare=small_generation)
     s = settle(mesh)
