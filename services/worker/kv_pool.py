@@ -183,3 +183,19 @@ class KVPool:
             return
         index_copy_rows(self.k[layer], 0, slots, quantize_kv(k, self.spec.dtype))
         index_copy_rows(self.v[layer], 0, slots, quantize_kv(v, self.spec.dtype))
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K and V rows of slots src [m] to slots dst [m] (int64), every layer, bytes as
+        stored (an FP8 row's bytes stand alone: one scale per format, the rotation per row), e.g.
+        a tree verify's accepted nodes to their positions (speculative/tree.compaction_slots).
+        All sources are gathered before any destination is written, so src and dst may share slots
+        (a destination that is another move's source); dst must not repeat a slot."""
+        if src.shape != dst.shape:
+            raise ValueError(f"move_slots needs as many sources as destinations: {tuple(src.shape)} vs "
+                             f"{tuple(dst.shape)}")
+        if src.numel() == 0:
+            return
+        src, dst = src.to(self.k.device, torch.int64), dst.to(self.k.device, torch.int64)
+        for pool in (self.k, self.v):  # [L, S, Hkv, D]
+            rows = pool.view(torch.uint8) if pool.element_size() == 1 else pool  # no float8 index ops on CPU
+            rows.index_copy_(1, dst, rows.index_select(1, src))  # the gather is the temp

@@ -1,9 +1,18 @@
-"""The flat token layout of one step, derived once from the plan's items."""
+"""The flat token layout of one step, derived once from the plan's items.
+
+An item may be a draft tree (speculative/tree.py): its tokens still take consecutive KV slots,
+but each token's RoPE position is its depth in the tree, and the attention backend masks it to
+its ancestors (the layout carries the trees for that).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from services.worker.speculative.tree import DraftTree
 
 
 @dataclass
@@ -11,7 +20,10 @@ class BatchLayout:
     """A step's tokens are the items' input_ids concatenated (T tokens, B items).
 
     Item i owns tokens [cu_q[i], cu_q[i+1]) at positions start_pos[i] + 0.. and
-    its KV (after this step's write) spans positions [0, kv_lens[i]).
+    its KV (after this step's write) spans positions [0, kv_lens[i]). A tree item (in `trees`)
+    writes token j to the slot of position start + j as any item does, but its RoPE position
+    (`positions`) is start + depth(j), and token j attends only to positions < start and to the
+    item's tokens that are its ancestors or itself.
     """
 
     q_lens: torch.Tensor  # [B] int64
@@ -27,9 +39,11 @@ class BatchLayout:
     # On a device: the host layout it was copied from, for a backend that plans on the host
     # (FlashInfer) without copying back (a sync behind everything queued). None on the host.
     host: "BatchLayout | None" = None
+    trees: "dict[int, DraftTree] | None" = None  # item index → the tree its q_len = n + 1 tokens form
 
     @classmethod
-    def build(cls, q_lens: list[int], start_pos: list[int], page_rows: torch.Tensor, page_size: int) -> "BatchLayout":
+    def build(cls, q_lens: list[int], start_pos: list[int], page_rows: torch.Tensor, page_size: int,
+              trees: "dict[int, DraftTree] | None" = None) -> "BatchLayout":
         ql = torch.tensor(q_lens, dtype=torch.int64)
         sp = torch.tensor(start_pos, dtype=torch.int64)
         T = int(ql.sum())
@@ -38,8 +52,10 @@ class BatchLayout:
         positions = sp[token_item] + (torch.arange(T) - offsets[token_item])
         out_slots = slots_of(page_rows, token_item, positions, page_size)
         kv = sp + ql
+        if trees:
+            positions = _tree_positions(positions, q_lens, start_pos, trees)
         return cls(ql, sp, kv, page_rows, page_size, positions, token_item, out_slots,
-                   max(q_lens), int(kv.max()))
+                   max(q_lens), int(kv.max()), trees=trees or None)
 
     def to(self, device: torch.device) -> "BatchLayout":
         """This layout with its tensors on `device` (one pinned non-blocking copy on CUDA;
@@ -51,11 +67,26 @@ class BatchLayout:
             [self.q_lens, self.start_pos, self.kv_lens, self.page_rows, self.positions, self.token_item,
              self.out_slots], device)
         return BatchLayout(ql, sp, kv, rows, self.page_size, pos, item, slots, self.max_q_len, self.max_kv_len,
-                           host=self)
+                           host=self, trees=self.trees)
 
     @property
     def all_decode(self) -> bool:
         return self.max_q_len == 1
+
+
+def _tree_positions(slot_positions: torch.Tensor, q_lens: list[int], start_pos: list[int],
+                    trees: "dict[int, DraftTree]") -> torch.Tensor:
+    """[T] RoPE positions: the slot positions, with each tree item's tokens at start + depth."""
+    positions = slot_positions.clone()
+    first = [0]
+    for q in q_lens:
+        first.append(first[-1] + q)
+    for i, tree in trees.items():
+        if q_lens[i] != tree.n + 1:
+            raise ValueError(f"item {i} has {q_lens[i]} tokens but its draft tree {tree.n + 1} nodes "
+                             "(the root and each draft token)")
+        positions[first[i]:first[i + 1]] = start_pos[i] + torch.tensor(tree.depths(), dtype=torch.int64)
+    return positions
 
 
 def slots_of(page_rows: torch.Tensor, item: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -8,6 +8,9 @@ An FP8 pool (--kv-cache-dtype) is gathered as bytes and widened to the query's d
 (times its scale, kernels/kv_fp8.py) before SDPA. Its rows are stored Hadamard-rotated, so
 the query is rotated before and the output after (q.k = Hq.Hk; sum p Hv = H sum p v);
 the native decode kernel does the same in place.
+A draft tree's verify item (BatchLayout.trees) is an extend item whose mask among its own tokens
+is the tree's ancestor mask instead of the causal triangle, and whose window counts RoPE positions
+(start + depth) rather than slot positions; a tree of one token is a plain decode item.
 """
 from __future__ import annotations
 
@@ -33,11 +36,14 @@ class _Group:
     causal: torch.Tensor  # [b, 1, Lq, Lk] bool, True = attend
     q_last: torch.Tensor  # [b, Lq] position of each query (padding: its item's last valid one)
     masks: dict = field(default_factory=dict)  # window → mask, built on a layer's first use of it
+    # [b, Lk] RoPE position of each key where a tree item's differs from its slot position; None: none does
+    k_pos: torch.Tensor | None = None
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """[b, 1, Lq, Lk] bool: causal, and keys older than `window` dropped when one is given."""
+        """[b, 1, Lq, Lk] bool: causal (a tree item: its ancestors), and keys older than `window`
+        dropped when one is given."""
         if window not in self.masks:
-            kj = torch.arange(self.causal.shape[-1])
+            kj = torch.arange(self.causal.shape[-1]) if self.k_pos is None else self.k_pos[:, None, None, :]
             self.masks[window] = self.causal if window is None else (
                 self.causal & (kj > self.q_last[:, None, :, None] - window))
         return self.masks[window]
@@ -181,4 +187,24 @@ def _build_group(layout: BatchLayout, items: torch.Tensor) -> _Group:
     q_abs = start[:, None] + qi[None, :]  # [b, Lq] absolute position of each query
     causal = (kj[None, None, :] <= q_abs[:, :, None]) & (kj[None, None, :] < kv_lens[:, None, None])
     q_last = start[:, None] + torch.minimum(qi[None, :], q_lens[:, None] - 1)  # [b, Lq]
-    return _Group(q_index, q_valid, kv_slots, kv_lens, causal.unsqueeze(1), q_last)
+    group = _Group(q_index, q_valid, kv_slots, kv_lens, causal.unsqueeze(1), q_last)
+    if layout.trees:
+        _apply_trees(group, layout, items)
+    return group
+
+
+def _apply_trees(g: _Group, layout: BatchLayout, items: torch.Tensor) -> None:
+    """Rewrites the rows of the group's tree items: among its own tokens a query sees its
+    ancestors and itself (not the causal triangle), and its window counts RoPE positions."""
+    trees = {r: layout.trees[i] for r, i in enumerate(items.tolist()) if i in layout.trees}
+    trees = {r: t for r, t in trees.items() if t.n}  # one token: the causal row already
+    if not trees:
+        return
+    dev = g.causal.device
+    g.k_pos = torch.arange(g.causal.shape[-1], device=dev).repeat(len(items), 1)  # [b, Lk]
+    for r, tree in trees.items():
+        start, n1 = int(layout.start_pos[items[r]]), tree.n + 1
+        depth = start + torch.tensor(tree.depths(), dtype=torch.int64, device=dev)  # [n + 1]
+        g.causal[r, 0, :n1, start:start + n1] = tree.ancestor_mask().to(dev)
+        g.q_last[r, :n1], g.q_last[r, n1:] = depth, depth[-1]
+        g.k_pos[r, start:start + n1] = depth
