@@ -12,7 +12,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # --speculative-algorithm values: the drafter registry (services/worker/speculative/drafter.py)
 # has a factory for each, and only those (tests/unit/test_ngram_drafter.py)
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")  # draft heads over the target's hidden states (speculative/eagle.py)
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,23 @@ class WorkerConfig:
     grammar_cache_size: int = field(default=64, metadata={
         "help": "compiled grammars kept (an LRU keyed by the constraint's canonical hash)"})
     speculative_algorithm: str | None = field(default=None, metadata={
-        "help": "speculative decoding's drafter: NGRAM (prompt lookup over the request's own tokens) or "
-                "STANDALONE (a draft model, --speculative-draft-model-path); none: off (services/worker/speculative)"})
+        "help": "speculative decoding's drafter: NGRAM (prompt lookup over the request's own tokens), "
+                "STANDALONE (a draft model, --speculative-draft-model-path), EAGLE or EAGLE3 (a draft head over "
+                "the target's hidden states, SGLang's checkpoint format; EAGLE3 on the default model uses the "
+                "head shipped for it); none: off (services/worker/speculative)"})
     speculative_num_draft_tokens: int = field(default=7, metadata={
         "help": "speculation: the most tokens drafted per verify (the scheduler adapts the depth below it); 7 "
-                "keeps a batch-1 verify at 8 rows, one pass of the quantized matmul over the weights"})
+                "keeps a batch-1 verify at 8 rows, one pass of the quantized matmul over the weights. EAGLE/EAGLE3 "
+                "count the verified root as SGLang does: a tree holds at most this many tokens minus one"})
+    speculative_num_steps: int = field(default=4, metadata={
+        "help": "EAGLE/EAGLE3: draft head steps per proposal (the draft's depth; the scheduler adapts below it)"})
+    speculative_eagle_topk: int = field(default=1, metadata={
+        "help": "EAGLE/EAGLE3: branches kept per draft step; 1 drafts a chain, more a tree verified in one target "
+                "step under a tree attention mask (op by op: the one-call CPU step verifies chains only)"})
     speculative_draft_model_path: str | None = field(default=None, metadata={
         "help": "STANDALONE: the draft model (a .gguf or HF directory; the target's own file drafts on its "
-                "quantized blocks)"})
+                "quantized blocks). EAGLE/EAGLE3: the head's directory (config.json + safetensors, SGLang's "
+                "format); default for EAGLE3 on the default model: the head shipped with radixmesh"})
     speculative_draft_kv_cache_bytes: int = field(default=256 << 20, metadata={
         "help": "STANDALONE: the draft model's own KV pool byte budget (a request the pool has no room for "
                 "gets no draft that step)"})
@@ -235,6 +245,7 @@ class WorkerConfig:
                 raise ValueError("--speculative-algorithm STANDALONE drafts with a second model: give its "
                                  "checkpoint with --speculative-draft-model-path (a .gguf file or HF directory; "
                                  "the target's own file works)")
+            self._check_eagle()
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError(f"--speculative-num-draft-tokens must be in [1, 64], got {self.speculative_num_draft_tokens}")
         if self.speculative_draft_kv_cache_bytes < 1:
@@ -286,6 +297,28 @@ class WorkerConfig:
         self._check_expert_parallel()
         if self.pp_micro_batch_tokens < 1:
             raise ValueError(f"--pp-micro-batch-tokens must be >= 1, got {self.pp_micro_batch_tokens}")
+
+    def _check_eagle(self) -> None:
+        """EAGLE/EAGLE3's own flags, and what they run beside (a head reads one process's hidden states)."""
+        if self.speculative_algorithm not in EAGLE_ALGORITHMS:
+            return
+        if not 1 <= self.speculative_num_steps <= 16:
+            raise ValueError(f"--speculative-num-steps must be in [1, 16], got {self.speculative_num_steps}")
+        if not 1 <= self.speculative_eagle_topk <= 8:
+            raise ValueError(f"--speculative-eagle-topk must be in [1, 8], got {self.speculative_eagle_topk}")
+        if self.speculative_eagle_topk > 1 and self.speculative_num_draft_tokens < 2:
+            raise ValueError("--speculative-eagle-topk > 1 drafts a tree of --speculative-num-draft-tokens - 1 "
+                             f"tokens: give --speculative-num-draft-tokens >= 2, got {self.speculative_num_draft_tokens}")
+        if self.world_size > 1:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} runs on one process: the head "
+                             "reads the whole residual stream (--tp-size 1 --pp-size 1)")
+        if self.uses_cuda_graphs:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} runs without CUDA graphs (the "
+                             "head reads the target's hidden states each step): add --disable-cuda-graph")
+        if self.speculative_eagle_topk > 1 and self.resolved_attention_backend not in ("cpu", "torch"):
+            raise ValueError("--speculative-eagle-topk > 1 verifies a tree under a tree attention mask, which the "
+                             f"cpu and torch attention backends have; {self.resolved_attention_backend!r} verifies "
+                             "chains only: use --speculative-eagle-topk 1")
 
     def _check_expert_parallel(self) -> None:
         ep = self.ep_size

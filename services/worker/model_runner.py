@@ -21,7 +21,7 @@ from services.common.sampling_params import SamplingParams
 from services.step.contract import LAST_SAMPLED, NewRequestSpec, StepPlan, StepResult, TokenRun
 from services.worker.attention.backend import DecodeStep, create_backend
 from services.worker.attention.batch_layout import BatchLayout
-from services.worker.config import WorkerConfig
+from services.worker.config import EAGLE_ALGORITHMS, WorkerConfig
 from services.worker.grammar_cache import GrammarCache
 from services.worker.deferred_step import DeferredStep
 from services.worker.device_stats import DeviceStats
@@ -46,6 +46,8 @@ from services.worker.parallel.tensor_parallel import TensorShard
 from services.worker.prompt_extras import StepExtras, plan_extras, wants_extras
 from services.worker.sampler_inputs import run_sampler
 from services.worker.speculative.drafter import Drafter, DraftRequest, create_drafter
+from services.worker.speculative.tree import DraftTree
+from services.worker.speculative.tree_verify import compact_accepted, tree_of, tree_rows
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class _Request:
     wants_extras: bool = False  # prompt logprobs or an embedding still to compute (prompt_extras.py)
     pool_sum: torch.Tensor | None = None  # mean pooling: the final hidden states' sum so far [H] float32
     pool_count: int = 0
+    draft_tree: DraftTree | None = None  # its last speculative draft, when that branches
 
 
 @dataclass
@@ -155,7 +158,11 @@ class ModelRunner:
             config.grammar_cache_size)
         self.drafter: Drafter | None = (create_drafter(config.speculative_algorithm, config, self)
                                         if config.speculative_algorithm else None)
-        self.max_draft_tokens = config.speculative_num_draft_tokens if self.drafter else 0
+        self.max_draft_tokens = (0 if self.drafter is None else config.speculative_num_steps
+                                 if config.speculative_algorithm in EAGLE_ALGORITHMS else config.speculative_num_draft_tokens)
+        # A drafter that reads the target's hidden states is handed each step's captured rows.
+        self.observes = self.drafter is not None and hasattr(self.drafter, "observe")
+        self._step_trees: dict[int, DraftTree] = {}  # plan item index → the tree its verify item checks
         self.graphs = None  # services/worker/cuda_graphs.DecodeGraphs, captured last (CUDA)
         if config.uses_cuda_graphs:
             self.capture_graphs()
@@ -289,10 +296,12 @@ class ModelRunner:
 
     def _run_items(self, plan: StepPlan, result: StepResult, defer: bool = False) -> None:
         logits, sampled = self.compute_logits(plan)  # [R, V]: a row per sampled item, per position of a verify item
+        aux = self.model.aux_hidden if self.observes else None  # [T, F]: the drafter's features of every token
         self.finish_pending()  # the previous step's tokens reach the requests before this step samples
         if self._step_extras is not None:  # prompt logprobs, embeddings (prompt_extras.py)
             (result.prompt_logprobs, result.embeddings), self._step_extras = self._step_extras, None
         if not sampled:
+            self._observe(plan.items, aux, {})
             return
         items = [plan.items[i] for i in sampled]
         reqs = [self.requests[item.rid] for item in items]
@@ -301,15 +310,18 @@ class ModelRunner:
                 r.matcher is None and not r.sampling.logprobs for r in reqs):
             self._defer(logits, items, reqs, result)
             return
-        rows, spans = self._verify_rows(reqs, items) if verifying else (reqs, None)
+        trees = [self._step_trees.get(i) for i in sampled]
+        rows, spans = self._verify_rows(reqs, items, trees) if verifying else (reqs, None)
         grammar = self.grammars.backend if any(r.matcher is not None for r in rows) else None
         picked, logprobs = run_sampler(logits, rows, self.model_config.eos_token_ids, grammar, self.grammars.stats)
+        kept: dict[int, list[int]] = {}  # plan item index → the verify item's rows that stay (root, accepted)
         if spans is None:
             runs = [[token] for token in picked]
         else:
-            runs = [accepted(item.input_ids[1:], picked[lo:hi]) if item.verify else [picked[lo]]
-                    for item, (lo, hi) in zip(items, spans)]
+            runs = [self._accept(i, req, item, tree, picked[lo:hi], kept) if item.verify else [picked[lo]]
+                    for i, req, item, tree, (lo, hi) in zip(sampled, reqs, items, trees, spans)]
             logprobs = [logprobs[lo] for lo, _ in spans]
+        self._observe(plan.items, aux, kept)
         if verifying:  # the tokens a grammar forced (a speculative draft's are the scheduler's to count)
             self.grammars.stats.jump_forward_tokens += sum(
                 len(run) - 1 for req, run in zip(reqs, runs) if not req.drafted_speculatively)
@@ -323,6 +335,31 @@ class ModelRunner:
         if proposed or any(forced):
             result.drafts = [TokenRun(proposed[i], speculative=True) if i in proposed else TokenRun(ids)
                              for i, ids in enumerate(forced)]
+
+    def _accept(self, index: int, req: _Request, item, tree: DraftTree | None, picks: list[int],
+                kept: dict[int, list[int]]) -> list[int]:
+        """A verify item's tokens: the draft's prefix the picks agree with, plus the pick after it.
+        A tree's accepted path moves to contiguous KV (tree_verify.compact_accepted)."""
+        if tree is None:
+            run = accepted(item.input_ids[1:], picks)
+            kept[index] = list(range(len(run)))
+            return run
+        run, nodes = tree.accept(picks)
+        compact_accepted(self.pool, self.page_table[req.row], self.kv_spec.page_size, item.start_pos, nodes)
+        kept[index] = [0, *nodes]
+        return run
+
+    def _observe(self, items: list, aux: torch.Tensor | None, kept: dict[int, list[int]]) -> None:
+        """Hand a hidden-state drafter each item's captured rows aux [T, F] (all of them, or a
+        verify item's kept ones), before it drafts."""
+        if aux is None:
+            return
+        first = 0
+        for i, item in enumerate(items):
+            n = len(item.input_ids)
+            rows = aux[first:first + n] if i not in kept else aux[first + torch.tensor(kept[i], dtype=torch.int64)]
+            self.drafter.observe(item.rid, item.start_pos, rows)
+            first += n
 
     def _defer(self, logits: torch.Tensor, items: list, reqs: list[_Request], result: StepResult) -> None:
         """Sample on the device, record each row's token in last_token, and start the tokens'
@@ -349,20 +386,29 @@ class ModelRunner:
             room = [min(items[i].draft_depth, self.max_draft_tokens,
                         reqs[i].sampling.max_new_tokens - len(reqs[i].output_ids) - 1) for i in asked]
             drafts = self.drafter.propose([DraftRequest(items[i].rid, n) for i, n in zip(asked, room)])
-            proposed = {i: list(ids) for i, ids in zip(asked, drafts) if ids}
+            for i, draft_ in zip(asked, drafts):
+                tree = draft_ if isinstance(draft_, DraftTree) else None
+                if tree is not None or draft_:
+                    proposed[i] = list(tree.tokens if tree is not None else draft_)
+                    reqs[i].draft_tree = tree
         for i, req in enumerate(reqs):
             req.drafted_speculatively = i in proposed
+            if i not in proposed:
+                req.draft_tree = None
         result.draft_seconds += time.perf_counter() - t0
         return proposed
 
-    def _verify_rows(self, reqs: list[_Request], items: list) -> tuple[list, list[tuple[int, int]]]:
+    def _verify_rows(self, reqs: list[_Request], items: list,
+                     trees: list[DraftTree | None]) -> tuple[list, list[tuple[int, int]]]:
         """Sampler rows when a verify item is in the step: one per position of each verify item
-        (jump_forward.verify_rows with a grammar, plain_verify_rows without), one per other
-        item; and each item's slice of them."""
+        (jump_forward.verify_rows with a grammar, plain_verify_rows without, a tree's one per
+        node), one per other item; and each item's slice of them."""
         rows, spans = [], []
-        for req, item in zip(reqs, items):
+        for req, item, tree in zip(reqs, items, trees):
             start = len(rows)
-            if item.verify and req.matcher is not None:
+            if tree is not None:
+                rows += tree_rows(req, tree)
+            elif item.verify and req.matcher is not None:
                 rows += verify_rows(req, item.input_ids[1:], self.grammars.backend)
             elif item.verify:
                 rows += plain_verify_rows(req, item.input_ids[1:])
@@ -407,6 +453,8 @@ class ModelRunner:
                     on_device.append((first, req.row))
             first += len(item.input_ids)
         sampled = [i for i, item in enumerate(plan.items) if item.sample]
+        self._step_trees = {i: tree for i, (req, item) in enumerate(zip(reqs, plan.items))
+                            if (tree := tree_of(item, req.draft_tree)) is not None} if self.observes else {}
         extras = None  # rows of prompt logprobs and embeddings, in steps that carry such requests only
         if self._extra_rids and not self._extra_rids.isdisjoint(item.rid for item in plan.items):
             extras = plan_extras(plan.items, reqs, self.config.pooling)
@@ -420,12 +468,12 @@ class ModelRunner:
             logits = self.device_stats.timed(lambda: self._replay(step, on_device), replayed=True)
             if logits is not None:
                 return logits, sampled
-        elif (step := self._one_call(plan, reqs)) is not None:  # CPU: the backend's one-call decode step
+        elif not self._step_trees and (step := self._one_call(plan, reqs)) is not None:  # CPU: one-call decode step
             logits = self.device_stats.timed(lambda: self.backend.one_call_step(step, self._computing))
             if logits is not None:
                 return logits, sampled
         parts = self._micro_batches(plan.items)  # None: the step runs whole
-        layout = self._layout(plan.items, reqs) if parts is None else None
+        layout = self._layout(plan.items, reqs, self._step_trees) if parts is None else None
         flat_ids = [t for item in plan.items for t in item.input_ids]
         ends = list(itertools.accumulate(len(item.input_ids) for item in plan.items))
         wanted: list[int] = []  # the token indices whose logits come back
@@ -473,7 +521,7 @@ class ModelRunner:
             logits = torch.empty_like(out)
             logits[torch.tensor(order, device=out.device)] = out
         else:
-            layout = self._layout(plan.items, reqs)
+            layout = self._layout(plan.items, reqs, self._step_trees)
             index, hidden_index = to_device([torch.tensor(rows, dtype=torch.int64),
                                              torch.tensor(extras.hidden_rows, dtype=torch.int64)], self.device)
             lora = None
@@ -536,15 +584,16 @@ class ModelRunner:
             micro.append(MicroBatch(hi - lo, len(rows), build))
         return self.model.pipeline.run(micro)
 
-    def _layout(self, items: list, reqs: list) -> BatchLayout:
+    def _layout(self, items: list, reqs: list, trees: dict[int, DraftTree] | None = None) -> BatchLayout:
         """The batch layout of these items (query lengths, positions, their rows of the page
-        table), prepared by the attention backend."""
+        table; item index → the draft tree a verify item checks), prepared by the attention backend."""
         q_lens = [len(item.input_ids) for item in items]
         start = [item.start_pos for item in items]
         max_pages = -(-max(s + q for s, q in zip(start, q_lens)) // self.kv_spec.page_size)
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
         # Built on the host from the host page table, then moved in one copy (host_to_device.py).
-        layout = BatchLayout.build(q_lens, start, self.page_table[rows, :max_pages], self.kv_spec.page_size)
+        layout = BatchLayout.build(q_lens, start, self.page_table[rows, :max_pages], self.kv_spec.page_size,
+                                   trees or None)
         layout = layout.to(self.device)
         self.backend.prepare(layout, self.pool)
         return layout

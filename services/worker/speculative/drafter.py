@@ -13,8 +13,9 @@ distribution is plain sampling's.
 
 A drafter keeps per-request state, told of every token a request gains (prompt at admission,
 then each accepted run), and proposes for a batch of requests at once (a draft model runs its
-steps batched). EAGLE/MTP-style drafters read the target's hidden states: that seam is
-`propose`'s `hidden` argument, which no drafter here uses yet (no trained heads ship here).
+steps batched). EAGLE-style drafters read the target's hidden states: the runner hands them each
+request's captured rows through `observe` (a drafter with that method; speculative/eagle.py), and
+their proposals may be trees (speculative/tree.py's DraftTree), verified under a tree mask.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ class Drafter(Protocol):
 _DRAFTERS: dict[str, str] = {
     "NGRAM": "services.worker.speculative.ngram:NgramDrafter.from_config",
     "STANDALONE": "services.worker.speculative.draft_model:DraftModelDrafter.from_config",
+    "EAGLE": "services.worker.speculative.eagle:EagleDrafter.from_config",
+    "EAGLE3": "services.worker.speculative.eagle:EagleDrafter.from_config",
 }
 
 
