@@ -17,8 +17,11 @@
 //   set_head(embed [V, Hd], final_norm [Hd], lm_head)   embed [0, Hd]: no table (an embedding
 //                                                   held only quantized, QuantEmbedding)
 //   forward(input_ids [B], positions [B], page_table [N, P], rows [B], page_size,
-//           k_pool, v_pool [L, S, Hkv, D], logits_rows [R], embedded [B, Hd]?) -> logits [R, V]
-//           float32; embedded: the rows the caller looked up (required without a table)
+//           k_pool, v_pool [L, S, Hkv, D], logits_rows [R], embedded [B, Hd]?,
+//           aux_layers [n]?, aux_out [B, n * Hd]?) -> logits [R, V]
+//           float32; embedded: the rows the caller looked up (required without a table);
+//           aux_out (float32, with aux_layers): EAGLE-3's capture, slot j = the residual stream
+//           entering layer aux_layers[j] (L: the last layer's output, before the final norm)
 // One query token per request at positions[b]: request b's pages are page_table[rows[b]];
 // each layer writes the token's K/V at its slot, then attends over positions
 // 0..positions[b]. Norm weights and the embedding share the model's dtype (float32, bfloat16
@@ -129,7 +132,8 @@ class DecodeStack {
 
   torch::Tensor forward(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor page_table,
                         torch::Tensor rows, int64_t page_size, torch::Tensor k_pool, torch::Tensor v_pool,
-                        torch::Tensor logits_rows, std::optional<torch::Tensor> embedded) {
+                        torch::Tensor logits_rows, std::optional<torch::Tensor> embedded,
+                        std::optional<torch::Tensor> aux_layers, std::optional<torch::Tensor> aux_out) {
     TORCH_CHECK(embed_.defined(), "set_head first");
     const int64_t B = input_ids.size(0), L = static_cast<int64_t>(layers_.size());
     for (const auto* t : {&input_ids, &positions, &rows, &logits_rows})
@@ -157,6 +161,7 @@ class DecodeStack {
     check_indices(positions, std::min(cos_.size(0), page_table.size(1) * page_size), "position");
     check_indices(rows, page_table.size(0), "page-table row");
     check_indices(logits_rows, B, "logits row");
+    const std::vector<int64_t> aux_slot = aux_slots(aux_layers, aux_out, B);
     // Each request's KV slots, positions 0..pos (the last one is this step's).
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* row = rows.data_ptr<int64_t>();
@@ -182,7 +187,9 @@ class DecodeStack {
     auto logits = torch::empty({logits_rows.size(0), linears_[lm_head_].N}, embed_.options().dtype(at::kFloat));
     if (B == 0) return logits;
     Step step{input_ids.data_ptr<int64_t>(), pos, slots, lens, new_slots.data(), Lk, B,
-              logits_rows.data_ptr<int64_t>(), logits_rows.size(0), embedded ? embedded->data_ptr() : nullptr};
+              logits_rows.data_ptr<int64_t>(), logits_rows.size(0), embedded ? embedded->data_ptr() : nullptr,
+              aux_out ? aux_out->data_ptr<float>() : nullptr, aux_slot.data(),
+              aux_out ? aux_out->size(1) : 0};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, embed_.scalar_type(), "decode_stack", [&] {
       if (kv_type == at::kFloat8_e4m3fn) run<scalar_t, radixmesh::fp8_e4m3>(step, k_pool, v_pool, logits);
       else if (kv_type == at::kFloat8_e5m2) run<scalar_t, radixmesh::fp8_e5m2>(step, k_pool, v_pool, logits);
@@ -244,6 +251,28 @@ class DecodeStack {
   static void check_indices(const torch::Tensor& t, int64_t bound, const char* what) {
     const int64_t* p = t.data_ptr<int64_t>();
     for (int64_t i = 0; i < t.numel(); ++i) TORCH_CHECK(p[i] >= 0 && p[i] < bound, what, " out of range: ", p[i]);
+  }
+
+  // Each layer's slot in aux_out (L + 1 entries, -1: not captured), checked; empty when there is
+  // no capture (the step then never looks).
+  std::vector<int64_t> aux_slots(const std::optional<torch::Tensor>& layers, const std::optional<torch::Tensor>& out,
+                                 int64_t B) const {
+    TORCH_CHECK(layers.has_value() == out.has_value(), "aux_layers and aux_out go together");
+    if (!layers) return {};
+    const int64_t L = static_cast<int64_t>(layers_.size()), n = layers->numel(), Hd = embed_.size(1);
+    TORCH_CHECK(layers->scalar_type() == at::kLong && layers->dim() == 1 && layers->is_contiguous() && n > 0,
+                "aux_layers must be a non-empty contiguous int64 vector");
+    TORCH_CHECK(out->scalar_type() == at::kFloat && out->dim() == 2 && out->size(0) == B &&
+                    out->size(1) == n * Hd && out->is_contiguous(),
+                "aux_out must be contiguous float32 [B, len(aux_layers) * hidden]");
+    std::vector<int64_t> slot(L + 1, -1);
+    const int64_t* l = layers->data_ptr<int64_t>();
+    for (int64_t j = 0; j < n; ++j) {
+      TORCH_CHECK(l[j] >= 0 && l[j] <= L, "aux layer out of range: ", l[j], " (0..", L, ")");
+      TORCH_CHECK(slot[l[j]] < 0, "aux layer repeated: ", l[j]);
+      slot[l[j]] = j;
+    }
+    return slot;
   }
 
   // `buf` with room for n items, grown only once no helper can be reading it.
@@ -387,7 +416,17 @@ class DecodeStack {
     const int64_t* logits_rows;
     int64_t R;
     const void* embedded;  // [B, hidden] rows in the model's dtype, or null: look ids up in embed_
+    float* aux;             // [B, aux_width] float32, or null: no capture (aux_slot then unread)
+    const int64_t* aux_slot;  // [L + 1]: layer l's slot in aux, -1 none
+    int64_t aux_width;
   };
+
+  // aux_out's row b, slot j <- one row of the residual stream, widened to float32.
+  template <typename S>
+  static void capture_row(const Step& st, int64_t b, int64_t j, const S* stream, int64_t Hd) {
+    float* out = st.aux + b * st.aux_width + j * Hd;
+    for (int64_t i = 0; i < Hd; ++i) out[i] = to_float(stream[i]);
+  }
 
   template <typename S, typename KV>
   void run(const Step& st, torch::Tensor& k_pool, torch::Tensor& v_pool, torch::Tensor& logits) {
@@ -409,8 +448,10 @@ class DecodeStack {
     const float* sin = sin_.data_ptr<float>();
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
-      for (int64_t b = 0; b < B; ++b) {  // residual (+)= x; h = norm(residual)
+      const int64_t aux_j = st.aux ? st.aux_slot[l] : -1;
+      for (int64_t b = 0; b < B; ++b) {  // residual (+)= x: layer l's input stream; h = norm(residual)
         add_row(&residual[b * Hd], &x[b * Hd], Hd, l == 0);
+        if (aux_j >= 0) capture_row(st, b, aux_j, &residual[b * Hd], Hd);
         norm_row(&residual[b * Hd], layer.input_norm.data_ptr<S>(), &h[b * Hd], Hd, eps_, tmp.data());
       }
       linear(layer.qkv, h.data(), B, qkv);
@@ -435,6 +476,13 @@ class DecodeStack {
     const int64_t R = st.R;
     const int64_t* rows = st.logits_rows;
     std::vector<S> res(Hd);
+    if (st.aux && st.aux_slot[layers_.size()] >= 0) {  // the stream after the last layer, every row
+      for (int64_t b = 0; b < B; ++b) {
+        std::copy_n(&residual[b * Hd], Hd, res.data());
+        add_row(res.data(), &x[b * Hd], Hd, false);
+        capture_row(st, b, st.aux_slot[layers_.size()], res.data(), Hd);
+      }
+    }
     for (int64_t r = 0; r < R; ++r) {  // the sampled rows only, as the op-by-op path gathers them
       std::copy_n(&residual[rows[r] * Hd], Hd, res.data());
       add_row(res.data(), &x[rows[r] * Hd], Hd, false);
@@ -483,6 +531,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeStack::forward, "one decode step: token ids -> logits of logits_rows (float32)",
            py::arg("input_ids"), py::arg("positions"), py::arg("page_table"), py::arg("rows"), py::arg("page_size"),
            py::arg("k_pool"), py::arg("v_pool"), py::arg("logits_rows"), py::arg("embedded") = py::none(),
+           py::arg("aux_layers") = py::none(), py::arg("aux_out") = py::none(),
            py::call_guard<py::gil_scoped_release>())  // the worker's event loop runs meanwhile
       .def("linears_only", &DecodeStack::linears_only, "time the step's matmuls alone on B rows",
            py::arg("rows"), py::call_guard<py::gil_scoped_release>())

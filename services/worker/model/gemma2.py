@@ -104,6 +104,8 @@ class Gemma2ForCausalLM(nn.Module):
     decode_stack_rows = 0
     tensor_parallel = None  # a group rank's sums (llama.py says why)
     pipeline = None  # a pipeline stage's forward
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3's capture (llama.py): never on here
+    aux_hidden = None
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -134,6 +136,14 @@ class Gemma2ForCausalLM(nn.Module):
 
     def decode_stack_refusal(self) -> str | None:
         return "Gemma 2 (soft-capped attention, sliding-window layers, (1 + w) norms, GeGLU)"
+
+    def aux_capture_refusal(self) -> str | None:
+        return "Gemma 2 (aux hidden states are captured by the Llama-family decoder only)"
+
+    def set_aux_layers(self, layers: tuple[int, ...]) -> None:
+        """() only: the capture is llama.py's (LlamaForCausalLM.set_aux_layers); ValueError otherwise."""
+        if tuple(layers):
+            raise ValueError(f"aux hidden states (EAGLE-3) are not supported with {self.aux_capture_refusal()}")
 
     def forward(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor,
                 hidden_indices: torch.Tensor | None = None):

@@ -146,6 +146,11 @@ class LlamaForCausalLM(nn.Module):
         # a pipeline stage (whose forward runs between sends) declines it.
         self.tensor_parallel = None  # tensor_parallel.GroupSums
         self.pipeline = None  # pipeline.StageForward, the stage's forward
+        # EAGLE-3's draft head reads the residual stream at a few layers (set_aux_layers); off: ().
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None  # the last step's capture, [T, len(aux_layers) * hidden]
+        self._aux_slots: dict[int, int] = {}  # layer -> its slot in aux_hidden
+        self._aux_index: torch.Tensor | None = None  # aux_layers as int64 [n], for the decode stack
 
     def tie_lm_head(self) -> None:
         """A tied model computes logits through a Linear sharing the embedding's parameter, so
@@ -247,12 +252,16 @@ class LlamaForCausalLM(nn.Module):
                     rows: torch.Tensor, page_size: int, pool, logits_rows: torch.Tensor) -> torch.Tensor:
         """One token per request through the decode stack (use_decode_stack), KV written.
         input_ids, positions, rows [B] int64: request b's pages are page_table[rows[b]]
-        ([N, P] int64). → float32 logits [len(logits_rows), vocab]."""
+        ([N, P] int64). → float32 logits [len(logits_rows), vocab]. With aux layers set
+        (set_aux_layers), aux_hidden holds every row's capture, as forward's."""
         tp = self.tensor_parallel  # a rank's shard: the module's hooks look its vocabulary rows up and sum them
         looked_up = tp is not None or isinstance(self.embed_tokens, QuantEmbedding)
         embedded = self.embed_tokens(input_ids) if looked_up else None
+        aux = self._aux_buffer(input_ids.shape[0])  # [B, n hidden] float32, or None: no capture
         logits = self.decode_stack.forward(input_ids, positions, page_table, rows, page_size, pool.k, pool.v,
-                                           logits_rows, embedded)  # [R, vocab rows of this rank]
+                                           logits_rows, embedded, self._aux_index if aux is not None else None,
+                                           aux)  # [R, vocab rows of this rank]
+        self.aux_hidden = aux
         return logits if tp is None else tp.gather_logits(logits)
 
     def _stack_embedding(self) -> torch.Tensor:
@@ -273,11 +282,67 @@ class LlamaForCausalLM(nn.Module):
         of 2,000 tokens needs one row of logits, not 2,000.
         """
         x, residual = self.embed(input_ids), None
-        for layer in self.layers:
+        aux = self._aux_buffer(input_ids.shape[0])  # [T, n hidden] float32, or None: no capture
+        for i, layer in enumerate(self.layers):
+            if aux is not None:
+                self._capture(aux, i, x, residual)
             x, residual = layer(x, residual, self.rope, meta, self.ops)
+        if aux is not None:
+            self._capture(aux, len(self.layers), x, residual)
+        self.aux_hidden = aux
         if hidden_indices is not None:  # embeddings: (logits, the final norm's output of those rows)
             return self.head(x, residual, logits_indices), self.final_hidden(x, residual, hidden_indices)
         return self.head(x, residual, logits_indices)
+
+    def aux_capture_refusal(self) -> str | None:
+        """Why this model cannot capture aux hidden states (set_aux_layers), or None when it can.
+        A tensor-parallel rank can: its attention and MLP outputs are summed over the group (the
+        hooks, the stack's all-reduce), so every rank holds the whole residual stream. A pipeline
+        stage cannot: it holds only its own layers' stream, and its forward is the stage's."""
+        if self.pipeline is not None:
+            return "pipeline parallelism (a stage holds only its own layers' residual stream)"
+        return None
+
+    def set_aux_layers(self, layers: tuple[int, ...]) -> None:
+        """Capture, after every forward and decode_step, the residual stream entering each
+        decoder layer in `layers` (HF's output_hidden_states[l]: 0 is the embedding;
+        num_hidden_layers is the last layer's output, before the final norm) as aux_hidden:
+        float32 [T, len(layers) * hidden], one row per input token in input order, the layers'
+        columns in the order given. () turns it off (aux_hidden None after the next step): no
+        cost then. ValueError for an index outside 0..num_hidden_layers, a repeated one, or a
+        model that cannot (aux_capture_refusal)."""
+        layers = tuple(int(i) for i in layers)
+        last = len(self.layers)
+        if layers and (why := self.aux_capture_refusal()) is not None:
+            raise ValueError(f"aux hidden states (EAGLE-3) are not supported with {why}")
+        bad = [i for i in layers if not 0 <= i <= last]
+        if bad:
+            raise ValueError(f"aux layers {bad} out of range: 0..{last} (0 the embedding, {last} the last "
+                             "layer's output before the final norm)")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"aux layers {list(layers)} repeat a layer")
+        self.aux_layers, self.aux_hidden = layers, None
+        self._aux_slots = {i: j for j, i in enumerate(layers)}
+        self._aux_index = torch.tensor(layers, dtype=torch.int64) if layers else None
+
+    def _aux_buffer(self, rows: int) -> torch.Tensor | None:
+        """A fresh capture of `rows` rows, float32 [rows, len(aux_layers) * hidden]; None when off.
+        Fresh each step: the caller may keep the last one while the next step runs."""
+        if not self.aux_layers:
+            return None
+        width = len(self.aux_layers) * self.config.hidden_size
+        return torch.empty(rows, width, dtype=torch.float32, device=self.norm.weight.device)
+
+    def _capture(self, aux: torch.Tensor, layer: int, x: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """aux's slot for `layer` <- the stream entering it, residual + x [T, hidden] (x alone at
+        layer 0), summed as the layer's add_rms_norm sums it, and copied now: the fused ops update
+        their inputs in place."""
+        slot = self._aux_slots.get(layer)
+        if slot is None:
+            return
+        stream = x if residual is None else residual + x
+        H = self.config.hidden_size
+        aux[:, slot * H:(slot + 1) * H].copy_(stream)
 
     def final_hidden(self, x: torch.Tensor, residual: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The last layer's (x, residual) [T, hidden] → the final norm's float32 output of rows
