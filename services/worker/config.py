@@ -12,8 +12,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # --speculative-algorithm values: the drafter registry (services/worker/speculative/drafter.py)
 # has a factory for each, and only those (tests/unit/test_ngram_drafter.py)
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
-EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")  # draft heads over the target's hidden states (speculative/eagle.py)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
+# draft heads over the target's hidden states (speculative/eagle.py); NEXTN: the checkpoint's own MTP layer
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 
 
 @dataclass(frozen=True)
@@ -105,20 +106,22 @@ class WorkerConfig:
         "help": "speculative decoding's drafter: NGRAM (prompt lookup over the request's own tokens), "
                 "STANDALONE (a draft model, --speculative-draft-model-path), EAGLE or EAGLE3 (a draft head over "
                 "the target's hidden states, SGLang's checkpoint format; EAGLE3 on the default model uses the "
-                "head shipped for it); none: off (services/worker/speculative)"})
+                "head shipped for it), NEXTN (the MTP layer a checkpoint ships, DeepSeek's layout); none: off "
+                "(services/worker/speculative)"})
     speculative_num_draft_tokens: int = field(default=7, metadata={
         "help": "speculation: the most tokens drafted per verify (the scheduler adapts the depth below it); 7 "
                 "keeps a batch-1 verify at 8 rows, one pass of the quantized matmul over the weights. EAGLE/EAGLE3 "
                 "count the verified root as SGLang does: a tree holds at most this many tokens minus one"})
     speculative_num_steps: int = field(default=4, metadata={
-        "help": "EAGLE/EAGLE3: draft head steps per proposal (the draft's depth; the scheduler adapts below it)"})
+        "help": "EAGLE/EAGLE3/NEXTN: draft head steps per proposal (the draft's depth; the scheduler adapts below it)"})
     speculative_eagle_topk: int = field(default=1, metadata={
-        "help": "EAGLE/EAGLE3: branches kept per draft step; 1 drafts a chain, more a tree verified in one target "
+        "help": "EAGLE/EAGLE3/NEXTN: branches kept per draft step; 1 drafts a chain, more a tree verified in one target "
                 "step under a tree attention mask (op by op: the one-call CPU step verifies chains only)"})
     speculative_draft_model_path: str | None = field(default=None, metadata={
         "help": "STANDALONE: the draft model (a .gguf or HF directory; the target's own file drafts on its "
                 "quantized blocks). EAGLE/EAGLE3: the head's directory (config.json + safetensors, SGLang's "
-                "format); default for EAGLE3 on the default model: the head shipped with radixmesh"})
+                "format); default for EAGLE3 on the default model: the head shipped with radixmesh. NEXTN: the HF directory "
+                "holding the MTP layer (default: --model's)"})
     speculative_draft_kv_cache_bytes: int = field(default=256 << 20, metadata={
         "help": "STANDALONE: the draft model's own KV pool byte budget (a request the pool has no room for "
                 "gets no draft that step)"})

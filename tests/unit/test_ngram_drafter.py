@@ -69,6 +69,6 @@ def test_the_registry_builds_ngram_from_the_flags_and_refuses_unknown_names():
     d = create_drafter("NGRAM", cfg, None)
     assert isinstance(d, NgramDrafter) and (d.min_n, d.max_n) == (2, 5)
     with pytest.raises(ValueError, match="speculative-algorithm"):
-        WorkerConfig(speculative_algorithm="EAGLE")
+        WorkerConfig(speculative_algorithm="MEDUSA")
     with pytest.raises(ValueError, match="n-gram window"):
         NgramDrafter(3, 2)

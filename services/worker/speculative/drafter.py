@@ -53,6 +53,7 @@ _DRAFTERS: dict[str, str] = {
     "STANDALONE": "services.worker.speculative.draft_model:DraftModelDrafter.from_config",
     "EAGLE": "services.worker.speculative.eagle:EagleDrafter.from_config",
     "EAGLE3": "services.worker.speculative.eagle:EagleDrafter.from_config",
+    "NEXTN": "services.worker.speculative.eagle:EagleDrafter.from_config",
 }
 
 

@@ -75,25 +75,18 @@ class EagleDrafter:
 
     @classmethod
     def from_config(cls, config: Any, runner: Any) -> "EagleDrafter":
-        """The head at --speculative-draft-model-path (or the one shipped for the default model),
-        on the target's embedding (and LM head, for EAGLE), capturing the layers it reads."""
-        path = resolve_head_path(config.speculative_algorithm, config.speculative_draft_model_path,
-                                 runner.model_config.name)
-        model = runner.model
+        """The head at --speculative-draft-model-path (or the one shipped for the default model; for
+        NEXTN the checkpoint's own MTP layer), on the target's embedding (and LM head, for EAGLE and
+        NEXTN), capturing the layers it reads."""
+        model, mc = runner.model, runner.model_config
         refusal = model.aux_capture_refusal() if hasattr(model, "aux_capture_refusal") else None
         if refusal:
             raise ValueError(f"--speculative-algorithm {config.speculative_algorithm}: {refusal}")
-        embed, lm_head = target_tables(model, runner.model_config)
-        head = EagleHead.load(path, embed, lm_head, runner.model_config.num_hidden_layers,
-                              target_norm=model.norm.weight.detach().float())  # EAGLE reads the normed last layer
-        if head.config.eagle3 != (config.speculative_algorithm == "EAGLE3"):
-            kind = "an EAGLE-3" if head.config.eagle3 else "an EAGLE (v1)"
-            raise ValueError(f"--speculative-draft-model-path {path} holds {kind} head; use "
-                             f"--speculative-algorithm {'EAGLE3' if head.config.eagle3 else 'EAGLE'}")
+        head, source = load_head(config, model, mc)
         model.set_aux_layers(tuple(head.config.capture_layers))
-        log.info("EAGLE head %s: %s, draft vocabulary %d, capture layers %s, %d steps, topk %d", path,
-                 "EAGLE-3" if head.config.eagle3 else "EAGLE", head.config.draft_vocab_size,
-                 list(head.config.capture_layers), config.speculative_num_steps, config.speculative_eagle_topk)
+        log.info("%s head %s: draft vocabulary %d, capture layers %s, %d steps, topk %d", config.speculative_algorithm,
+                 source, head.config.draft_vocab_size, list(head.config.capture_layers),
+                 config.speculative_num_steps, config.speculative_eagle_topk)
         return cls(head, config.speculative_eagle_topk, config.speculative_num_steps,
                    config.speculative_num_draft_tokens)
 
@@ -207,6 +200,26 @@ class EagleDrafter:
         index = {node: k + 1 for k, node in enumerate(flat)}  # tree node numbers: 0 is the root
         tree = DraftTree([nodes[i].token for i in flat], [index.get(nodes[i].parent, 0) for i in flat])
         return tree.tokens if tree.is_chain() else tree
+
+
+def load_head(config: Any, model: Any, mc: Any) -> tuple[Any, str]:
+    """The draft head the flags name → (head, where it came from). EAGLE/EAGLE3: an SGLang-format
+    head directory; NEXTN: the target checkpoint's MTP layer (speculative/nextn_head.py)."""
+    algorithm = config.speculative_algorithm
+    embed, lm_head = target_tables(model, mc)
+    if algorithm == "NEXTN":
+        from services.common.model_path import resolve_model_path
+        from services.worker.speculative.nextn_head import load_nextn_head
+        path = config.speculative_draft_model_path or resolve_model_path(config.model)
+        return load_nextn_head(path, embed, lm_head, mc.num_hidden_layers, mc.rope_theta), path
+    path = resolve_head_path(algorithm, config.speculative_draft_model_path, mc.name)
+    head = EagleHead.load(path, embed, lm_head, mc.num_hidden_layers,
+                          target_norm=model.norm.weight.detach().float())  # EAGLE reads the normed last layer
+    if head.config.eagle3 != (algorithm == "EAGLE3"):
+        kind = "an EAGLE-3" if head.config.eagle3 else "an EAGLE (v1)"
+        raise ValueError(f"--speculative-draft-model-path {path} holds {kind} head; use "
+                         f"--speculative-algorithm {'EAGLE3' if head.config.eagle3 else 'EAGLE'}")
+    return head, path
 
 
 def resolve_head_path(algorithm: str, path: str | None, model_name: str) -> str:

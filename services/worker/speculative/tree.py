@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.attention.batch_layout import slots_of
-
 
 @dataclass
 class DraftTree:
@@ -111,5 +109,5 @@ def compaction_slots(page_row: torch.Tensor, page_size: int, start: int,
     int64, for KVPool.move_slots. m may be 0 (a chain, or a tree accepted along its first path)."""
     src, dst = compaction_moves(nodes)
     pos = torch.tensor([start + s for s in src] + [start + d for d in dst], dtype=torch.int64)
-    slots = slots_of(page_row.view(1, -1), torch.zeros_like(pos), pos, page_size)
+    slots = page_row[pos // page_size] * page_size + pos % page_size  # (the attention layout's slots_of)
     return slots[:len(src)], slots[len(src):]
