@@ -45,6 +45,7 @@ def load_hf_dir(path: str, part=None) -> Checkpoint:
 
     rank_part = part(config) if part is not None else None  # a worker group's rank: its part of each tensor
     hf_name = registry.ARCHITECTURES[arch].hf_name  # renamed before the rank's slice, which reads the names
+    mtp = _mtp_prefixes(raw)
     tensors: dict[str, torch.Tensor] = {}
     for shard in _shards(path):
         with safe_open(shard, framework="pt") as f:
@@ -53,6 +54,8 @@ def load_hf_dir(path: str, part=None) -> Checkpoint:
                     continue  # a buffer old checkpoints saved; the model recomputes it from the config
                 if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # some exports save the tied head; one copy is enough
+                if name.startswith(mtp):
+                    continue  # the MTP layers: not the target's; the NEXTN drafter reads them (nextn_head.py)
                 # to(float32) copies bf16/fp16 shards and keeps fp32 ones as loaded (no second copy).
                 one = {hf_name(name): f.get_tensor(name).to(torch.float32).contiguous()}
                 tensors.update(rank_part.take(one) if rank_part is not None else one)
@@ -79,6 +82,14 @@ def check_architecture(raw: dict, where: str) -> str:
     if raw.get("use_sliding_window"):
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window) is not supported")
     return archs[0] if archs else registry.by_model_type(model_type)
+
+
+def _mtp_prefixes(raw: dict) -> tuple[str, ...]:
+    """The name prefixes of the multi-token-prediction layers config.json declares (DeepSeek's
+    layout: num_nextn_predict_layers of them after the decoder's, model.layers.{L}.., L =
+    num_hidden_layers); () when it declares none, so stray layers still fail the load."""
+    first, n = raw.get("num_hidden_layers", 0), raw.get("num_nextn_predict_layers") or 0
+    return tuple(f"model.layers.{i}." for i in range(first, first + n))
 
 
 def _shards(path: str) -> list[str]:
