@@ -127,12 +127,19 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama RoPE (rotate-half): x [n, heads, d], positions [n] -> [n, heads, d]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)  # [d/2]
+def rope_tables(positions: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama RoPE's cos and sin for positions [n] -> two [n, 1, d] float32 (rotate-half layout)."""
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d)  # [d/2]
     ang = positions.to(torch.float32)[:, None] * inv[None]  # [n, d/2]
-    cos, sin = ang.cos().repeat(1, 2)[:, None], ang.sin().repeat(1, 2)[:, None]  # [n, 1, d]
+    return ang.cos().repeat(1, 2)[:, None], ang.sin().repeat(1, 2)[:, None]
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
+         tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Llama RoPE (rotate-half): x [n, heads, d], positions [n] -> [n, heads, d] (tables: rope_tables'
+    for these positions, when the caller has them)."""
+    d = x.shape[-1]
+    cos, sin = tables if tables is not None else rope_tables(positions, d, theta)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return (x.float() * cos + torch.cat([-x2, x1], -1).float() * sin).to(x.dtype)
 
@@ -170,6 +177,25 @@ class _Layer(nn.Module):
         self.mlp = _MLP(c)
 
 
+def head_attention(attn: _Attention, c, x: torch.Tensor, positions: torch.Tensor, cache: HeadKV,
+                   attend: torch.Tensor) -> torch.Tensor:
+    """A head layer's attention over its own cache (EagleHead.step's, NextNHead.step's): x [n, in]
+    at positions [n]; appends n entries (k after RoPE) to `cache`; attend [n, len(cache before) + n]
+    bool -> o_proj's output [n, H]. The g query heads of a KV head attend as g * n rows of it: two
+    small matmuls, no copy of the cache per query head (a draft step attends one or a few rows)."""
+    n, hkv, d = x.shape[0], c.num_key_value_heads, c.head_dim
+    g = c.num_attention_heads // hkv
+    tables = rope_tables(positions, d, c.rope_theta)
+    q = rope(attn.q_proj(x).view(n, hkv, g, d).flatten(1, 2), positions, c.rope_theta, tables)
+    k = rope(attn.k_proj(x).view(n, hkv, d), positions, c.rope_theta, tables)
+    cache.append(k, attn.v_proj(x).view(n, hkv, d), positions)
+    qg = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)  # [hkv, g * n, d]
+    scores = torch.bmm(qg, cache.k.permute(1, 2, 0)) * d ** -0.5  # [hkv, g * n, m + n]
+    scores = scores.masked_fill(~attend.repeat(g, 1)[None], float("-inf"))
+    o = torch.bmm(torch.softmax(scores.float(), -1).to(qg.dtype), cache.v.transpose(0, 1))  # [hkv, g * n, d]
+    return attn.o_proj(o.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, -1))
+
+
 def default_attend(cache_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Old entries at or before each query's position, and the new ones causally by order:
     cache_positions [m] (old), positions [n] (new) -> [n, m + n] bool."""
@@ -202,18 +228,23 @@ class EagleHead(nn.Module):
         self.register_buffer("embed_tokens", embed_tokens, persistent=False)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The head's compute dtype (its norms'; its linears may hold int8 copies: head_quant.py)."""
+        return self.layer.post_attention_layernorm.weight.dtype
+
+    @property
     def layer(self) -> _Layer:
         return self.midlayer if self.config.eagle3 else self.layers[0]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Target embedding lookup: ids [n] -> [n, H]."""
-        return F.embedding(ids, self.embed_tokens).to(self.fc.weight.dtype)
+        return F.embedding(ids, self.embed_tokens).to(self.dtype)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's captured features -> the head's input feature [n, H]. EAGLE-3: aux
         [n, len(capture_layers) * T] through fc; EAGLE-1: aux [n, H] through the target's final
         norm when `target_norm` was given (identity otherwise)."""
-        aux = aux.to(self.fc.weight.dtype)
+        aux = aux.to(self.dtype)
         if self.config.eagle3:
             return self.fc(aux)
         if self.target_norm is None:
@@ -235,15 +266,7 @@ class EagleHead(nn.Module):
             residual = hidden
         else:
             x = residual = self.fc(torch.cat([embeds, hidden], -1))  # [n, H]
-        n, a = x.shape[0], layer.self_attn
-        q = rope(a.q_proj(x).view(n, c.num_attention_heads, c.head_dim), positions, c.rope_theta)
-        k = rope(a.k_proj(x).view(n, c.num_key_value_heads, c.head_dim), positions, c.rope_theta)
-        cache.append(k, a.v_proj(x).view(n, c.num_key_value_heads, c.head_dim), positions)
-        group = c.num_attention_heads // c.num_key_value_heads
-        keys = cache.k.repeat_interleave(group, 1).transpose(0, 1)  # [heads, m + n, d]
-        values = cache.v.repeat_interleave(group, 1).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=attend[None])  # [heads, n, d]
-        h = residual + a.o_proj(o.transpose(0, 1).reshape(n, -1))
+        h = residual + head_attention(layer.self_attn, c, x, positions, cache, attend)
         out = h + layer.mlp(layer.post_attention_layernorm(h))  # [n, H]
         logits = self.lm_head(self.norm(out)) if c.eagle3 else out @ self.target_lm_head.to(out.dtype).T
         return logits.float(), out

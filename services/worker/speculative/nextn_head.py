@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.speculative.eagle_head import HeadKV, RMSNorm, _Attention, _MLP, default_attend, rope
+from services.worker.speculative.eagle_head import HeadKV, RMSNorm, _Attention, _MLP, default_attend, head_attention
 
 log = logging.getLogger(__name__)
 
@@ -77,22 +77,6 @@ class _SharedHead(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-def head_attention(attn: _Attention, c, x: torch.Tensor, positions: torch.Tensor, cache: HeadKV,
-                   attend: torch.Tensor) -> torch.Tensor:
-    """One head layer's attention over its own cache, EagleHead.step's semantics: x [n, in] at
-    positions [n]; appends n entries (k after RoPE) to `cache`; attend [n, len(cache before) + n]
-    bool -> o_proj's output [n, H]."""
-    n = x.shape[0]
-    q = rope(attn.q_proj(x).view(n, c.num_attention_heads, c.head_dim), positions, c.rope_theta)
-    k = rope(attn.k_proj(x).view(n, c.num_key_value_heads, c.head_dim), positions, c.rope_theta)
-    cache.append(k, attn.v_proj(x).view(n, c.num_key_value_heads, c.head_dim), positions)
-    group = c.num_attention_heads // c.num_key_value_heads
-    keys = cache.k.repeat_interleave(group, 1).transpose(0, 1)  # [heads, m + n, d]
-    values = cache.v.repeat_interleave(group, 1).transpose(0, 1)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=attend[None])  # [heads, n, d]
-    return attn.o_proj(o.transpose(0, 1).reshape(n, -1))
-
-
 class NextNHead(nn.Module):
     """Parameter names are the checkpoint's, less the `model.layers.{L}.` prefix. The target's
     embedding, LM head and final-norm weight are buffers, never saved."""
@@ -114,16 +98,21 @@ class NextNHead(nn.Module):
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.register_buffer("target_norm", target_norm, persistent=False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's compute dtype (its norms'; its linears may hold int8 copies: head_quant.py)."""
+        return self.enorm.weight.dtype
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Target embedding lookup: ids [n] -> [n, H]."""
-        return F.embedding(ids, self.embed_tokens).to(self.eh_proj.weight.dtype)
+        return F.embedding(ids, self.embed_tokens).to(self.dtype)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's capture L [n, H] (before its final norm) -> the state the MTP layer reads:
         after that norm (see the module docstring). hnorm is the layer's own, applied in step."""
         xf = aux.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return (normed * self.target_norm.float()).to(self.eh_proj.weight.dtype)
+        return (normed * self.target_norm.float()).to(self.dtype)
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: HeadKV,
              attend: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

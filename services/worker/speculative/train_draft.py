@@ -215,7 +215,7 @@ def unroll(head: EagleHead, seqs: list[dict], steps: int, to_draft: torch.Tensor
     tokens = torch.cat([s["tokens"] for s in seqs]).long()
     next_ids = torch.cat([s["next_ids"] for s in seqs]).long()
     true_mask = (sid[:, None] == sid[None, :]) & (pos[None, :] <= pos[:, None])  # [n, n]
-    cache = HeadKV.empty(head.config, head.fc.weight.dtype)
+    cache = HeadKV.empty(head.config, head.dtype)
     hidden = head.fuse(torch.cat([s["aux"][:-1] for s in seqs]).float())
     final = torch.cat([s["final"] for s in seqs]) if all("final" in s for s in seqs) else None
     vocab_rows = head.embed_tokens[head.to_target_ids(torch.arange(head.config.draft_vocab_size))]  # [D, H]
