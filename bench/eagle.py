@@ -8,7 +8,7 @@ Workloads:
 - chat: the held-out split of the head's prompt set (services/worker/speculative/data/
   draft_prompts.json, never trained on): ordinary questions, code, lists, rewriting.
 
-Configurations, each its own mesh, run back to back: plain decoding; EAGLE3 with the head shipped for
+Configurations, each workload on its own mesh, run back to back: plain decoding; EAGLE3 with the head shipped for
 the default model, as a chain (the default flags) and as a tree (--speculative-eagle-topk 2); and
 n-gram (NGRAM) for reference.
 
@@ -76,15 +76,17 @@ def workload_stats(url: str, model: str, conversations: list[list[dict]]) -> dic
 
 
 def run_config(name: str, workloads: dict[str, list]) -> dict:
+    """Each workload on a mesh of its own: the scheduler's acceptance prior, which sets how deep
+    it drafts, starts afresh for each (one workload's rejections do not silence the next)."""
     cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--max-connections-per-client",
            "none"] + CONFIGS[name]
     out = {"flags": CONFIGS[name]}
-    with peers.Server(cmd, None) as server:
-        model = json.load(urllib.request.urlopen(server.url + "/v1/models"))["data"][0]["id"]
-        for wl, conversations in workloads.items():
+    for wl, conversations in workloads.items():
+        with peers.Server(cmd, None) as server:
+            model = json.load(urllib.request.urlopen(server.url + "/v1/models"))["data"][0]["id"]
             out[wl] = workload_stats(server.url, model, conversations)
-            print(f"{name:6s} {wl:10s} ITL {out[wl]['mean_itl_ms']:7.2f} ms  accept length "
-                  f"{out[wl].get('accept_length')}", file=sys.stderr, flush=True)
+        print(f"{name:6s} {wl:10s} ITL {out[wl]['mean_itl_ms']:7.2f} ms  accept length "
+              f"{out[wl].get('accept_length')}", file=sys.stderr, flush=True)
     return out
 
 
