@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,8 @@ from services.common.sampling_params import SamplingParams
 from services.engine.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
-from services.worker.speculative.tree import DraftTree
+from tests.integration.test_speculative_engine import run_aborting_one
+from tests.unit.test_eagle_drafter import record_trees
 
 pytestmark = pytest.mark.slow
 
@@ -82,15 +82,7 @@ def test_tree_drafts_float32_equal_plain_greedy_and_sampled(checkpoint, tokenize
     ids, want = plain32
     e = engine(checkpoint, tokenizer, "float32", speculative_algorithm="EAGLE3", speculative_eagle_topk=2,
                speculative_num_draft_tokens=7)
-    trees: list[DraftTree] = []
-    propose = e.runner.drafter.propose
-
-    def recording(batch, hidden=None):
-        out = propose(batch, hidden)
-        trees.extend(d for d in out if isinstance(d, DraftTree))
-        return out
-
-    e.runner.drafter.propose = recording
+    trees = record_trees(e.runner.drafter)
     try:
         assert one_at_a_time(e, ids[:3] + ids[5:8], GREEDY) == want["greedy"][:3] + want["greedy"][5:8]
         assert one_at_a_time(e, ids[:3] + ids[5:7], SAMPLED) == want["sampled"]
@@ -128,26 +120,7 @@ def test_retraction_and_an_abort_mid_speculation_leave_no_kv_behind(checkpoint, 
                                                         min_new_token_ratio=0.05),
                checkpoint=checkpoint, tokenizer=tokenizer)
     try:
-        outs: dict[int, list[int]] = {i: [] for i in range(4)}
-        done = [threading.Event() for _ in range(5)]
-        aborted: list[str] = []
-
-        def sink_for(i):
-            def sink(out):
-                if i == 4 and out.token_ids and not aborted:  # the victim has started
-                    aborted.append(out.rid)
-                    e.abort(out.rid)
-                if i < 4:
-                    outs[i].extend(out.token_ids)
-                if out.finished:
-                    done[i].set()
-            return sink
-
-        for i in range(4):
-            e.submit(ids[i], GREEDY, sink_for(i))
-        e.submit(ids[8], GREEDY, sink_for(4))
-        assert all(d.wait(timeout=500) for d in done)
-        assert [outs[i] for i in range(4)] == want["greedy"][:4]
+        assert run_aborting_one(e, ids[:4], ids[8], GREEDY) == want["greedy"][:4]
         s = e.scheduler.stats
         assert s.retracted > 0 and s.spec_verify_items > 0 and s.aborted == 1
         e.scheduler.check_invariants()

@@ -163,6 +163,31 @@ def test_ngram_default_dtype_equals_plain_one_at_a_time(checkpoint, tokenizer):
         close(e)
 
 
+def run_aborting_one(e: Engine, ids: list[list[int]], victim: list[int], sampling: SamplingParams) -> list[list[int]]:
+    """Submit `ids` and then `victim`, aborting the victim once it has a token (speculating by
+    then) → the others' outputs, after every request ended."""
+    outs: list[list[int]] = [[] for _ in ids]
+    done = [threading.Event() for _ in range(len(ids) + 1)]
+    aborted: list[str] = []
+
+    def sink_for(i):
+        def sink(out):
+            if i == len(ids) and out.token_ids and not aborted:
+                aborted.append(out.rid)
+                e.abort(out.rid)
+            if i < len(ids):
+                outs[i].extend(out.token_ids)
+            if out.finished:
+                done[i].set()
+        return sink
+
+    for i, p in enumerate(ids):
+        e.submit(p, sampling, sink_for(i))
+    e.submit(victim, sampling, sink_for(len(ids)))
+    assert all(d.wait(timeout=500) for d in done)
+    return outs
+
+
 def test_retraction_and_an_abort_mid_speculation_leave_no_kv_behind(checkpoint, tokenizer, plain32):
     """A KV pool too small for the batch (requests are retracted and recomputed, drafts in
     flight) and one request aborted while it speculates: the others' outputs are plain decoding's,
@@ -177,26 +202,7 @@ def test_retraction_and_an_abort_mid_speculation_leave_no_kv_behind(checkpoint, 
                checkpoint=checkpoint, tokenizer=tokenizer)
     try:
         victim = ids[8]
-        outs: dict[int, list[int]] = {i: [] for i in range(4)}
-        done = [threading.Event() for _ in range(5)]
-        rid_box: list[str] = []
-
-        def sink_for(i):
-            def sink(out):
-                if i == 4 and out.token_ids and not rid_box:  # the victim has started speculating
-                    rid_box.append(out.rid)
-                    e.abort(out.rid)
-                if i < 4:
-                    outs[i].extend(out.token_ids)
-                if out.finished:
-                    done[i].set()
-            return sink
-
-        for i in range(4):
-            e.submit(ids[i], GREEDY, sink_for(i))
-        e.submit(victim, GREEDY, sink_for(4))
-        assert all(d.wait(timeout=500) for d in done)
-        assert [outs[i] for i in range(4)] == want["greedy"][:4]
+        assert run_aborting_one(e, ids[:4], victim, GREEDY) == want["greedy"][:4]
         s = e.scheduler.stats
         assert s.retracted > 0 and s.spec_verify_items > 0 and s.aborted == 1
         e.scheduler.check_invariants()

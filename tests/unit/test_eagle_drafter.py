@@ -120,18 +120,24 @@ def test_greedy_equals_plain_one_at_a_time_and_batched(tiny, plain, algorithm, t
         close(e)
 
 
-@pytest.fixture(scope="module")
-def tree_runs(tiny):
-    e = engine(tiny, "EAGLE3", topk=3)
-    trees = []
-    propose = e.runner.drafter.propose
+def record_trees(drafter) -> list[DraftTree]:
+    """Wrap the drafter's propose to keep every tree it proposes → the list they land in."""
+    trees: list[DraftTree] = []
+    propose = drafter.propose
 
     def recording(batch, hidden=None):
         out = propose(batch, hidden)
         trees.extend(d for d in out if isinstance(d, DraftTree))
         return out
 
-    e.runner.drafter.propose = recording
+    drafter.propose = recording
+    return trees
+
+
+@pytest.fixture(scope="module")
+def tree_runs(tiny):
+    e = engine(tiny, "EAGLE3", topk=3)
+    trees = record_trees(e.runner.drafter)
     try:
         yield {"dist": sampled(e, range(N)), "same_seed": sampled(e, range(30), batched=False),
                "stats": e.scheduler.stats, "trees": trees}
