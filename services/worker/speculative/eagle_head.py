@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -95,10 +95,14 @@ class EagleHeadConfig:
 
 @dataclass
 class HeadKV:
-    """One request's head KV cache; entries appended in order (RoPE already applied to k)."""
+    """One request's head KV cache; entries appended in order (RoPE already applied to k).
+    k, v and positions are views of the first n rows of buffers that grow by doubling, so a draft
+    step appends without copying the whole cache (it runs every decode step of a long stream);
+    under autograd (training) appends concatenate instead, keeping each step's graph separate."""
     k: torch.Tensor  # [n, kv_heads, head_dim]
     v: torch.Tensor  # [n, kv_heads, head_dim]
     positions: torch.Tensor  # [n] int64
+    _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def empty(cls, config: EagleHeadConfig, dtype: torch.dtype, device="cpu") -> "HeadKV":
@@ -113,8 +117,19 @@ class HeadKV:
         self.k, self.v, self.positions = self.k[:n], self.v[:n], self.positions[:n]
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        self.k, self.v = torch.cat([self.k, k]), torch.cat([self.v, v])
-        self.positions = torch.cat([self.positions, positions.to(torch.int64)])
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            self.k, self.v = torch.cat([self.k, k]), torch.cat([self.v, v])
+            self.positions = torch.cat([self.positions, positions.to(torch.int64)])
+            self._rows = None
+            return
+        n, m = len(self), k.shape[0]
+        if self._rows is None or self._rows[0].shape[0] < n + m:
+            size = max(2 * (n + m), 64)
+            self._rows = tuple(torch.cat([t, t.new_empty((size - n, *t.shape[1:]))])
+                               for t in (self.k, self.v, self.positions))
+        kb, vb, pb = self._rows
+        kb[n:n + m], vb[n:n + m], pb[n:n + m] = k, v, positions
+        self.k, self.v, self.positions = kb[:n + m], vb[:n + m], pb[:n + m]
 
 
 class RMSNorm(nn.Module):
