@@ -58,13 +58,14 @@ class WorkerConfig:
         "help": "CPU: steps of at most this many tokens run their linear layers on the GGUF file's own "
                 "Q8_0/Q4_1 blocks (float32 math on the file's exact weights; at batch 1 about 1.6x faster than "
                 "prepacked bfloat16 weights here; at 4 rows slower: bench/ceilings.py); 0: always the dense weights"})
-    quant_activations: str = field(default="float32", metadata={
+    quant_activations: str = field(default="auto", metadata={
         "help": "CPU, with --quantization auto: the activations of the steps that run on the file's Q4_1/Q8_0 "
                 "blocks (those of <= --quant-max-rows tokens, and verify steps). float32: exact float32 math on "
                 "the file's weights; int8: each row quantized per group of 32 and multiplied with AVX512-VNNI "
-                "integer dot products as llama.cpp does (~15%% faster linears, ~0.6%% error per linear: "
-                "bench/int8_activations.py, docs/benchmarks.md); needs AVX512-VNNI (else float32, with a warning) "
-                "and a --dtype other than float32, the exact mode"})
+                "integer dot products as llama.cpp does (~15%% faster linears, ~0.6%% error per linear, +0.9%% "
+                "perplexity: bench/int8_activations.py, docs/quantization.md); needs AVX512-VNNI (else float32, "
+                "with a warning) and a --dtype other than float32, the exact mode. auto (default): int8 where "
+                "the CPU has AVX512-VNNI, --dtype is not float32 and --quantization is auto; else float32"})
     quantization: str = field(default="auto", metadata={
         "help": "the format linear weights are held in (services/worker/model/weight_format.py). auto: dense "
                 "in --dtype, plus a GGUF file's quantized blocks for steps of <= --quant-max-rows tokens; none: "
@@ -260,8 +261,8 @@ class WorkerConfig:
         check_quantization(self.quantization, self.device)
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.quant_activations not in ("float32", "int8"):
-            raise ValueError(f"--quant-activations must be float32 or int8, got {self.quant_activations!r}")
+        if self.quant_activations not in ("auto", "float32", "int8"):
+            raise ValueError(f"--quant-activations must be auto, float32 or int8, got {self.quant_activations!r}")
         if self.quant_activations == "int8" and self.dtype == "float32":
             raise ValueError("--quant-activations int8 rounds activations; --dtype float32 is the exact mode: "
                              "use bfloat16 (the default) or float16 with it")

@@ -89,7 +89,7 @@ def test_refused_where_it_does_not_apply():
         WorkerConfig(dtype="float32", quant_activations="int8")
     with pytest.raises(ValueError, match="--quantization gguf"):
         WorkerConfig(quantization="gguf", quant_activations="int8")
-    with pytest.raises(ValueError, match="float32 or int8"):
+    with pytest.raises(ValueError, match="auto, float32 or int8"):
         WorkerConfig(quant_activations="int4")
 
 
@@ -117,3 +117,24 @@ def test_without_vnni_the_worker_keeps_float32_activations(checkpoint, monkeypat
     assert not any(isinstance(lin._quant_kernel, Int8Activations) for lin in runner.model.step_linears())
     if runner.model.decode_stack is not None:
         assert not runner.model.decode_stack.int8_activations
+
+
+def test_auto_is_int8_exactly_where_the_cpu_has_vnni(checkpoint, monkeypatch, caplog):
+    """The default (auto) takes int8 activations on a VNNI build in bfloat16 and keeps float32 in
+    the exact mode, under other weight formats and on a build without VNNI, silently."""
+    from services.worker.attention.cpu_backend import _int8_activations
+    if MODULE is None:
+        pytest.skip("the quantized-linear kernel is not built here")
+    assert WorkerConfig().quant_activations == "auto"
+    with caplog.at_level(logging.WARNING):
+        assert _int8_activations(WorkerConfig()) == MODULE.int8_activations()
+        assert not _int8_activations(WorkerConfig(dtype="float32"))
+        assert not _int8_activations(WorkerConfig(quantization="int8"))
+        assert not _int8_activations(WorkerConfig(quant_activations="float32"))
+
+        class WithoutVnni:
+            def int8_activations(self) -> bool:
+                return False
+        monkeypatch.setattr(quant_gemv, "load", WithoutVnni)
+        assert not _int8_activations(WorkerConfig())
+    assert "AVX512-VNNI" not in caplog.text and "exact mode" not in caplog.text

@@ -113,16 +113,21 @@ def _use_quantized(model: LlamaForCausalLM, config: WorkerConfig, checkpoint: Ch
 
 
 def _int8_activations(config: WorkerConfig) -> bool:
-    """--quant-activations int8, where the build has the VNNI path and the model is not float32."""
-    if config.quant_activations != "int8":
+    """--quant-activations int8, where the build has the VNNI path and the model is not float32;
+    auto: the same, silently, and only under --quantization auto (the measured default where the
+    CPU has AVX512-VNNI: docs/benchmarks.md, issue 41)."""
+    asked = config.quant_activations
+    if asked == "float32" or (asked == "auto" and (config.quantization != "auto"
+                                                   or config.torch_dtype == torch.float32)):
         return False
     from kernels import quant_gemv
     kernel = quant_gemv.load()
     if kernel is None:
         return False
     if not kernel.int8_activations():
-        log.warning("--quant-activations int8: this CPU has no AVX512-VNNI (or the kernel was built without "
-                    "it); the quantized steps keep float32 activations")
+        if asked == "int8":
+            log.warning("--quant-activations int8: this CPU has no AVX512-VNNI (or the kernel was built without "
+                        "it); the quantized steps keep float32 activations")
         return False
     if config.torch_dtype == torch.float32:
         log.warning("--quant-activations int8: the model runs in float32, the exact mode; activations stay float32")
