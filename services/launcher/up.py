@@ -184,10 +184,12 @@ class UpConfig:
         "help": "with --restart-on-failure: the wait before the first restart, doubled on each consecutive try "
                 f"(at most {RESTART_BACKOFF_CAP_S:g}s)"})
 
-    pin_lead_cpu: int | None = field(default=None, metadata={
-        "help": "keep this CPU for the worker's decode-step lead thread: the worker gets --lead-cpu and every "
-                "other service starts on the other CPUs (one replica; for machines with as few cores as the step "
-                "has threads: services/worker/lead_cpu.py); default: no pinning"})
+    pin_lead_cpu: str = field(default="auto", metadata={
+        "help": "a CPU kept for the worker's decode-step lead thread: the worker gets --lead-cpu and every other "
+                "service starts on the other CPUs (one replica; services/worker/lead_cpu.py). auto (default): the "
+                "last of this process's CPUs when the mesh runs one replica on at least 2 CPUs (single-stream ITL "
+                "-10%%, 64-concurrent throughput unchanged: docs/benchmarks.md, issue 41), else none; off: no "
+                "pinning; N: CPU N"})
 
     @property
     def use_kvstore(self) -> bool:
@@ -219,11 +221,26 @@ class UpConfig:
         if self.restart_max_tries < 1 or self.restart_backoff_s < 0:
             raise ValueError("--restart-max-tries must be >= 1 and --restart-backoff-s >= 0, got "
                              f"{self.restart_max_tries} and {self.restart_backoff_s}")
-        if self.pin_lead_cpu is not None:
-            if self.engine_replicas != 1:
-                raise ValueError("--pin-lead-cpu serves one replica")
-            from services.worker.lead_cpu import other_cpus
-            other_cpus(self.pin_lead_cpu)
+        self.lead_cpu  # noqa: B018  (checked now: a bad choice is a usage error before anything starts)
+
+    @property
+    def lead_cpu(self) -> int | None:
+        """--pin-lead-cpu resolved: the CPU kept for the worker's step lead, or None."""
+        from services.worker.lead_cpu import other_cpus
+        choice = self.pin_lead_cpu.strip().lower()
+        if choice == "off":
+            return None
+        allowed = os.sched_getaffinity(0)
+        if choice == "auto":
+            return max(allowed) if self.engine_replicas == 1 and len(allowed) >= 2 else None
+        try:
+            lead = int(choice)
+        except ValueError:
+            raise ValueError(f"--pin-lead-cpu must be auto, off or a CPU number, got {self.pin_lead_cpu!r}") from None
+        if self.engine_replicas != 1:
+            raise ValueError("--pin-lead-cpu serves one replica")
+        other_cpus(lead, allowed)
+        return lead
 
 
 class ChildDied(Exception):
@@ -342,8 +359,8 @@ class Mesh:
         routed = self.routed.get(name, [])
         if child in self.metrics_ports:
             argv += ["--metrics-port", str(self.metrics_ports[child])]
-        if name == "worker" and cfg.pin_lead_cpu is not None:
-            argv += ["--lead-cpu", str(cfg.pin_lead_cpu)]
+        if name == "worker" and cfg.lead_cpu is not None and "--lead-cpu" not in routed:
+            argv += ["--lead-cpu", str(cfg.lead_cpu)]
         if name == "worker" and cfg.engine_replicas > 1 and "--num-threads" not in routed:
             # N workers on one machine: split the cores instead of oversubscribing them
             # (each OpenMP team spinning on all cores slows every worker several-fold).
@@ -356,10 +373,10 @@ class Mesh:
 
     def _cpus(self, service: str) -> set[int] | None:
         """With --pin-lead-cpu every service but the worker runs off the lead CPU."""
-        if self.config.pin_lead_cpu is None or service == "worker":
+        if self.config.lead_cpu is None or service == "worker":
             return None
         from services.worker.lead_cpu import other_cpus
-        return other_cpus(self.config.pin_lead_cpu)
+        return other_cpus(self.config.lead_cpu)
 
     async def start(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s

@@ -33,22 +33,39 @@ def test_other_cpus_and_bad_choices():
     with pytest.raises(ValueError, match="not one of"):
         WorkerConfig(lead_cpu=max(ALLOWED) + 1)
     with pytest.raises(ValueError, match="one replica"):
-        UpConfig(pin_lead_cpu=min(ALLOWED), replicas=2)
+        UpConfig(pin_lead_cpu=str(min(ALLOWED)), replicas=2)
+    with pytest.raises(ValueError, match="auto, off or a CPU number"):
+        UpConfig(pin_lead_cpu="first")
 
 
 @needs_two
 def test_the_launcher_starts_every_service_but_the_worker_off_the_lead_cpu():
     lead = min(ALLOWED)
-    mesh = Mesh(UpConfig(pin_lead_cpu=lead), {"worker": []})
+    mesh = Mesh(UpConfig(pin_lead_cpu=str(lead)), {"worker": []})
     assert mesh._cpus("worker") is None
     assert mesh._cpus("tokenizer") == mesh._cpus("gateway") == ALLOWED - {lead}
     assert "--lead-cpu" in mesh._argv("worker", []) and mesh._argv("worker", [])[-1] == str(lead)
-    assert Mesh(UpConfig(), {"worker": []})._cpus("tokenizer") is None
+    assert Mesh(UpConfig(pin_lead_cpu="off"), {"worker": []})._cpus("tokenizer") is None
     # The child's own affinity, set between fork and exec (its threads all inherit it).
     out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
                          preexec_fn=_die_with_parent(os.getpid(), ALLOWED - {lead}), capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == str(sorted(ALLOWED - {lead}))
+
+
+def test_auto_keeps_the_last_cpu_for_one_replica_only():
+    """The default: one replica on 2+ CPUs keeps the last CPU for the lead; more replicas (or
+    one CPU) pin nothing, and off turns it off."""
+    auto = UpConfig()
+    assert auto.pin_lead_cpu == "auto"
+    assert auto.lead_cpu == (max(ALLOWED) if len(ALLOWED) >= 2 else None)
+    assert UpConfig(replicas=2).lead_cpu is None
+    assert UpConfig(pin_lead_cpu="off").lead_cpu is None
+    if len(ALLOWED) >= 2:
+        mesh = Mesh(auto, {"worker": []})
+        assert mesh._argv("worker", [])[-2:] == ["--lead-cpu", str(max(ALLOWED))]
+        assert mesh._cpus("gateway") == ALLOWED - {max(ALLOWED)}
+        assert "--lead-cpu" not in Mesh(UpConfig(replicas=2), {"worker": []})._argv("worker", [])
 
 
 def _thread_cpus() -> dict[int, tuple[str, set[int]]]:
