@@ -81,8 +81,8 @@ MUST_SHOW = (
     Ratio("shared-prefix e2e mean / vLLM", "shared-prefix", "e2e_ms.mean", "vllm", 0.5, True),
     Ratio("64-concurrent tok/s / bf16 linear-only tok/s at batch 64", "throughput", "output_throughput",
           "limit:linear_tok_s", 0.6, False),
-    Ratio("batch-1 bandwidth floor / single-stream ITL p50", "single", "itl_ms.median",
-          "limit:batch1_floor_ms", None, False),
+    Ratio("single-stream ITL p50 / batch-1 weight-read floor (issue 41)", "single", "itl_ms.median",
+          "limit:batch1_floor_ms", 1.4, True),
 )
 
 
@@ -100,15 +100,15 @@ def limit_values(limits: dict | None) -> dict[str, float | None]:
 
 
 def ratio_value(r: Ratio, results: dict, limits: dict | None) -> float | None:
-    """The ratio, or None when either side is missing. A limit ratio is "fraction of the limit"
-    (1.0 = at it): ours / limit for a throughput, limit / ours for a latency floor."""
+    """The ratio, or None when either side is missing: ours / theirs, and ours / the limit (a
+    throughput's fraction of its limit; a latency's multiple of its floor)."""
     ours = metric(results.get("radixmesh", {}).get(r.workload), r.metric)
     if r.peer.startswith("limit:"):
         key = r.peer.removeprefix("limit:")
         limit = limit_values(limits).get(key)
         if not ours or not limit:
             return None
-        return limit / ours if key.endswith("_ms") else ours / limit
+        return ours / limit
     theirs = metric(results.get(r.peer, {}).get(r.workload), r.metric)
     return ours / theirs if ours is not None and theirs else None
 
@@ -134,7 +134,7 @@ def must_show(results: dict, limits: dict | None) -> list[dict]:
 
 def format_must_show(rows: list[dict]) -> str:
     width = max(len(r["ratio"]) for r in rows)
-    lines = ["issue 22 must-show ratios (radixmesh / peer or limit, same run):"]
+    lines = ["issue 22 and 41 must-show ratios (radixmesh / peer or limit, same run):"]
     for r in rows:
         value = "-" if r["value"] is None else f"{r['value']:.3f}"
         lines.append(f"  {r['ratio'].ljust(width)}  {value:>7}  {r['target']:<7} {r['verdict']}".rstrip())

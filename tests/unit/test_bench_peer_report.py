@@ -40,12 +40,12 @@ def test_ratios_against_peers_and_their_verdicts():
     assert shared["value"] == pytest.approx(1 / 3) and shared["verdict"] == "PASS"
 
 
-def test_ratios_to_the_machine_limits_are_fractions_of_the_limit():
+def test_ratios_to_the_machine_limits_throughput_as_a_fraction_latency_as_a_multiple():
     rows = by_label(peer_report.must_show(RESULTS, LIMITS))
     lin = rows["64-concurrent tok/s / bf16 linear-only tok/s at batch 64"]
     assert lin["value"] == pytest.approx(0.5) and lin["verdict"] == "FAIL"  # 1200 of 2400, target >= 0.6
-    bw = rows["batch-1 bandwidth floor / single-stream ITL p50"]
-    assert bw["value"] == pytest.approx(0.25) and bw["verdict"] == "" and bw["target"] == ""  # 2 ms floor / 8 ms
+    bw = rows["single-stream ITL p50 / batch-1 weight-read floor (issue 41)"]
+    assert bw["value"] == pytest.approx(4.0) and bw["verdict"] == "FAIL" and bw["target"] == "<= 1.4"  # 8 ms / 2 ms
 
 
 def test_missing_peer_or_limit_is_not_applicable():
