@@ -21,10 +21,16 @@ from collections.abc import Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
+# The CPUs this process may use, read at the first import (the worker's config imports this
+# module at start-up, before anything is pinned). Later a thread's own affinity no longer says
+# that: the worker's threads are moved off the lead CPU, and a weight update builds its new
+# config and runner on one of them.
+PROCESS_CPUS = frozenset(os.sched_getaffinity(0))
+
 
 def other_cpus(lead: int, allowed: set[int] | None = None) -> set[int]:
     """The CPUs besides `lead` this process may use; ValueError if that leaves none or lead is not one."""
-    allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
+    allowed = set(PROCESS_CPUS) if allowed is None else allowed
     if lead not in allowed:
         raise ValueError(f"--lead-cpu {lead} is not one of this process's CPUs {sorted(allowed)}")
     if len(allowed) < 2:
@@ -35,7 +41,7 @@ def other_cpus(lead: int, allowed: set[int] | None = None) -> set[int]:
 class LeadCpu:
     def __init__(self, lead: int) -> None:
         self.lead = lead
-        self.allowed = set(os.sched_getaffinity(0))
+        self.allowed = set(PROCESS_CPUS)
         self.others = other_cpus(lead, self.allowed)
 
     def move_off(self, thread_ids: Iterable[int]) -> None:

@@ -68,6 +68,29 @@ def test_auto_keeps_the_last_cpu_for_one_replica_only():
         assert "--lead-cpu" not in Mesh(UpConfig(replicas=2), {"worker": []})._argv("worker", [])
 
 
+@needs_two
+def test_a_thread_moved_off_the_lead_cpu_still_builds_a_config_that_keeps_it():
+    """A weight update builds its new WorkerConfig and runner on one of the worker's threads,
+    which the lead CPU has moved off that CPU: the choice is checked against the process's
+    CPUs, not that thread's."""
+    lead = max(ALLOWED)
+    result: dict = {}
+
+    def on_a_moved_thread() -> None:
+        os.sched_setaffinity(0, ALLOWED - {lead})
+        try:
+            result["config"] = WorkerConfig(lead_cpu=lead)
+            result["allowed"] = lead_cpu.LeadCpu(lead).allowed
+        except Exception as exc:  # reported below, in the test's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=on_a_moved_thread)
+    thread.start()
+    thread.join(timeout=30)
+    assert "error" not in result, result.get("error")
+    assert result["config"].lead_cpu == lead and result["allowed"] == set(ALLOWED)
+
+
 def _thread_cpus() -> dict[int, tuple[str, set[int]]]:
     out = {}
     for tid in os.listdir("/proc/self/task"):
