@@ -92,10 +92,15 @@ def test_a_thread_moved_off_the_lead_cpu_still_builds_a_config_that_keeps_it():
 
 
 def _thread_cpus() -> dict[int, tuple[str, set[int]]]:
+    """Each live thread's name and CPUs; a thread that ends while it is read (one a test just
+    joined may still be leaving) is left out."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            out[int(tid)] = (f.read().strip(), os.sched_getaffinity(int(tid)))
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                out[int(tid)] = (f.read().strip(), os.sched_getaffinity(int(tid)))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
     return out
 
 
