@@ -148,7 +148,8 @@ def measure(args) -> dict:
     summary = doc["runs"][0]["summary"]
     out = {"command": "radixmesh " + shlex.join(cmd[4:]), "workload": {
         "requests": cfg.num_prompts, "concurrency": cfg.max_concurrency, "input_len": cfg.input_len,
-        "output_len": cfg.output_len}, "wall_s": wall, "output_throughput": summary["output_throughput"], "itl_ms": summary["itl_ms"],
+        "output_len": cfg.output_len}, "wall_s": wall, "output_throughput": summary["output_throughput"],
+        "itl_ms": summary["itl_ms"],
         "completed": summary["completed"], "cores": os.cpu_count(), "children": children,
         "processes": process_rows(delta(cpu1, cpu0), own1 - own0, busy1 - busy0, idle1 - idle0)}
     if phases1 is not None:

@@ -359,7 +359,7 @@ class Mesh:
         routed = self.routed.get(name, [])
         if child in self.metrics_ports:
             argv += ["--metrics-port", str(self.metrics_ports[child])]
-        if name == "worker" and cfg.lead_cpu is not None and "--lead-cpu" not in routed:
+        if name == "worker" and cfg.lead_cpu is not None:
             argv += ["--lead-cpu", str(cfg.lead_cpu)]
         if name == "worker" and cfg.engine_replicas > 1 and "--num-threads" not in routed:
             # N workers on one machine: split the cores instead of oversubscribing them
