@@ -34,13 +34,15 @@ def hadamard_block(head_dim: int) -> int:
     return head_dim & -head_dim
 
 
-def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] float32 → H x per block of hadamard_block(D) (orthonormal, self-inverse).
+def hadamard_rotate(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """x [..., D] float32 → H x per block of hadamard_block(D), or of `block` (a power of two
+    dividing D: an MLA latent pool's V columns rotate in the blocks of its whole K row)
+    (orthonormal, self-inverse).
     Butterflies in the order fp8.h's hadamard_inplace runs them, so both round alike; and
     element-wise, so a row's result never depends on the other rows (a matmul's can: its
     summation blocking follows the row count, which would break batch invariance)."""
     d = x.shape[-1]
-    n = hadamard_block(d)
+    n = block or hadamard_block(d)
     y = x.reshape(-1, n)
     h = 1
     while h < n:

@@ -10,9 +10,16 @@ for every layer, K and V), each head's row Hadamard-rotated before rounding
 (kernels/kv_fp8.py). Writes rotate and round in the C++ extension when it is built, else
 in torch, to the same bytes; the attention kernels widen and undo the rotation on the
 query and output side.
+
+An MLA model's pool (DeepSeek-V2/V3, services/worker/model/mla.py) is a latent pool
+(KVPoolSpec.latent_dim > 0): one row per token and layer of kv_lora_rank + qk_rope_head_dim
+elements, as one KV head, and no separate V (`v` is zero-width): attention reads V as the first
+latent_dim columns of K. An FP8 latent row is rotated in blocks of hadamard_block(head_dim), which
+must divide latent_dim, so V's columns are whole blocks (latent_rotation_refusal).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +28,7 @@ import torch
 
 from services.common.host_memory import zeroed_host_tensor
 
-from kernels.kv_fp8 import FP8_KV_SCALES, dequantize_kv, quantize_kv  # noqa: F401 (re-exported)
+from kernels.kv_fp8 import FP8_KV_SCALES, dequantize_kv, hadamard_block, quantize_kv  # noqa: F401 (re-exported)
 from services.worker.model.config import ModelConfig
 
 
@@ -33,6 +40,17 @@ class KVPoolSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype  # the storage dtype: the model's, or float8_e4m3fn / float8_e5m2
+    # > 0: an MLA latent pool (num_kv_heads 1, head_dim kv_lora_rank + rope dims, V = K[..., :latent_dim])
+    latent_dim: int = 0
+
+    @property
+    def is_latent(self) -> bool:
+        return self.latent_dim > 0
+
+    @property
+    def v_head_dim(self) -> int:
+        """The width of a stored V row: 0 in a latent pool (V is part of K's row)."""
+        return 0 if self.is_latent else self.head_dim
 
     @property
     def num_slots(self) -> int:
@@ -56,7 +74,7 @@ class KVPoolSpec:
     def bytes_per_token(self) -> int:
         """Every byte a token's KV takes (FP8: no per-token scales, so one byte an element)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
 
     @property
     def total_bytes(self) -> int:
@@ -73,7 +91,7 @@ class KVPoolSpec:
         """Size the pool from a byte budget; when none, from a fraction of `device`'s free memory
         (taken after the weights are loaded), or by default_budget_bytes without either; dtype is the
         storage dtype, so an FP8 pool holds twice a bfloat16 one's tokens."""
-        probe = cls(1, page_size, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
+        probe = cls.for_model(config, 1, page_size, dtype)
         if budget_bytes is None and mem_fraction is None:
             budget_bytes = default_budget_bytes(device)
         elif budget_bytes is None:
@@ -85,7 +103,30 @@ class KVPoolSpec:
             raise ValueError(
                 f"KV budget of {budget_bytes} bytes holds fewer than 2 pages of {page_size} tokens "
                 f"({probe.bytes_per_token} bytes per token): raise --kv-cache-bytes")
-        return cls(num_pages, page_size, probe.num_layers, probe.num_kv_heads, probe.head_dim, dtype)
+        return dataclasses.replace(probe, num_pages=num_pages)
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype) -> "KVPoolSpec":
+        """The pool `config`'s attention needs: its KV heads, or for MLA one latent row."""
+        if not config.is_mla:
+            return cls(num_pages, page_size, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                       dtype)
+        spec = cls(num_pages, page_size, config.num_hidden_layers, 1, config.kv_lora_rank + config.qk_rope_head_dim,
+                   dtype, latent_dim=config.kv_lora_rank)
+        why = spec.latent_rotation_refusal()
+        if why is not None:
+            raise ValueError(why)
+        return spec
+
+    def latent_rotation_refusal(self) -> str | None:
+        """Why this FP8 latent pool cannot store its rows (V's columns would cut a rotation block)."""
+        if not (self.is_latent and self.is_fp8):
+            return None
+        block = hadamard_block(self.head_dim)
+        if self.latent_dim % block:
+            return (f"an FP8 KV cache rotates each {self.head_dim}-element latent row in blocks of {block}, which "
+                    f"do not divide kv_lora_rank {self.latent_dim}; use --kv-cache-dtype auto")
+        return None
 
 
 DEFAULT_BUDGET_BYTES = 3 << 30
@@ -163,7 +204,10 @@ class KVPool:
         shape = (spec.num_layers, spec.num_slots + extra_pages * spec.page_size, spec.num_kv_heads, spec.head_dim)
         storage = storage or functools.partial(pool_zeros, device=device)
         self.k = storage(shape, spec.dtype)  # [L, S, Hkv, D]
-        self.v = storage(shape, spec.dtype)
+        v_shape = (*shape[:3], spec.v_head_dim)
+        # [L, S, Hkv, D]; a latent pool's is zero-width [L, S, 1, 0] (V is read from K)
+        self.v = storage(v_shape, spec.dtype) if spec.v_head_dim else torch.empty(v_shape, dtype=spec.dtype,
+                                                                                 device=self.k.device)
         # An FP8 pool's C++ writer (write_kv), resolved once: write runs every layer of every step.
         self._fp8_writer = _fp8_writer() if spec.is_fp8 and self.k.device.type == "cpu" else None
         # On CUDA every pool's rows go through the Triton write (one launch for K and V, FP8 rotated in it).
@@ -172,7 +216,11 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [T] int64; k, v [T, Hkv, D] in any float dtype (rounded to the pool's). An FP8
         pool's rows are rotated and rounded by the C++ kernel when it is built (the bytes
-        quantize_kv stores, without its dozen small torch ops a layer), else by quantize_kv."""
+        quantize_kv stores, without its dozen small torch ops a layer), else by quantize_kv.
+        A latent pool stores k alone (v is a view of it, or anything: not read)."""
+        if self.spec.is_latent:
+            index_copy_rows(self.k[layer], 0, slots, quantize_kv(k, self.spec.dtype))
+            return
         if self._cuda_writer is not None and k.dtype in _FLOAT_ROWS and v.dtype == k.dtype:
             self._cuda_writer(self.k[layer], self.v[layer], k, v, slots)
             return

@@ -124,7 +124,7 @@ class ModelRunner:
         self.backend = create_backend(config.resolved_attention_backend, scale=mc.head_dim ** -0.5,
                                       sliding_window=mc.sliding_window)
         self.attach_backend(checkpoint)
-        self.kv_spec = KVPoolSpec.from_budget(  # this rank's KV heads
+        self.kv_spec = KVPoolSpec.from_budget(  # this rank's KV heads (MLA: one latent row)
             local, config.page_size, config.kv_torch_dtype,  # FP8 (--kv-cache-dtype): the budget holds 2x the tokens
             None if config.kv_mem_fraction else config.kv_cache_bytes, config.kv_mem_fraction, self.device)
         # CUDA graphs pad decode steps with rows that write one scratch page past the scheduler's.

@@ -62,7 +62,8 @@ def test_greedy_tokens_match_transformers(tmp_path, name):
 @pytest.mark.parametrize("name,refusal", [("qwen3_mha_untied", "q/k RMSNorm"), ("mistral_window", "sliding-window"),
                                           ("phi3_window", "sliding-window"), ("phi3", None),
                                           ("gemma2", "Gemma 2"), ("qwen3_moe", "mixture-of-experts"),
-                                          ("mixtral", "mixture-of-experts")])
+                                          ("mixtral", "mixture-of-experts"),
+                                          ("deepseek_v3", "latent attention")])
 def test_decode_stack_declines_what_it_does_not_compute(tmp_path, name, refusal):
     """The one-call decode stack computes plain Llama attention: a q/k norm or a window declines it
     before the kernel is looked at, and the runner keeps the op-by-op path."""

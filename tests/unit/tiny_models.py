@@ -26,6 +26,13 @@ GEMMA2 = dict(num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_at
               attn_logit_softcapping=3.0, final_logit_softcapping=4.0, initializer_range=0.1)
 MOE = dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
+# DeepSeek-V3: MLA (a q LoRA, latent 32 + RoPE 16 per token, interleaved RoPE rows), 8 routed experts in
+# 4 groups of which 2 are eligible, one shared expert, layer 0 dense (first_k_dense_replace).
+DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                num_hidden_layers=3)
+
 # name → (transformers config class, model class, config fields)
 CONFIGS = {
     "qwen3_gqa_tied_wide_heads": ("Qwen3Config", "Qwen3ForCausalLM",  # head_dim 32 != hidden / heads
@@ -47,6 +54,10 @@ CONFIGS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, head_dim=16, num_local_experts=8,
                                                          num_experts_per_tok=2, intermediate_size=32,
                                                          sliding_window=None)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
+    "deepseek_v3_no_q_lora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {  # V2-Lite's q: one projection
+        **DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": 2,
+        "rope_interleave": False, "norm_topk_prob": False, "tie_word_embeddings": True}),
 }
 
 # One config per architecture beyond Llama/Qwen2, for the end-to-end checks (`radixmesh generate`,
@@ -73,6 +84,8 @@ def build_tiny(name: str, **overrides):
                 p.normal_(1.0, 0.3)
             if pname.endswith("mlp.gate.weight"):  # a decisive router: top-k far from ties
                 p.normal_(0.0, 0.5)
+            if pname.endswith("e_score_correction_bias"):  # a bias that changes some choices
+                p.normal_(0.0, 0.1)
     return model
 
 

@@ -11,6 +11,9 @@ the native decode kernel does the same in place.
 A draft tree's verify item (BatchLayout.trees) is an extend item whose mask among its own tokens
 is the tree's ancestor mask instead of the causal triangle, and whose window counts RoPE positions
 (start + depth) rather than slot positions; a tree of one token is a plain decode item.
+An MLA latent pool (KVPoolSpec.latent_dim) is one KV head whose V is the first latent_dim
+columns of K: the layer's q is [T, H, D] in the latent space (absorbed), the output
+[T, H, latent_dim]; the pool's FP8 rotation blocks are those of K's row, for V's columns too.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 
 from services.worker.attention.backend import Attached, DecodeStep
 from services.worker.attention.batch_layout import BatchLayout, slots_of
-from kernels.kv_fp8 import hadamard_rotate, widen_kv
+from kernels.kv_fp8 import hadamard_block, hadamard_rotate, widen_kv
 from services.worker.kv_pool import KVPool
 from services.worker.model.layer_attention import LayerAttention
 
@@ -87,15 +90,15 @@ class TorchAttentionBackend:
                 variant: LayerAttention | None = None) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D]
         spec = variant or self.default
-        native = self.native if spec.window is None and spec.softcap is None else None
         pool = self.pool
+        native = self.native if spec.window is None and spec.softcap is None and not pool.spec.is_latent else None
         pure_decode = len(self.groups) == 1 and self.groups[0].q_index.shape[1] == 1  # rows already in order
         if pure_decode and native is not None:  # the kernel writes this step's K/V itself
             return self._decode(layer, q, self.groups[0], spec, native, (k, v, self.layout.out_slots))
         pool.write(layer, self.layout.out_slots, k, v)
         if pure_decode:
             return self._decode(layer, q, self.groups[0], spec, native)
-        out = torch.empty_like(q)
+        out = q.new_empty((*q.shape[:-1], self._v_dim()))  # [T, H, Dv]
         for group in self.groups:  # at most two: decode, extend
             if group.q_index.shape[1] == 1:
                 rows = group.q_index[:, 0]
@@ -118,7 +121,10 @@ class TorchAttentionBackend:
         flat = g.kv_slots.flatten()
         # index_select copies whole [Hkv, D] rows; advanced indexing is ~10x slower here.
         kg = torch.index_select(self.pool.k[layer], 0, flat, out=self._kbuf[:n])
-        vg = torch.index_select(self.pool.v[layer], 0, flat, out=self._vbuf[:n])
+        if self.pool.spec.is_latent:  # V: K's first latent_dim columns, not copied
+            vg = kg[..., :self.pool.spec.latent_dim]
+        else:
+            vg = torch.index_select(self.pool.v[layer], 0, flat, out=self._vbuf[:n])
         if self.pool.spec.is_fp8:
             kg, vg = widen_kv(kg, dtype), widen_kv(vg, dtype)
         return kg.view(b, lk, *kg.shape[1:]).transpose(1, 2), vg.view(b, lk, *vg.shape[1:]).transpose(1, 2)
@@ -136,13 +142,22 @@ class TorchAttentionBackend:
         B, hkv = kg.shape[:2]
         qg = self._rotated(q).view(B, hkv, -1, q.shape[-1]).to(kg.dtype)  # [B, Hkv, G, D]
         o = _scores_softmax_v(qg, kg, vg, g.mask(spec.window), spec)  # mask [B, 1, 1, Lk]
-        return self._rotated(o).reshape(q.shape).to(q.dtype)
+        return self._rotated(o).reshape(*q.shape[:-1], self._v_dim()).to(q.dtype)
+
+    def _v_dim(self) -> int:
+        """The width of a V row: the pool's, or a latent pool's latent_dim."""
+        spec = self.pool.spec
+        return spec.latent_dim if spec.is_latent else spec.head_dim
 
     def _rotated(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] in the FP8 pool's rotated space (or back: H is its own inverse), float32;
-        x itself for any other pool. The C++ kernel's rows op when built (the same butterflies)."""
-        if not self.pool.spec.is_fp8:
+        x itself for any other pool. The C++ kernel's rows op when built (the same butterflies).
+        A latent pool's query and output rotate in the blocks of its K rows."""
+        spec = self.pool.spec
+        if not spec.is_fp8:
             return x
+        if spec.is_latent:
+            return hadamard_rotate(x.float(), hadamard_block(spec.head_dim))
         if self.native is None:
             return hadamard_rotate(x.float())
         return self.native.hadamard_rows(x.to(torch.float32, copy=True).contiguous())

@@ -49,6 +49,30 @@ class ModelConfig:
     # The experts' weight slots a sparse block holds: 0 = one per expert; an expert-parallel rank's
     # model holds only its physical experts (services/worker/parallel/expert_parallel.py).
     expert_slots: int = 0
+    # DeepSeek MoE (deepseek.py): routing by "softmax" (Qwen, Mixtral) or "sigmoid" scores plus
+    # a per-expert correction bias for the choice only (V3's noaux_tc); the experts are split into
+    # n_group groups of which topk_group (the best by their two best scores) are eligible; the
+    # chosen weights times routed_scaling_factor; n_shared_experts always-on experts as one dense
+    # MLP of n_shared_experts * moe_intermediate_size beside them.
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    # MLA (Multi-head Latent Attention, DeepSeek-V2/V3; mla.py): kv_lora_rank 0 = not MLA. The KV
+    # cache holds, per token and layer, one latent row of kv_lora_rank + qk_rope_head_dim elements
+    # (kv_pool.KVPoolSpec.latent_dim); queries are qk_nope_head_dim + qk_rope_head_dim per head,
+    # values v_head_dim; q_lora_rank None: q is one projection (V2-Lite), else a low-rank pair
+    # with an RMSNorm between. head_dim is qk_rope_head_dim (the RoPE tables' width).
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint's RoPE rows in (x0, x1) pairs (mla.py reorders them)
+    # 1 / sqrt(qk head dim), times YaRN's mscale squared where rope_scaling asks for it; None: the
+    # backend's head_dim ** -0.5.
+    attention_scale: float | None = None
     # The HF `architectures` name the model registry builds (services/worker/model/registry.py).
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
@@ -72,6 +96,10 @@ class ModelConfig:
         if self.layer_types and self.layer_types[i] != "sliding_attention":
             return None
         return self.sliding_window
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def q_size(self) -> int:

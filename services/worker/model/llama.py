@@ -17,6 +17,7 @@ from services.worker.model.config import ModelConfig
 from services.worker.model.layer_attention import LayerAttention
 from services.worker.model.layer_ops import LayerOps, TorchLayerOps, gelu_tanh_mul
 from services.worker.model.linear import Linear
+from services.worker.model.mla import MLAttention, drop_mtp_layers
 from services.worker.model.quant_embedding import QuantEmbedding
 from services.worker.model.rope import RotaryEmbedding
 
@@ -102,12 +103,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """mlp: the layer's MLP block (anything with forward(x, ops) and fuse_hf); None = a dense MLP."""
+    """mlp: the layer's MLP block (anything with forward(x, ops) and fuse_hf); None = a dense MLP.
+    attention: the layer's attention block (forward(x, rope, meta, ops); DeepSeek's MLA); None = Attention."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, mlp: nn.Module | None = None):
+    def __init__(self, config: ModelConfig, layer_id: int, mlp: nn.Module | None = None,
+                 attention: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id)
+        self.self_attn = attention if attention is not None else Attention(config, layer_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp if mlp is not None else MLP(config)
 
@@ -123,15 +126,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """mlp_for_layer(config, i): layer i's MLP block (Qwen3-MoE's sparse ones); None = dense everywhere."""
+    """mlp_for_layer(config, i): layer i's MLP block (Qwen3-MoE's sparse ones); None = dense everywhere.
+    attention_for_layer(config, i): layer i's attention block (DeepSeek's MLA); None = Attention."""
 
     def __init__(self, config: ModelConfig,
-                 mlp_for_layer: Callable[[ModelConfig, int], nn.Module] | None = None):
+                 mlp_for_layer: Callable[[ModelConfig, int], nn.Module] | None = None,
+                 attention_for_layer: Callable[[ModelConfig, int], nn.Module] | None = None):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, mlp_for_layer(config, i) if mlp_for_layer else None)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, mlp_for_layer(config, i) if mlp_for_layer else None,
+                         attention_for_layer(config, i) if attention_for_layer else None)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config)
         # Tied: None until tie_lm_head() (after loading), then a Linear on the embedding's parameter.
@@ -240,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
         computes plain Llama attention, with no q/k norm and no sliding window, and dense MLPs."""
         if self.pipeline is not None:
             return "pipeline parallelism (a stage runs its layers between receiving and sending)"
+        if self.config.is_mla:
+            return "multi-head latent attention (DeepSeek)"
         if self.config.num_experts:
             return f"mixture-of-experts MLPs ({self.config.num_experts} experts)"
         if self.config.qk_norm:
@@ -398,9 +407,14 @@ def load_decoder_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
         loaded.add(name)
 
     t = {k.removeprefix("model."): v for k, v in tensors.items() if "rotary_emb" not in k}
+    if model.config.is_mla:  # DeepSeek's MTP layers, past the decoder's: the NEXTN drafter reads them
+        t = drop_mtp_layers(model.config, t)
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
-        for suffix in ("weight", "bias"):
+        if isinstance(layer.self_attn, MLAttention):
+            for name, value in layer.self_attn.fuse_hf(t, f"{p}self_attn.", model.config.rope_interleave).items():
+                put(name, value)
+        for suffix in ("weight", "bias") if hasattr(layer.self_attn, "qkv_proj") else ():
             parts = [t.pop(f"{p}self_attn.{n}_proj.{suffix}", None) for n in "qkv"]
             if all(x is not None for x in parts):
                 put(f"{p}self_attn.qkv_proj.{suffix}", torch.cat(parts, 0))

@@ -97,11 +97,17 @@ def local_experts(x, experts, weights, grouped: GroupedExperts, ops: LayerOps) -
 
 
 class SparseMoeBlock(nn.Module):
+    """router: a module with weight [E, hidden] and route(x) → (experts, weights) (DeepSeek-V3's
+    GroupLimitedRouter); None: softmax top-k over a Linear's logits. shared: an MLP every token
+    runs beside its experts (DeepSeek's shared experts), added to their output; None: none."""
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 slots: int | None = None, layer: int = 0):
+                 slots: int | None = None, layer: int = 0, router: nn.Module | None = None,
+                 shared: nn.Module | None = None):
         super().__init__()
-        self.gate = Linear(hidden, num_experts, bias=False)  # the router
+        self.gate = router if router is not None else Linear(hidden, num_experts, bias=False)  # the router
         self.experts = GroupedExperts(slots or num_experts, hidden, intermediate)
+        self.shared_experts = shared
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.layer = layer  # the decoder layer it sits in (the recorder's row)
         self.dispatch: ExpertDispatch = local_experts
@@ -109,6 +115,8 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → (experts [T, k] int64, weights [T, k] float32)."""
+        if not isinstance(self.gate, Linear):
+            return self.gate.route(x)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
@@ -120,7 +128,8 @@ class SparseMoeBlock(nn.Module):
         experts, weights = self.route(x)
         if self.recorder is not None:
             self.recorder.record(self.layer, experts)
-        return self.dispatch(x, experts, weights.to(x.dtype), self.experts, ops)
+        out = self.dispatch(x, experts, weights.to(x.dtype), self.experts, ops)
+        return out if self.shared_experts is None else out + self.shared_experts(x, ops)
 
     @classmethod
     def for_layer(cls, config, layer: int) -> "SparseMoeBlock":
@@ -132,10 +141,12 @@ class SparseMoeBlock(nn.Module):
     def fuse_hf(self, t: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
         """Pop per-expert checkpoint tensors under prefix ("layers.3.mlp.") → the stacked
         experts.gate_up_proj / down_proj; a checkpoint with them stacked already: nothing to do."""
+        fused = {} if self.shared_experts is None else self.shared_experts.fuse_hf(t, f"{prefix}shared_experts.")
         name = f"{prefix}experts.{{}}.{{}}_proj.weight"
         if name.format(0, "gate") not in t:
-            return {}
+            return fused
         per_slot = range(self.experts.slots)
         gate_up = [torch.cat([t.pop(name.format(e, "gate")), t.pop(name.format(e, "up"))], 0) for e in per_slot]
         down = [t.pop(name.format(e, "down")) for e in per_slot]
-        return {f"{prefix}experts.gate_up_proj": torch.stack(gate_up), f"{prefix}experts.down_proj": torch.stack(down)}
+        return {**fused, f"{prefix}experts.gate_up_proj": torch.stack(gate_up),
+                f"{prefix}experts.down_proj": torch.stack(down)}

@@ -50,8 +50,9 @@ def linear_sources(model: nn.Module) -> Iterator[tuple[Linear, list[str]]]:
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        yield attn.qkv_proj, [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
-        yield attn.o_proj, [f"{p}self_attn.o_proj.weight"]
+        if hasattr(attn, "qkv_proj"):  # MLA's projections (DeepSeek) stay dense
+            yield attn.qkv_proj, [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
+            yield attn.o_proj, [f"{p}self_attn.o_proj.weight"]
         if isinstance(getattr(mlp, "gate_up_proj", None), Linear):  # sparse MoE experts are not Linears
             yield mlp.gate_up_proj, [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]
             yield mlp.down_proj, [f"{p}mlp.down_proj.weight"]
