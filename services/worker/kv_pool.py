@@ -213,6 +213,12 @@ class KVPool:
         # On CUDA every pool's rows go through the Triton write (one launch for K and V, FP8 rotated in it).
         self._cuda_writer = _cuda_writer() if self.k.device.type == "cuda" else None
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors that hold KV bytes, for whatever copies, sends or stores pages: (k, v), or
+        (k,) for a latent pool (its v is zero-width)."""
+        return (self.k,) if self.spec.is_latent else (self.k, self.v)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [T] int64; k, v [T, Hkv, D] in any float dtype (rounded to the pool's). An FP8
         pool's rows are rotated and rounded by the C++ kernel when it is built (the bytes
@@ -244,6 +250,6 @@ class KVPool:
         if src.numel() == 0:
             return
         src, dst = src.to(self.k.device, torch.int64), dst.to(self.k.device, torch.int64)
-        for pool in (self.k, self.v):  # [L, S, Hkv, D]
+        for pool in self.tensors:  # [L, S, Hkv, D]
             rows = pool.view(torch.uint8) if pool.element_size() == 1 else pool  # no float8 index ops on CPU
             rows.index_copy_(1, dst, rows.index_select(1, src))  # the gather is the temp
