@@ -154,6 +154,13 @@ class WorkerConfig:
         "help": "expert parallelism: split a MoE model's experts over this many ranks (each holds its share of "
                 "whole experts; tokens cross by all-to-all), attention staying tensor-parallel over the same ranks: "
                 "1 (off) or --tp-size (docs/parallelism.md)"})
+    enable_dp_attention: bool = field(default=False, metadata={
+        "help": "data-parallel attention (DeepSeek-style MoE models): each of the --dp-size ranks runs attention "
+                "whole on its own requests and KV, under a scheduler of its own; the MoE layers gather every rank's "
+                "tokens, run expert- (--ep-size) or tensor-parallel, and scatter them back (docs/parallelism.md)"})
+    dp_size: int = field(default=1, metadata={
+        "help": "--enable-dp-attention: the data-parallel attention ranks, each with its own scheduler and KV; "
+                "must equal --tp-size (the group's ranks)"})
     ep_num_redundant_experts: int = field(default=0, metadata={
         "help": "expert parallelism: physical expert slots beyond the logical experts, holding replicas of the "
                 "hottest ones (EPLB); experts + this must divide by --ep-size"})
@@ -299,6 +306,7 @@ class WorkerConfig:
         if not self.disaggregation_timeout_s > 0:
             raise ValueError(f"--disaggregation-timeout-s must be > 0, got {self.disaggregation_timeout_s}")
         self._check_expert_parallel()
+        self._check_dp_attention()
         if self.pp_micro_batch_tokens < 1:
             raise ValueError(f"--pp-micro-batch-tokens must be >= 1, got {self.pp_micro_batch_tokens}")
 
@@ -351,6 +359,24 @@ class WorkerConfig:
         if ep > 1 and self.uses_cuda_graphs:
             raise ValueError("--ep-size > 1 runs without CUDA graphs (the all-to-all sizes change every step): "
                              "add --disable-cuda-graph")
+
+    def _check_dp_attention(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            raise ValueError(f"--dp-size {self.dp_size} needs --enable-dp-attention (data-parallel replicas of a "
+                             "whole model are separate workers: radixmesh up --replicas N)")
+        if not self.enable_dp_attention:
+            return
+        if self.dp_size < 2 or self.dp_size != self.tp_size:
+            raise ValueError(f"--enable-dp-attention needs --dp-size >= 2 equal to --tp-size (the group's ranks, each "
+                             f"one attention replica), got --dp-size {self.dp_size} --tp-size {self.tp_size}")
+        refused = {"--pp-size > 1": self.pp_size > 1, "--enable-eplb": self.enable_eplb,
+                   "--nnodes > 1": self.nnodes > 1,
+                   "--disaggregation-mode": self.disaggregation_mode != "null"}
+        given = [flag for flag, on in refused.items() if on]
+        if given:
+            raise ValueError(f"--enable-dp-attention with {', '.join(given)} is not supported yet")
 
     @property
     def world_size(self) -> int:

@@ -104,7 +104,7 @@ class ModelRunner:
         if self.comm.world_size > 1 or pipe is not None:  # a group's rank: its layers, heads, MLP share, vocabulary rows
             rank = (pipe.rank if pipe else 0) * self.comm.world_size + self.comm.rank
             part = RankPart(mc, rank, self.comm.world_size, pipe.size if pipe else 1,
-                            rank_expert_slots(config, mc, rank))
+                            rank_expert_slots(config, mc, rank), config.enable_dp_attention)
             checkpoint = _rank_checkpoint(checkpoint, part)
             stage, self.shard, local = part.stage, part.shard, part.config
         self.model = build_model(local, checkpoint.tensors, config.torch_dtype, self.device,

@@ -2,8 +2,9 @@
 
 Started by the leader with two pipe descriptors: commands in (a RankSetup first, then
 ("execute", plan), ("compute_logits", plan), ("lora_load", name, path),
-("lora_unload", name), ("reset",), ("rebalance_experts",), ("stop",)), and one reply out ("ready" once its shard is built,
-or ("error", why)). It joins the group's process group before loading, so the leader's join
+("lora_unload", name), ("reset",), ("rebalance_experts",), ("dp_execute", plan or None, idle), ("stop",)), and
+replies out: ("ready", "") once its shard is built, or ("error", why); under data-parallel attention
+("result", StepResult or None) after each dp_execute, its own requests' result. It joins the group's process group before loading, so the leader's join
 does not wait for a load. Any failure ends the process: the leader's watchdog names the rank,
 and the leader's next collective fails instead of hanging.
 
@@ -15,6 +16,7 @@ import argparse
 import ctypes
 import logging
 import os
+import pickle
 import signal
 import sys
 from multiprocessing.connection import Connection
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     replies.send(("ready", ""))
     try:
-        return _follow(commands, runner)
+        return _follow(commands, replies, runner)
     finally:
         runner.close()
         from services.worker.parallel.communicator import leave_group
@@ -62,7 +64,7 @@ def _build(setup):
     return ModelRunner(setup.config, checkpoint, comm=joined.comm, pipe=joined.pipe)
 
 
-def _follow(commands: Connection, runner) -> int:
+def _follow(commands: Connection, replies: Connection, runner) -> int:
     """Run the leader's commands until it says stop or goes away."""
     while True:
         try:
@@ -70,8 +72,25 @@ def _follow(commands: Connection, runner) -> int:
         except EOFError:
             log.info("the leader closed the group's pipe: exiting")
             return 0
-        if not run_command(runner, command):
+        if command[0] == "dp_execute":
+            # plain pickle: a Connection's own pickler would share tensors by file descriptor
+            replies.send_bytes(pickle.dumps(("result", run_dp_step(runner, *command[1:]))))
+        elif not run_command(runner, command):
             return 0
+
+
+def run_dp_step(runner, plan, idle: bool, method: str = "execute"):
+    """Data-parallel attention: this rank's own plan (None: none this round) through the runner's
+    `method` (execute, or compute_logits: the architecture tests'), then, when `idle`, its part
+    of the group's pass (another rank computes and this one has no tokens) → what the method
+    returned, or None."""
+    if plan is None:
+        result = None
+    else:  # a plan with no items only admits or releases requests: execute's part
+        result = getattr(runner, method if plan.items else "execute")(plan)
+    if idle:
+        runner.model.dp_tokens.idle()
+    return result
 
 
 def run_command(runner, command: tuple) -> bool:

@@ -148,6 +148,22 @@ class Follower:
         except EOFError:
             return "error", "it closed its reply pipe"
 
+    def receive_result(self, timeout_s: float):
+        """The StepResult (or None) of this rank's last dp_execute; RuntimeError naming the rank when
+        it is gone or silent for timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while not self.replies.poll(READY_POLL_S):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker rank {self.rank} (pid {self.proc.pid}) exited with code "
+                                   f"{self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker rank {self.rank} (pid {self.proc.pid}) sent no step result in "
+                                   f"{timeout_s:.0f} s")
+        kind, detail = self._reply()
+        if kind != "result":
+            raise RuntimeError(f"worker rank {self.rank} (pid {self.proc.pid}) failed its step: {detail}")
+        return detail
+
     def send(self, payload: bytes) -> None:
         """A command pickled once by the group (WorkerGroup.send) for all its followers."""
         try:
@@ -265,6 +281,25 @@ class WorkerGroup:
                 threading.Thread(target=self.on_lost, args=(self.lost,), name="worker-group-lost", daemon=True).start()
             raise GroupLost(f"the worker group is broken: {self.lost}") from None
 
+    def send_each(self, commands: list[tuple]) -> None:
+        """Command i to follower i (data-parallel attention: each rank its own plan)."""
+        if self.lost is not None:
+            raise GroupLost(f"the worker group is broken: {self.lost}")
+        try:
+            for f, command in zip(self.followers, commands, strict=True):
+                f.send(pickle.dumps(command))
+        except RuntimeError as exc:
+            self.lost = self.lost or str(exc)
+            raise GroupLost(f"the worker group is broken: {self.lost}") from None
+
+    def results(self) -> list:
+        """Every follower's reply to the send_each just made, rank order."""
+        try:
+            return [f.receive_result(self.config.dist_timeout_s) for f in self.followers]
+        except RuntimeError as exc:
+            self.lost = self.lost or str(exc)
+            raise GroupLost(f"the worker group is broken: {self.lost}") from None
+
     def _watchdog(self) -> None:
         while not self._closing:
             for f in self.followers:
@@ -303,13 +338,37 @@ class GroupRunner:
         object.__setattr__(self, "group", group)
 
     def execute(self, plan, defer: bool = False):
+        if self.dp_size > 1:  # one scheduler's plan: rank 0's requests, the other ranks idle
+            return self.execute_round([plan] + [None] * (self.dp_size - 1))[0]
         self.group.send(("execute", plan))
         return self.runner.execute(plan, defer)
 
     def compute_logits(self, plan):
         """A plan's forward without sampling (the architecture tests' path)."""
+        if self.dp_size > 1:
+            return self.execute_round([plan] + [None] * (self.dp_size - 1), "compute_logits")[0]
         self.group.send(("compute_logits", plan))
         return self.runner.compute_logits(plan)
+
+    def execute_round(self, plans: list, method: str = "execute") -> list:
+        """Data-parallel attention: plans[r] on rank r (None: nothing for it this round), all ranks
+        at once → each rank's StepResult (None where it had no plan; method "compute_logits": its
+        (logits, sampled)). When any rank computes, every rank without tokens runs its idle pass,
+        so the MoE layers' collectives meet."""
+        from services.worker.group.follower import run_dp_step
+        computes = [plan is not None and bool(plan.items) for plan in plans]
+        idle = [any(computes) and not c for c in computes]
+        self.group.send_each([("dp_execute", plan, i, method) for plan, i in zip(plans[1:], idle[1:], strict=True)])
+        try:
+            own = run_dp_step(self.runner, plans[0], idle[0], method)
+        except Exception as exc:  # a collective with a rank that is gone: say which, once the watchdog knows
+            time.sleep(2 * WATCH_S)
+            raise GroupLost(f"the worker group is broken: {self.group.lost or exc}") from exc
+        return [own, *self.group.results()]
+
+    @property
+    def dp_size(self) -> int:
+        return self.group.config.dp_size if self.group.config.enable_dp_attention else 1
 
     def reset(self) -> None:
         self.group.send(("reset",))
@@ -382,7 +441,8 @@ def load_rank_checkpoint(config: WorkerConfig, source: str, rank: int = 0):
     from services.worker.parallel.moe_parallel import rank_expert_slots
     from services.worker.parallel.rank_part import RankPart
     return load_checkpoint(source, config.quantization, part=lambda full: RankPart(
-        full, rank, config.tp_size, config.pp_size, rank_expert_slots(config, full, rank)))
+        full, rank, config.tp_size, config.pp_size, rank_expert_slots(config, full, rank),
+        config.enable_dp_attention))
 
 
 def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Callable[[str], None] | None = None):
@@ -402,7 +462,11 @@ def create_runner(config: WorkerConfig, checkpoint, hicache=None, on_lost: Calla
     # Sizes the model cannot take: refused before any rank starts.
     from services.worker.parallel.moe_parallel import rank_expert_slots
     stage = PipelineStage(checkpoint.config, 0, config.pp_size)
-    shard = TensorShard(stage.config, 0, config.tp_size, rank_expert_slots(config, stage.config, 0))
+    if config.enable_dp_attention:
+        from services.worker.parallel.dp_attention import DpAttentionShard
+        shard = DpAttentionShard(stage.config, 0, config.tp_size, rank_expert_slots(config, stage.config, 0))
+    else:
+        shard = TensorShard(stage.config, 0, config.tp_size, rank_expert_slots(config, stage.config, 0))
     why = shard.blocks_refusal() if checkpoint.quantized else None
     if why is not None:
         raise ValueError(why)

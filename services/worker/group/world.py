@@ -23,7 +23,7 @@ from services.worker.host_pool import model_identity
 
 # The flags every rank must share: a rank that differs would compute another model or another
 # batch. (Threads, cores, the listen address and logging may differ per rank.)
-MUST_AGREE = ("tp_size", "pp_size", "ep_size", "ep_num_redundant_experts", "enable_eplb",
+MUST_AGREE = ("tp_size", "pp_size", "ep_size", "enable_dp_attention", "dp_size", "ep_num_redundant_experts", "enable_eplb",
               "eplb_rebalance_num_iterations", "eplb_rebalance_layers_per_chunk", "eplb_rebalance_weights_per_pass",
               "init_expert_location", "enable_two_batch_overlap", "pp_micro_batches", "pp_micro_batch_tokens", "nnodes", "dtype", "kv_cache_dtype", "quantization", "page_size", "max_requests",
               "context_length", "kv_cache_bytes", "max_loras", "max_lora_rank", "lora_paths", "all_reduce",

@@ -12,6 +12,7 @@ from functools import cached_property
 
 from kernels.quant_gemv import QuantWeight
 from services.worker.model.config import ModelConfig
+from services.worker.parallel.dp_attention import DpAttentionShard
 from services.worker.parallel.pipeline import PipelineStage
 from services.worker.parallel.tensor_parallel import TensorShard, Weight
 
@@ -24,6 +25,7 @@ class RankPart:
     tp: int
     pp: int
     expert_slots: tuple[tuple[int, ...], ...] = ()  # expert parallelism: TensorShard.expert_slots
+    dp_attention: bool = False  # --enable-dp-attention: attention whole on every rank (dp_attention.py)
 
     def __post_init__(self) -> None:
         self.shard  # the sizes the model cannot take raise ValueError here, naming the flag
@@ -34,10 +36,13 @@ class RankPart:
         return PipelineStage(self.full, self.rank // self.tp, self.pp) if self.pp > 1 else None
 
     @cached_property
-    def shard(self) -> TensorShard | None:
+    def shard(self) -> TensorShard | DpAttentionShard | None:
         stage = self.stage
-        return (TensorShard(stage.config if stage else self.full, self.rank % self.tp, self.tp, self.expert_slots)
-                if self.tp > 1 else None)
+        if self.tp == 1:
+            return None
+        if self.dp_attention:
+            return DpAttentionShard(self.full, self.rank, self.tp, self.expert_slots)
+        return TensorShard(stage.config if stage else self.full, self.rank % self.tp, self.tp, self.expert_slots)
 
     @property
     def config(self) -> ModelConfig:

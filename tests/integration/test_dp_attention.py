@@ -1,0 +1,124 @@
+"""Data-parallel attention (--enable-dp-attention --dp-size 2, services/worker/parallel/dp_attention.py)
+over real processes joined by torch.distributed, on a random tiny DeepSeek-V3: each rank runs its
+own requests' attention over its own latent KV, the MoE layers gather every rank's tokens, run
+expert-parallel (EP 2) or tensor-parallel, and scatter them back. In float32 every rank's logits
+equal those of one process holding all the requests; a rank with nothing to do beside a busy one
+runs its idle pass and nothing hangs; a rank killed mid-stream fails the group's next step with
+an error naming it."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.engine.engine import Engine
+from services.step.contract import NewRequestSpec, StepItem, StepPlan
+from services.worker.config import WorkerConfig
+from services.worker.group.leader import GroupLost, create_runner
+from services.worker.loader.checkpoint import load_checkpoint
+from tests.unit.tiny_models import (BATCHES, greedy_continuation, logits_by_position, pages, save_for_generation,
+                                    save_tiny, sequences)
+
+pytestmark = pytest.mark.slow
+ATOL = 1e-4
+CHUNKS = {rid: c for rid, (_, c) in BATCHES["three_chunked"].items()}
+RANKS = {0: ["a", "c"], 1: ["b"]}  # each rank's requests: rank 1's one ends first, then it idles
+
+
+def _config(**flags) -> WorkerConfig:
+    return WorkerConfig(dtype="float32", page_size=4, kv_cache_bytes=4 << 20, max_requests=4, **flags)
+
+
+def _dp_logits(runner, seqs: dict[str, list[int]]) -> dict:
+    """logits_by_position for a DP group: each rank's requests in its own plans, every step a round
+    of both ranks' plans (None once a rank has nothing left) → rid → [(position, logits row)]."""
+    sp = SamplingParams(temperature=0.0)
+    tables = {r: pages({rid: seqs[rid] for rid in rids}, 4) for r, rids in RANKS.items()}
+    pos = {rid: 0 for rid in seqs}
+    todo = {rid: list(CHUNKS[rid]) for rid in seqs}
+    ours: dict[str, list] = {rid: [] for rid in seqs}
+    runner.execute_round([StepPlan(0, [NewRequestSpec(rid, seqs[rid], [], sp, 0) for rid in rids])
+                          for rids in RANKS.values()], "compute_logits")
+    step = 1
+    while any(pos[r] < len(s) for r, s in seqs.items()):
+        plans = []
+        for r, rids in RANKS.items():
+            items = []
+            for rid in rids:
+                if pos[rid] < len(seqs[rid]):
+                    n, first = (todo[rid].pop(0) if todo[rid] else 1), pos[rid] == 0
+                    items.append(StepItem(rid, seqs[rid][pos[rid]:pos[rid] + n], pos[rid],
+                                          tables[r][rid] if first else [], first))
+            plans.append(StepPlan(step, [], items) if items else None)
+        for plan, out in zip(plans, runner.execute_round(plans, "compute_logits"), strict=True):
+            if plan is None:
+                assert out is None
+                continue
+            logits, sampled = out
+            for i, row in zip(sampled, logits):
+                item = plan.items[i]
+                ours[item.rid].append((item.start_pos + len(item.input_ids) - 1, row))
+                pos[item.rid] += len(item.input_ids)
+        step += 1
+    return ours
+
+
+@pytest.mark.parametrize("flags", [dict(ep_size=2), dict()], ids=["ep2", "moe_tp2"])
+def test_dp_attention_2_gives_every_rank_the_logits_of_one_process(tmp_path, flags):
+    path = save_tiny(tmp_path, "deepseek_v3")[0]
+    seqs = sequences("three_chunked")
+    one = logits_by_position(create_runner(_config(), load_checkpoint(path)), seqs, CHUNKS, 4)
+    runner = create_runner(_config(tp_size=2, dp_size=2, enable_dp_attention=True, **flags), load_checkpoint(path))
+    try:
+        assert runner.dp_size == 2 and runner.model.dp_tokens is not None
+        assert runner.kv_spec.is_latent and runner.model.config.num_attention_heads == 4  # attention whole
+        group = _dp_logits(runner, seqs)
+    finally:
+        runner.close()
+    for rid, rows in one.items():
+        assert [p for p, _ in rows] == [p for p, _ in group[rid]]
+        for (pos, a), (_, b) in zip(rows, group[rid], strict=True):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=0, msg=lambda m: f"{flags} {rid} @{pos}: {m}")
+            assert int(a.argmax()) == int(b.argmax())
+
+
+def test_one_scheduler_on_rank_0_beside_an_idle_rank_streams_transformers_greedy_text(tmp_path):
+    """The Engine's one scheduler plans for rank 0; rank 1 has no requests and runs its idle pass
+    in every step: nothing hangs, and the text is transformers'."""
+    path, hf = save_for_generation(tmp_path, "deepseek_v3")
+    prompts = [[5, 17, 33, 9], [60, 41, 2]]
+    engine = Engine(path, worker=WorkerConfig(dtype="float32", kv_cache_bytes=8 << 20, max_requests=4, tp_size=2,
+                                              ep_size=2, dp_size=2, enable_dp_attention=True))
+    try:
+        for prompt in prompts:
+            out = engine.generate(input_ids=prompt, sampling=SamplingParams(temperature=0.0, max_new_tokens=10),
+                                  timeout=300)
+            assert out.token_ids == greedy_continuation(hf, prompt, 10)
+    finally:
+        engine.shutdown()
+
+
+def test_a_rank_killed_mid_stream_fails_the_next_round_naming_it(tmp_path):
+    path = save_tiny(tmp_path, "deepseek_v3")[0]
+    runner = create_runner(_config(tp_size=2, dp_size=2, ep_size=2, enable_dp_attention=True, dist_timeout_s=5.0),
+                           load_checkpoint(path))
+    follower = runner.group.followers[0].proc
+    sp = SamplingParams(temperature=0.0)
+    try:
+        runner.execute_round([StepPlan(0, [NewRequestSpec("a", [1, 2, 3], [], sp, 0)]),
+                              StepPlan(0, [NewRequestSpec("b", [4, 5], [], sp, 0)])])
+        runner.execute_round([StepPlan(1, [], [StepItem("a", [1, 2, 3], 0, [0], True)]),
+                              StepPlan(1, [], [StepItem("b", [4, 5], 0, [0], True)])])
+        os.kill(follower.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(GroupLost, match="worker rank 1 .* exited"):
+            runner.execute_round([StepPlan(2, [], [StepItem("a", [7], 3, [])]), None])
+        assert time.monotonic() - started < 5.0 + 5.0
+        with pytest.raises(GroupLost, match="worker rank 1"):  # named from then on
+            runner.execute_round([StepPlan(3, [], [StepItem("a", [8], 4, [])]), None])
+    finally:
+        runner.close()
