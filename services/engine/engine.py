@@ -33,6 +33,8 @@ from services.common.sampling_params import InvalidRequest, SamplingParams
 from services.common.text_options import TextOptions
 from services.detokenizer.sequence_text import SequenceText
 from services.engine.runner_admin import RunnerAdmin
+from services.engine.dp_lanes import DpLanes
+from services.engine.dp_link import DpRankLink
 from services.engine.runner_link import RunnerLink
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import carry_counters
@@ -48,6 +50,7 @@ from services.worker.config import WorkerConfig
 from services.worker.host_pool import attach_tiers
 from services.worker.info import worker_info
 from services.worker.loader.checkpoint import Checkpoint
+from services.worker.group.dp_rounds import DpRounds
 from services.worker.group.leader import create_runner, load_rank_checkpoint
 
 log = logging.getLogger(__name__)
@@ -83,25 +86,36 @@ class Engine:
 
     def __init__(self, model: str | None = None, worker: WorkerConfig | None = None,
                  scheduler: SchedulerConfig | None = None, *, checkpoint: Checkpoint | None = None,
-                 tokenizer: TextTokenizer | None = None, hicache: HiCacheConfig | None = None):
+                 tokenizer: TextTokenizer | None = None, hicache: HiCacheConfig | None = None,
+                 _dp_lane: tuple[Engine, int] | None = None):
         """`checkpoint`/`tokenizer` reuse already loaded ones (tests build many engines);
-        `hicache` adds the host tier and the kvstore below the KV pool."""
+        `hicache` adds the host tier and the kvstore below the KV pool. With
+        --enable-dp-attention the engine is data-parallel rank 0's scheduler, and builds one more
+        engine (_dp_lane: this one and its rank) per other rank, sharing its runner and step
+        thread; submit spreads requests over them (dp_lanes.py)."""
         worker = worker or WorkerConfig(model=model)
         if worker.disaggregation_mode != "null":
             raise ValueError(f"--disaggregation-mode {worker.disaggregation_mode}: disaggregation pairs replicas of "
                              "the mesh (radixmesh up --prefill N --decode M); the in-process Engine is one replica")
-        path = None if checkpoint and tokenizer else resolve_model_path(model or worker.model)
-        self.tokenizer: TextTokenizer = tokenizer or load_tokenizer(path)
         sched_cfg = scheduler or SchedulerConfig(max_running_requests=worker.max_requests)
         hicache = hicache or HiCacheConfig()
-        # The step thread builds the model and runs every step (_build_runner).
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
-        try:
-            self.runner, self.kvstore, self._tiers = self._executor.submit(
-                self._build_runner, worker, checkpoint, path, hicache, not sched_cfg.disable_radix_cache).result()
-        except BaseException:
-            self._executor.shutdown(wait=False)
-            raise
+        self._front, self.dp_rank = _dp_lane or (None, 0)
+        if self._front is None:
+            path = None if checkpoint and tokenizer else resolve_model_path(model or worker.model)
+            self.tokenizer: TextTokenizer = tokenizer or load_tokenizer(path)
+            # The step thread builds the model and runs every step (_build_runner).
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+            try:
+                self.runner, self.kvstore, self._tiers = self._executor.submit(
+                    self._build_runner, worker, checkpoint, path, hicache, not sched_cfg.disable_radix_cache).result()
+            except BaseException:
+                self._executor.shutdown(wait=False)
+                raise
+            self._rounds = DpRounds(self.runner, worker.dp_size) if worker.enable_dp_attention else None
+        else:  # another data-parallel rank's scheduler, on the first engine's runner and step thread
+            front = self._front
+            self.tokenizer, self._executor, self.runner = front.tokenizer, front._executor, front.runner
+            self.kvstore, self._tiers, self._rounds = None, None, front._rounds
         mc = self.runner.model_config
         self._eos = tuple(sorted(set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         # The scheduler is built as the scheduler service builds it, from the worker's description
@@ -117,13 +131,26 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._wake = asyncio.Event()
         hooks = DriverHooks(self._recover, between_steps=self._drain_inbox, deliver=self._deliver)
-        self._driver = StepDriver(hooks, self.scheduler, RunnerLink(self.runner, self._executor),
-                                  2 if self.overlap else 1, wake=self._wake)
+        self._driver = StepDriver(hooks, self.scheduler, self._link(), 2 if self.overlap else 1, wake=self._wake)
         self._task = self._loop.create_task(self._driver.run())
         self._runner_admin = RunnerAdmin(self.runner, self._executor)
         self.admin = ModelAdmin(lambda: self.scheduler, lambda: self._runner_admin, self._wake.set)
         self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
         self._thread.start()
+        self._lanes: DpLanes | None = None
+        if self._rounds is not None and self._front is None:
+            try:
+                self._lanes = DpLanes(self, [Engine(worker=worker, scheduler=scheduler, hicache=hicache,
+                                                    _dp_lane=(self, r)) for r in range(1, worker.dp_size)])
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def _link(self):
+        """The scheduler's link to the runner: direct, or through the data-parallel rounds."""
+        if self._rounds is None:
+            return RunnerLink(self.runner, self._executor)
+        return DpRankLink(self._rounds, self.dp_rank, self.runner, self._executor)
 
     @staticmethod
     def _build_runner(worker: WorkerConfig, checkpoint: Checkpoint | None, path: str | None, hicache: HiCacheConfig,
@@ -172,6 +199,11 @@ class Engine:
         if self._broken is not None:
             raise EngineBroken(self._broken)
         rid = rid or uuid.uuid4().hex
+        if self._lanes is not None:  # rank 0's engine: the lane the cache-aware choice picks takes it
+            lane, sink = self._lanes.pick(rid, ids, sink, n)
+            if lane is not self:
+                return lane.submit(ids, sampling, sink, rid, namespace, adapter, n, skip_special_tokens,
+                                   include_stop_str_in_output)
         check_request_limits(sampling, n, rid)
         self.scheduler.validate(ids, sampling)
         self.scheduler.cache_namespace(namespace, adapter)
@@ -186,6 +218,10 @@ class Engine:
         return rid
 
     def abort(self, rid: str) -> None:
+        lane = self._lanes.lane_of(rid) if self._lanes is not None else self
+        if lane is not self:
+            lane.abort(rid)
+            return
         self._inbox.put(("abort", rid))
         self._notify()
 
@@ -263,6 +299,9 @@ class Engine:
         """Stop the engine and give its memory back: the threads are joined, then the runner drops
         its weights, KV pool and native objects and freed heap pages go back to the OS
         (tests/integration/test_engine_memory.py holds RSS to it). Idempotent."""
+        lanes, self._lanes = getattr(self, "_lanes", None), None
+        for lane in lanes.others if lanes is not None else ():  # before the runner they step on closes
+            lane.shutdown()
         try:
             self._loop.call_soon_threadsafe(self._task.cancel)
         except RuntimeError:  # shut down already
@@ -270,6 +309,9 @@ class Engine:
         self._thread.join(timeout=30)
         if self._thread.is_alive():
             log.error("engine loop did not stop within 30 s; its memory stays held")
+            return
+        if self._front is not None:  # the runner, its step thread and the tiers are the first engine's
+            self.runner, self._runner_admin = None, None
             return
         if self.kvstore is not None:
             self.kvstore.close()
@@ -286,7 +328,8 @@ class Engine:
             pass  # shutdown()
         finally:
             self._driver.link.close()
-            self._executor.shutdown(wait=True)
+            if self._front is None:  # another rank's engine shares the first one's step thread
+                self._executor.shutdown(wait=True)
             self._loop.close()
 
     async def _recover(self, exc: Exception, reason: str) -> tuple[Scheduler, RunnerLink]:
@@ -305,7 +348,7 @@ class Engine:
         carry_counters(self.scheduler.stats, core.stats)
         self.scheduler = core
         self._fail_open(failed, reason)  # once a fresh scheduler serves what comes next
-        return core, RunnerLink(self.runner, self._executor)
+        return core, self._link()
 
     def _fail_open(self, failed: OpenRequests, reason: str) -> None:
         for req in failed.requests.values():

@@ -86,18 +86,26 @@ def test_dp_attention_2_gives_every_rank_the_logits_of_one_process(tmp_path, fla
             assert int(a.argmax()) == int(b.argmax())
 
 
-def test_one_scheduler_on_rank_0_beside_an_idle_rank_streams_transformers_greedy_text(tmp_path):
-    """The Engine's one scheduler plans for rank 0; rank 1 has no requests and runs its idle pass
-    in every step: nothing hangs, and the text is transformers'."""
+def test_the_engine_spreads_requests_over_the_ranks_and_streams_transformers_greedy_text(tmp_path):
+    """Each rank's scheduler takes its share of a batch (cache-aware), a request alone leaves the other
+    rank idle beside it (its idle pass in every step: nothing hangs), a repeated prefix follows its
+    rank, and every text is transformers'."""
     path, hf = save_for_generation(tmp_path, "deepseek_v3")
-    prompts = [[5, 17, 33, 9], [60, 41, 2]]
+    prompts = [[5 + i, 17, 33 + 2 * i, 9, 60 - i, 41][: 3 + i] for i in range(4)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10)
     engine = Engine(path, worker=WorkerConfig(dtype="float32", kv_cache_bytes=8 << 20, max_requests=4, tp_size=2,
                                               ep_size=2, dp_size=2, enable_dp_attention=True))
     try:
-        for prompt in prompts:
-            out = engine.generate(input_ids=prompt, sampling=SamplingParams(temperature=0.0, max_new_tokens=10),
-                                  timeout=300)
-            assert out.token_ids == greedy_continuation(hf, prompt, 10)
+        outs = engine.generate_batch(prompts, sp)
+        assert [o.token_ids for o in outs] == [greedy_continuation(hf, p, 10) for p in prompts]
+        assert sorted(set(engine._lanes.picked)) == [0, 1]  # both ranks took requests
+        shared = [7, 8, 9, 10, 11, 12, 13, 14]
+        first = engine.generate(input_ids=shared, sampling=sp, timeout=300)  # alone: the other rank idles
+        again = engine.generate(input_ids=shared + [3], sampling=sp, timeout=300)
+        assert engine._lanes.picked[-1] == engine._lanes.picked[-2]  # the prefix's rank again
+        assert first.token_ids == greedy_continuation(hf, shared, 10)
+        assert again.token_ids == greedy_continuation(hf, shared + [3], 10)
+        assert engine._rounds.rounds > 0
     finally:
         engine.shutdown()
 
@@ -122,3 +130,22 @@ def test_a_rank_killed_mid_stream_fails_the_next_round_naming_it(tmp_path):
             runner.execute_round([StepPlan(3, [], [StepItem("a", [8], 4, [])]), None])
     finally:
         runner.close()
+
+
+def test_radixmesh_generate_takes_the_dp_attention_flags(tmp_path):
+    """The same flags on the CLI: `radixmesh generate` over DP attention 2 x EP 2 prints transformers' greedy text."""
+    import json
+    import re
+    import subprocess
+    import sys
+    path, hf = save_for_generation(tmp_path, "deepseek_v3")
+    prompt_ids, n_new = sequences("two")["a"][:12], 8
+    cmd = [sys.executable, "-m", "services.cli", "generate", "--model", path, "--dtype", "float32",
+           "--kv-cache-bytes", str(8 << 20), "--tp-size", "2", "--ep-size", "2", "--dp-size", "2",
+           "--enable-dp-attention", "--max-new-tokens", str(n_new), "--temperature", "0", "--json",
+           " ".join(f"t{i}" for i in prompt_ids)]
+    done = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [int(m) for m in re.findall(r"t(\d+)", out["text"])] == greedy_continuation(hf, prompt_ids, n_new)
