@@ -83,7 +83,7 @@ CONFIG_CLASSES = {
     "router": "services.router.config:RouterConfig",
     "kvstore": "services.kvstore.main:KVStoreConfig",
 }
-SET_BY_LAUNCHER = {"--listen", "--replica-addrs", "--kvstore-addr", "--prefill", "--decode",
+SET_BY_LAUNCHER = {"--listen", "--replica-addrs", "--kvstore-addr", "--prefill", "--decode", "--dp-rank",
                    *(flag for _, peers in TOPOLOGY for flag, _ in peers)}
 
 
@@ -95,6 +95,7 @@ class Planned:
     service: str
     peers: list[tuple[str, list[str]]]
     role: str = ""
+    flags: tuple[str, ...] = ()  # fixed flags of its own (a data-parallel scheduler's --dp-rank)
 
 
 def worker_threads(replicas: int, cores: int | None = None) -> int:
@@ -104,11 +105,46 @@ def worker_threads(replicas: int, cores: int | None = None) -> int:
     return max(1, cores // replicas)
 
 
+def dp_lanes(extra: list[str]) -> int:
+    """The worker's data-parallel attention ranks its argv asks for (--enable-dp-attention --dp-size N), else 1."""
+    if "--enable-dp-attention" not in extra:
+        return 1
+    for i, token in enumerate(extra):
+        if token.startswith("--dp-size="):
+            return int(token.split("=", 1)[1])
+        if token == "--dp-size" and i + 1 < len(extra):
+            return int(extra[i + 1])
+    return 1
+
+
+def dp_plan(lanes: int, gateway: bool) -> list[Planned]:
+    """One worker group with data-parallel attention: the worker, then per rank i a scheduler
+    (--dp-rank i, on the worker's Step stream for rank i), detokenizer and tokenizer, the router in
+    front of the ranks' tokenizers (cache-aware, as in front of replicas), then the gateway."""
+    out = [Planned("worker", "worker", [])]
+    for i in range(lanes):
+        sfx = f"-dp{i}"
+        for service, peers in TOPOLOGY[1:-1]:
+            links = [(flag, [peer if peer == "worker" else peer + sfx]) for flag, peer in peers]
+            out.append(Planned(service + sfx, service, links, flags=("--dp-rank", str(i)) if service == "scheduler"
+                               else ()))
+    out.append(Planned("router", "router", [("--replica-addrs", [f"tokenizer-dp{i}" for i in range(lanes)])]))
+    if gateway:
+        out.append(Planned("gateway", "gateway", [("--tokenizer-addr", ["router"])]))
+    return out
+
+
 def plan(replicas: int, router: bool, gateway: bool, kvstore: bool = False, prefill: int = 0,
-         decode: int = 0) -> list[Planned]:
+         decode: int = 0, dp: int = 1) -> list[Planned]:
     """The children in start order. One replica without a router keeps the plain names.
     With a kvstore, it starts first and every worker gets --kvstore-addr. With `prefill` and
-    `decode` (> 0) the replicas are those of a disaggregated fleet (services/launcher/pd.py)."""
+    `decode` (> 0) the replicas are those of a disaggregated fleet (services/launcher/pd.py);
+    with `dp` > 1, one worker group's data-parallel attention ranks (dp_plan)."""
+    if dp > 1:
+        if replicas > 1 or prefill or decode or kvstore:
+            raise ValueError("--enable-dp-attention runs one worker group with a scheduler per rank: give no "
+                             "--replicas, --prefill/--decode or --kvstore with it")
+        return dp_plan(dp, gateway)
     if prefill or decode:
         suffixes = pd.pd_replicas(prefill, decode)
     else:
@@ -299,10 +335,10 @@ def route_flags(extra: list[str], services: list[str]) -> dict[str, list[str]]:
 
 
 class Mesh:
-    def __init__(self, config: UpConfig, routed: dict[str, list[str]]) -> None:
+    def __init__(self, config: UpConfig, routed: dict[str, list[str]], dp: int = 1) -> None:
         self.config, self.routed = config, routed
         self.plan = plan(config.replicas, config.router, "gateway" in routed, config.use_kvstore,
-                         config.prefill, config.decode)
+                         config.prefill, config.decode, dp)
         self.metrics_ports = metrics_ports(self.plan, config.metrics_port)
         # Children that advertise their own address get a port before they start (pd.py).
         self.known_ports = {p.name: pd.free_loopback_port() for p in self.plan
@@ -366,6 +402,7 @@ class Mesh:
             # (each OpenMP team spinning on all cores slows every worker several-fold).
             argv += ["--num-threads", str(worker_threads(cfg.engine_replicas))]
         argv += pd.disaggregation_flags(name, self._role(child), cfg.transfer_backend, listen)
+        argv += next((list(p.flags) for p in self.plan if p.name == child), [])
         return argv + routed
 
     def _role(self, child: str) -> str:
@@ -497,8 +534,8 @@ async def _serving(address: str) -> None:
             await asyncio.sleep(0.2)
 
 
-async def run(config: UpConfig, routed: dict[str, list[str]]) -> int:
-    mesh = Mesh(config, routed)
+async def run(config: UpConfig, routed: dict[str, list[str]], dp: int = 1) -> int:
+    mesh = Mesh(config, routed, dp)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, mesh.on_signal)
@@ -545,7 +582,8 @@ def main(argv: list[str]) -> int:
     try:
         config = config_from_args(UpConfig, args)
         services = [name for name, _ in TOPOLOGY if name != "gateway" or config.gateway]
-        if config.starts_router:
+        dp = dp_lanes(extra)
+        if config.starts_router or dp > 1:
             services.append("router")
         if config.use_kvstore:
             services.append("kvstore")
@@ -553,11 +591,11 @@ def main(argv: list[str]) -> int:
             pd.refuse_owned(extra)
         routed = route_flags(extra, services)
         metrics_ports(plan(config.replicas, config.router, config.gateway, config.use_kvstore, config.prefill,
-                           config.decode), config.metrics_port)
+                           config.decode, dp), config.metrics_port)
     except ValueError as e:
         parser.error(str(e))
     if config.gateway and load_ref("services.gateway.main:main") is None:
         parser.error("the gateway (services/gateway/main.py) is not available here: use --no-gateway")
     setup_logging("launcher", "info")
     tls.configure_clients(tls.client_from_argv(extra))  # probe the children as they dial each other
-    return asyncio.run(run(config, routed))
+    return asyncio.run(run(config, routed, dp))

@@ -24,6 +24,9 @@ class SchedulerServiceConfig:
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)  # policies; tiers and store come from the worker
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     worker_addr: str = field(default="127.0.0.1:50053", metadata={"help": "the worker's gRPC HOST:PORT"})
+    dp_rank: int = field(default=0, metadata={
+        "help": "a worker with --enable-dp-attention: the data-parallel rank this scheduler plans for (one "
+                "scheduler per rank; radixmesh up starts them)"})
     worker_wait_s: float = field(default=600.0, metadata={
         "help": "at start: seconds to wait for the worker to load and answer before giving up"})
     check_invariants: bool = field(default=False, metadata={

@@ -64,6 +64,7 @@ from services.scheduler.convert import carry_counters, output_events, stats_prot
 from services.scheduler.core_factory import build_core, fit_config
 from services.scheduler.driver import DriverHooks, StepDriver
 from services.scheduler.grpc_link import GrpcStepLink
+from services.step.contract import DP_RANK_METADATA
 from services.scheduler.open_requests import OpenRequests
 from services.scheduler.pd_link import PDLink, pd_spec
 from services.scheduler.outputs import QueueFull
@@ -160,8 +161,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.core, self.info = core, info
         m = info.model
         self.telemetry.connected(m.name)
-        self._link = GrpcStepLink(self._worker.Step(), self._plan_message, self.step_bound_s, self._set_stalled,
-                                  self._worker)
+        rank = getattr(self.config, "dp_rank", 0)  # the worker's data-parallel rank it plans for
+        self._link = GrpcStepLink(self._worker.Step(metadata=((DP_RANK_METADATA, str(rank)),)), self._plan_message,
+                                  self.step_bound_s, self._set_stalled, self._worker)
         self.connected, self.stalled = True, None
         self.readiness.set(True)
         log.info("worker connected", extra={"worker": self.config.worker_addr, "model": m.name,

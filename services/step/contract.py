@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 
 from services.common.sampling_params import SamplingParams
 
+# A Step stream's metadata under data-parallel attention: the worker's rank whose plans it carries
+# (services/worker/dp_streams.py; the scheduler's --dp-rank).
+DP_RANK_METADATA = "x-radixmesh-dp-rank"
+
 
 @dataclass
 class NewRequestSpec:

@@ -44,6 +44,7 @@ from services.common.model_path import resolve_model_path
 from services.common.sampling_params import InvalidRequest
 from services.step.convert import plan_from_proto, result_to_proto
 from services.worker.config import WorkerConfig
+from services.worker.dp_streams import DpStreams
 from services.worker.expert_metrics import ExpertCollector
 from services.worker.info import worker_info
 from services.worker.step_loop import StepLoop
@@ -60,6 +61,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.config = config
         self.hicache = hicache
         self.runner = None  # a ModelRunner once start() returned
+        self.dp_streams: DpStreams | None = None  # --enable-dp-attention: a Step stream per rank
         self.info: pb.WorkerInfo | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="worker-step")
         # Held by every step while it runs; model administration (services/worker/admin_service.py)
@@ -93,6 +95,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Load the model on the step thread (health stays NOT_SERVING meanwhile)."""
         loop = asyncio.get_running_loop()
         self.runner, eos = await loop.run_in_executor(self._executor, self._load)
+        if self.config.enable_dp_attention:
+            self.dp_streams = DpStreams(self.runner, self._executor, STREAM_TAKEOVER_S, self._observe)
         self.info = worker_info(self.runner, eos, self._tiers if self.hicache is not None else None,
                                 self.hicache.kvstore_addr if self.hicache is not None else None)
         self._model = self.info.model.name
@@ -163,6 +167,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def Step(self, request_iterator: AsyncIterator[pb.StepPlan],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
+        if self.dp_streams is not None:  # one stream per data-parallel rank (dp_streams.py)
+            async for result in self.dp_streams.serve(request_iterator, context):
+                yield result
+            return
         try:
             await asyncio.wait_for(self._stream_lock.acquire(), STREAM_TAKEOVER_S)
         except asyncio.TimeoutError:

@@ -91,8 +91,9 @@ def rank_config(config: WorkerConfig, cpus: tuple[int, ...], local_rank: int = 0
     """The config a rank runs: a thread per CPU of its own (one when it has none); no LoRA slots
     under pipeline parallelism (an adapter's layers would need renumbering per stage). On CUDA,
     local rank r of a node runs on its GPU r, eagerly (no decode graphs: a captured step would
-    hold the group's collectives and sends)."""
-    return replace(config, num_threads=config.num_threads or max(1, len(cpus)),
+    hold the group's collectives and sends). No lead CPU (--lead-cpu, which `radixmesh up` gives a
+    one-replica worker): the group gives each rank CPUs of its own instead."""
+    return replace(config, num_threads=config.num_threads or max(1, len(cpus)), lead_cpu=None,
                    max_loras=config.max_loras if config.pp_size == 1 else 0,
                    device=f"cuda:{local_rank}" if config.on_cuda else config.device,
                    disable_cuda_graph=config.disable_cuda_graph or config.on_cuda)
@@ -373,6 +374,13 @@ class GroupRunner:
     def reset(self) -> None:
         self.group.send(("reset",))
         self.runner.reset()
+
+    def reset_rank(self, rank: int) -> None:
+        """Data-parallel attention: drop rank `rank`'s requests only (a new stream of its scheduler)."""
+        if rank == 0:
+            self.runner.reset()
+        else:
+            self.group.followers[rank - 1].send(pickle.dumps(("reset",)))
 
     def rebalance_experts(self) -> dict | None:
         """EPLB now, on every rank (between two steps)."""

@@ -1,0 +1,52 @@
+"""Data-parallel attention through the real mesh: `radixmesh up --enable-dp-attention --dp-size 2
+--tp-size 2 --ep-size 2` on a random tiny DeepSeek-V3 starts one worker group and a scheduler,
+detokenizer and tokenizer per rank behind the router. Concurrent greedy requests through the router
+are spread over both ranks' schedulers and stream transformers' greedy text."""
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+from protos.radixmesh.v1 import scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from tests.integration.mesh_harness import Mesh, collect, greedy
+from tests.unit.tiny_models import greedy_continuation, save_for_generation
+
+pytestmark = pytest.mark.slow
+N_NEW = 8
+
+
+def test_the_router_spreads_requests_over_the_ranks_schedulers(tmp_path):
+    path, hf = save_for_generation(tmp_path, "deepseek_v3")
+    prompts = [[5 + i, 17, 33 + 2 * i, 9, 60 - i, 41, 7 * i + 1] for i in range(6)]
+    mesh = Mesh("--model", path, "--dtype", "float32", "--kv-cache-bytes", str(4 << 20), "--max-requests", "4",
+                "--max-running-requests", "4", "--tp-size", "2", "--ep-size", "2", "--dp-size", "2",
+                "--enable-dp-attention", "--check-invariants", "--policy", "round_robin")
+    try:
+        expected = [greedy_continuation(hf, p, N_NEW) for p in prompts]  # while the mesh starts
+        mesh.wait_ready(timeout=300)
+        assert {"worker", "scheduler-dp0", "scheduler-dp1", "tokenizer-dp0", "tokenizer-dp1", "router"} <= set(
+            mesh.addresses)
+        router = tokenizer_pb2_grpc.TokenizerStub(mesh.channel("router"))
+        got: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            text = " ".join(f"t{t}" for t in prompts[i])
+            seqs = collect(router.Generate(tokenizer_pb2.GenerateTextRequest(text=text, sampling=greedy(N_NEW)),
+                                           timeout=120))
+            got[i] = [int(m) for m in re.findall(r"t(\d+)", seqs[0]["text"])]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert [got.get(i) for i in range(len(prompts))] == expected
+        finished = [scheduler_pb2_grpc.SchedulerStub(mesh.channel(f"scheduler-dp{r}")).GetStats(
+            scheduler_pb2.GetStatsRequest(), timeout=10).finished for r in range(2)]
+        assert sum(finished) == len(prompts) and min(finished) > 0, finished  # both ranks served
+        assert mesh.stop() == 0
+        assert mesh.leftover_children() == []
+    finally:
+        mesh.kill_all()
