@@ -1,7 +1,8 @@
 """Expert parallelism over real processes joined by torch.distributed (--ep-size 2 over a TP 2
 group; services/worker/parallel/expert_parallel.py): in float32 a group of two computes the logits
-of one process within 1e-4, and the same greedy tokens, on random tiny Qwen3-MoE and Mixtral
-configurations, with and without redundant experts and two-batch overlap; through the Engine,
+of one process within 1e-4, and the same greedy tokens, on random tiny Qwen3-MoE, Mixtral and
+DeepSeek-V3 configurations (DeepSeek's shared experts counted once: each rank runs them on its own
+tokens), with and without redundant experts and two-batch overlap; through the Engine,
 EPLB rebalancing every few forward passes while several streams run moves expert weights
 between the ranks without losing a request or changing a token of transformers' greedy text."""
 from __future__ import annotations
@@ -18,12 +19,13 @@ from services.engine.engine import Engine
 from services.worker.config import WorkerConfig
 from services.worker.group.leader import create_runner
 from services.worker.loader.checkpoint import load_checkpoint
+from services.worker.model.expert_load import moe_blocks
 from tests.unit.tiny_models import (BATCHES, greedy_continuation, logits_by_position, save_for_generation, save_tiny,
                                     sequences)
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-4
-ARCHITECTURES = ["qwen3_moe", "mixtral"]
+ARCHITECTURES = ["qwen3_moe", "mixtral", "deepseek_v3"]
 # (ep flags) → what each group is checked with; the plain EP 1 run is the reference.
 GROUPS = [dict(), dict(ep_num_redundant_experts=2, enable_two_batch_overlap=True), dict(ep_num_redundant_experts=2)]
 
@@ -36,7 +38,7 @@ def _logits(path: str, **flags) -> tuple[dict, dict]:
         seqs = sequences("three_chunked")
         logits = logits_by_position(runner, seqs, {rid: c for rid, (_, c) in BATCHES["three_chunked"].items()}, 4)
         ep = runner.expert_parallel
-        seen = {} if ep is None else {"calls": ep.times.calls, "slots": runner.model.layers[0].mlp.experts.slots,
+        seen = {} if ep is None else {"calls": ep.times.calls, "slots": moe_blocks(runner.model)[0].experts.slots,
                                       "physical": ep.location.phy2log.shape[1]}
         return logits, seen
     finally:

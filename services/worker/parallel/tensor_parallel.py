@@ -6,8 +6,18 @@ the MLP and of the vocabulary) and loads its slices of the HF-named checkpoint t
 - q/k/v (and a Phi-3 fused qkv) column-parallel by head; o row-parallel by the same heads.
   With more ranks than KV heads each KV head is replicated on the ranks whose query heads
   read it (tp must then be a multiple of the KV heads).
+- MLA (DeepSeek-V3, model/mla.py) by head as well: q_b_proj (or q_proj) rows in head blocks of
+  qk_nope + qk_rope, kv_b_proj rows in head blocks of qk_nope + v (sliced on the HF name, before
+  fuse_hf splits it into w_kc and w_vc), o_proj columns in head blocks of v_head_dim. q_a_proj,
+  kv_a_proj_with_mqa and the two LoRA norms are replicated, and so is the latent KV pool: every
+  rank caches the same kv_lora_rank + rope row per token for its own heads to read.
 - gate/up column-parallel, down row-parallel, over the intermediate size; a sparse MoE
-  block's experts likewise over moe_intermediate_size (the router stays whole).
+  block's experts likewise over moe_intermediate_size (the router stays whole), and its shared
+  experts (DeepSeek) over their n_shared_experts * moe_intermediate_size, like a dense MLP.
+  Under expert parallelism (expert_slots) each rank holds whole experts, and the shared MLP
+  whole too (the rank's moe_intermediate_size sizes both): each rank runs it on the tokens it
+  owns in the dispatch (expert_parallel.token_range) and zeros on the rest, so the block's sum
+  counts it once per token.
 - the embedding and the LM head vocabulary-parallel: rank r holds rows [r V/tp, (r+1) V/tp)
   (the last shard padded with zero rows).
 Then (install): the attention block's and the MLP block's outputs are summed over the group
@@ -16,8 +26,8 @@ is summed; the LM head's logits are gathered and cut back to the vocabulary (mod
 one place every path computes them). The one-call decode stack, which no hook sees into, takes
 the same sums from `model.tensor_parallel` (GroupSums).
 
-Norms, RoPE, q/k norms and the router are replicated. Every rank ends a step with the same
-float32 logits, bit for bit, so every rank samples the same tokens.
+Norms, RoPE, q/k norms and the router (DeepSeek's correction bias too) are replicated. Every
+rank ends a step with the same float32 logits, bit for bit, so every rank samples the same tokens.
 """
 from __future__ import annotations
 
@@ -29,7 +39,9 @@ from torch import nn
 
 from kernels.quant_gemv import GROUP, QuantWeight
 from services.worker.model.config import ModelConfig
+from services.worker.model.mla import drop_mtp_layers
 from services.worker.parallel.communicator import Communicator
+from services.worker.parallel.expert_parallel import token_range
 
 
 def tp_refusal(mc: ModelConfig, tp: int, ep: bool = False) -> str | None:
@@ -39,7 +51,7 @@ def tp_refusal(mc: ModelConfig, tp: int, ep: bool = False) -> str | None:
     heads, kv = mc.num_attention_heads, mc.num_key_value_heads
     if heads % tp:
         return f"--tp-size {tp} does not divide the model's {heads} attention heads"
-    if kv % tp and tp % kv:
+    if not mc.is_mla and kv % tp and tp % kv:  # MLA's one latent row has no KV heads to split
         return (f"--tp-size {tp} neither divides the model's {kv} KV heads nor is a multiple of them "
                 "(so KV heads cannot be split or replicated evenly)")
     if mc.intermediate_size % tp:
@@ -75,7 +87,21 @@ class TensorShard:
 
     @property
     def kv_heads(self) -> int:
+        """This rank's KV heads; MLA's (unused: one latent row) as its query heads, as HF configs say."""
+        if self.full.is_mla:
+            return self.heads
         return max(1, self.full.num_key_value_heads // self.size)
+
+    @property
+    def q_head_width(self) -> int:
+        """The rows of q's projection per head: head_dim, or MLA's qk_nope + qk_rope."""
+        f = self.full
+        return f.qk_nope_head_dim + f.qk_rope_head_dim if f.is_mla else f.head_dim
+
+    @property
+    def o_head_width(self) -> int:
+        """The input columns of o_proj per head: head_dim, or MLA's v_head_dim."""
+        return self.full.v_head_dim if self.full.is_mla else self.full.head_dim
 
     @property
     def first_kv_head(self) -> int:
@@ -92,7 +118,9 @@ class TensorShard:
 
     @property
     def config(self) -> ModelConfig:
-        """The model this rank builds: its heads, MLP share and vocabulary rows."""
+        """The model this rank builds: its heads, MLP share and vocabulary rows (an MLA model's
+        latent fields whole: its pool is the full model's). Under EP the experts' size stays whole,
+        and with it the shared experts' MLP (deepseek.py sizes it n_shared_experts times that)."""
         f = self.full
         if self.ep:
             experts = dict(moe_intermediate_size=f.moe_intermediate_size,
@@ -106,7 +134,7 @@ class TensorShard:
         """Why a file's quantized blocks cannot be split over this group, or None: a row-parallel
         linear's input columns are cut in whole groups of 32 (the packed layout), never inside one."""
         f = self.full
-        cuts = {"o_proj": self.heads * f.head_dim, "down_proj": f.intermediate_size // self.size}
+        cuts = {"o_proj": self.heads * self.o_head_width, "down_proj": f.intermediate_size // self.size}
         if f.num_experts and not self.ep:
             cuts["the experts' down_proj"] = f.moe_intermediate_size // self.size
         bad = [f"{name} ({n} columns per rank)" for name, n in cuts.items() if n % GROUP]
@@ -118,7 +146,10 @@ class TensorShard:
     # --- the checkpoint ------------------------------------------------------------------
 
     def tensors(self, full_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF name → this rank's slice, for every tensor of the full checkpoint."""
+        """HF name → this rank's slice, for every tensor of the full checkpoint (but DeepSeek's MTP
+        layers, past the decoder's: the model never loads them, and EP places no experts for them)."""
+        if self.full.is_mla:
+            full_tensors = drop_mtp_layers(self.full, full_tensors)
         out: dict[str, Weight] = {}
         for name, t in _unfused(full_tensors, self.full).items():
             per_expert = _PER_EXPERT.match(name) if self.ep else None
@@ -130,15 +161,20 @@ class TensorShard:
 
     def slice(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """One HF-named tensor → this rank's part of it (a replicated one as it is)."""
-        f, D = self.full, self.full.head_dim
+        f, D, H = self.full, self.full.head_dim, self.heads
         leaf = name.rsplit(".", 1)[-1] if name.endswith((".weight", ".bias")) else ""
         base = name.removesuffix(f".{leaf}") if leaf else name
-        if base.endswith("self_attn.q_proj"):
-            return _rows(t, self.rank * self.heads * D, self.heads * D)
+        if base.endswith(("self_attn.q_proj", "self_attn.q_b_proj")):  # [heads * q_head_width, in]
+            return _rows(t, self.rank * H * self.q_head_width, H * self.q_head_width)
+        if base.endswith("self_attn.kv_b_proj"):  # MLA: [heads * (qk_nope + v), kv_lora_rank]
+            width = f.qk_nope_head_dim + f.v_head_dim
+            return _rows(t, self.rank * H * width, H * width)
         if base.endswith(("self_attn.k_proj", "self_attn.v_proj")):
             return _rows(t, self.first_kv_head * D, self.kv_heads * D)
-        if base.endswith("self_attn.o_proj"):
-            return self._row_parallel(t, leaf, self.rank * self.heads * D, self.heads * D)
+        if base.endswith("self_attn.o_proj"):  # [hidden, heads * o_head_width]
+            return self._row_parallel(t, leaf, self.rank * H * self.o_head_width, H * self.o_head_width)
+        if ".mlp.shared_experts." in name:
+            return self._shared_expert(base, leaf, t)
         if base.endswith(("mlp.gate_proj", "mlp.up_proj")):
             return _rows(t, *self._share(f.intermediate_size))
         if base.endswith("mlp.gate_up_proj"):  # Phi-3 stores [gate; up] fused: split each half
@@ -163,6 +199,18 @@ class TensorShard:
         if module in ("o_proj", "down_proj"):
             return {"A": self.slice(name, pair["A"]), "B": pair["B"]}
         return {"A": pair["A"], "B": self.slice(name, pair["B"])}
+
+    def _shared_expert(self, base: str, leaf: str, t: Weight) -> Weight:
+        """DeepSeek's shared experts, one dense MLP of n_shared_experts * moe_intermediate_size:
+        split like the dense MLP, or whole under EP (install then runs it on this rank's tokens)."""
+        if self.ep:
+            return t
+        size = self.full.n_shared_experts * self.full.moe_intermediate_size
+        if base.endswith(("gate_proj", "up_proj")):  # [size, hidden]
+            return _rows(t, *self._share(size))
+        if base.endswith("down_proj"):  # [hidden, size]
+            return self._row_parallel(t, leaf, *self._share(size))
+        raise ValueError(f"tensor parallelism does not know how to split shared expert tensor {base!r}")
 
     def _share(self, n: int) -> tuple[int, int]:
         """(start, length) of this rank's equal share of n columns or rows."""
@@ -223,6 +271,9 @@ class TensorShard:
         for layer in model.layers:
             layer.self_attn.register_forward_hook(summed)
             layer.mlp.register_forward_hook(summed)
+            shared = getattr(layer.mlp, "shared_experts", None)
+            if self.ep and shared is not None:
+                _on_owned_tokens(shared, self.rank, self.size)
         _vocab_parallel_embedding(model.embed_tokens, self.rank * self.vocab_rows, comm)
         sums = GroupSums(comm, self.full.vocab_size)
         # The head's logits are gathered where every path meets (model.head): its quantized blocks
@@ -263,6 +314,22 @@ def _vocab_parallel_embedding(embedding: nn.Module, first_row: int, comm: Commun
 
     embedding.register_forward_pre_hook(local_ids)
     embedding.register_forward_hook(summed)
+
+
+def _on_owned_tokens(mlp: nn.Module, rank: int, size: int) -> None:
+    """Under EP: the whole shared-experts MLP runs on the tokens this rank owns in the dispatch
+    (token_range) and gives zero rows for the rest, as the rank's routed output does; the block's
+    all-reduce then adds each token's shared output once."""
+    whole = mlp.forward
+
+    def owned(x: torch.Tensor, ops) -> torch.Tensor:
+        start, stop = token_range(x.shape[0], rank, size)  # x [T, hidden]
+        out = torch.zeros_like(x)
+        if stop > start:
+            out[start:stop] = whole(x[start:stop], ops)
+        return out
+
+    mlp.forward = owned
 
 
 # A per-expert checkpoint tensor: (….layers.L.mlp.experts.)(L)(E).(gate_proj.weight)
