@@ -38,11 +38,15 @@ FORMAT_VERSION = 1  # bump when the chain's definition changes: old keys stop ma
 _PERSON = b"radixmesh-kv"  # blake2b personalization: keys never equal other blake2b uses
 
 
-def kv_layout(dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> str:
+def kv_layout(dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, latent_dim: int = 0) -> str:
     """The KV layout string of a page [num_layers, 2, page_size, num_kv_heads, head_dim]
     of `dtype` (a torch dtype name such as "bfloat16", or an FP8 one with its scale,
     "float8_e4m3fn*0.25+hadamard": services/kvstore/page_codec.PageSpec.layout); part of the namespace,
-    so pages of two KV dtypes never share a key."""
+    so pages of two KV dtypes never share a key. latent_dim > 0: an MLA latent page
+    [num_layers, 1, page_size, 1, head_dim] (K alone, V its first latent_dim columns), named "KV1"
+    and by its latent width, so it is never read as an ordinary page of the same numbers."""
+    if latent_dim:
+        return f"{dtype}:L{num_layers}:KV1:H{num_kv_heads}:D{head_dim}:latent{latent_dim}"
     return f"{dtype}:L{num_layers}:KV2:H{num_kv_heads}:D{head_dim}"
 
 

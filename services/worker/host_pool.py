@@ -8,13 +8,16 @@ reads), HOST (a pool of the same layout in host memory, pinned on CUDA), STORE
 (the shared kvstore, through services/kvstore/blocking.BlockingKVStore). On a
 CPU-only machine DEVICE and HOST are both host memory; the mechanics are the same.
 
-A store page is [L, 2, P, Hkv, D] (services/kvstore/page_codec); the pools are
+A store page is [L, T, P, Hkv, D] (services/kvstore/page_codec), T the pool's tensors: 2 (k, v),
+or 1 for an MLA latent pool, whose k [L, S, 1, D] alone holds bytes (its v is zero-width, V being
+K's first latent_dim columns), so a latent page moves and is stored once. The pools are
 k, v [L, S, Hkv, D] with page p at slots [p*P, (p+1)*P). Every tier holds the device pool's
 storage dtype, so FP8 pages (--kv-cache-dtype) move as their bytes, half a bfloat16 page's
 (the scale is the format's own, kernels/kv_fp8.py: nothing to carry beside a page).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
@@ -28,13 +31,20 @@ from services.worker.kv_pool import KVPool, KVPoolSpec, index_copy_rows, pool_ze
 
 
 class HostKVPool:
-    """k, v [L, host_pages * P, Hkv, D] in host memory."""
+    """k, v [L, host_pages * P, Hkv, D] in host memory; a latent pool's v is zero-width
+    [L, S, 1, 0] and allocates nothing (spec.v_head_dim)."""
 
     def __init__(self, spec: KVPoolSpec, pin: bool = False):
         self.spec = spec
         shape = (spec.num_layers, spec.num_slots, spec.num_kv_heads, spec.head_dim)
         self.k = pool_zeros(shape, spec.dtype, pin=pin)
-        self.v = pool_zeros(shape, spec.dtype, pin=pin)
+        v_shape = (*shape[:3], spec.v_head_dim)
+        self.v = pool_zeros(v_shape, spec.dtype, pin=pin) if spec.v_head_dim else torch.empty(v_shape, dtype=spec.dtype)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors that hold KV bytes, as KVPool.tensors: (k, v), or (k,) for a latent pool."""
+        return (self.k,) if self.spec.is_latent else (self.k, self.v)
 
 
 def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:
@@ -79,26 +89,29 @@ class KVTransfer:
         src, dst = self._pool(op.src_tier), self._pool(op.dst_tier)
         s = page_slots(op.src_pages, self.page_size, src.k.device)
         d = page_slots(op.dst_pages, self.page_size, dst.k.device)
-        for a, b in ((src.k, dst.k), (src.v, dst.v)):
+        for a, b in zip(src.tensors, dst.tensors):  # [L, S, Hkv, D] each
             index_copy_rows(b, 1, d, a.index_select(1, s).to(b.device, non_blocking=True))
         return len(op.src_pages)
 
     def gather(self, tier: str, pages: list[int]) -> torch.Tensor:
-        """Pages as store pages [n, L, 2, P, Hkv, D], a fresh CPU tensor."""
+        """Pages as store pages [n, L, T, P, Hkv, D] (T: 2, or 1 for a latent pool), a fresh CPU tensor."""
         pool, ps, n = self._pool(tier), self.page_size, len(pages)
         slots = page_slots(pages, ps, pool.k.device)
-        k, v = pool.k.index_select(1, slots), pool.v.index_select(1, slots)  # [L, n*P, Hkv, D]
-        L, _, h, d = k.shape
-        both = torch.stack([k.view(L, n, ps, h, d), v.view(L, n, ps, h, d)], dim=2)  # [L, n, 2, P, Hkv, D]
-        return both.permute(1, 0, 2, 3, 4, 5).contiguous().cpu()
+        L, _, h, d = pool.k.shape
+        rows = [t.index_select(1, slots).view(L, n, ps, h, d) for t in pool.tensors]  # each [L, n, P, Hkv, D]
+        stacked = torch.stack(rows, dim=2)  # [L, n, T, P, Hkv, D]
+        return stacked.permute(1, 0, 2, 3, 4, 5).contiguous().cpu()
 
     def scatter(self, tier: str, pages: list[int], data: torch.Tensor) -> None:
-        """Write store pages data [m, L, 2, P, Hkv, D] into `pages`[:m] of `tier`."""
+        """Write store pages data [m, L, T, P, Hkv, D] into `pages`[:m] of `tier` (T: the pool's tensors)."""
         pool, ps, m = self._pool(tier), self.page_size, data.shape[0]
+        if data.dim() != 6 or data.shape[2] != len(pool.tensors):
+            raise ValueError(f"store pages {tuple(data.shape)} do not hold this pool's {len(pool.tensors)} KV "
+                             "tensor(s) a page")
         slots = page_slots(pages[:m], ps, pool.k.device)
-        d = data.permute(1, 0, 2, 3, 4, 5)  # [L, m, 2, P, Hkv, D]
+        d = data.permute(1, 0, 2, 3, 4, 5)  # [L, m, T, P, Hkv, D]
         L = d.shape[0]
-        for i, dst in enumerate((pool.k, pool.v)):
+        for i, dst in enumerate(pool.tensors):
             part = d[:, :, i].reshape(L, m * ps, *dst.shape[2:])
             if part.dtype != dst.dtype and (is_fp8(part.dtype) or is_fp8(dst.dtype)):
                 raise ValueError(f"pages of {part.dtype} cannot enter a {dst.dtype} pool (FP8 bytes are not values)")
@@ -163,8 +176,7 @@ def attach_tiers(runner, hicache: HiCacheConfig, source: str | None, cache_on: b
     host_pages = hicache.host_pages(spec.num_pages) if cache_on else 0
     host = None
     if host_pages:
-        host = HostKVPool(KVPoolSpec(host_pages, spec.page_size, spec.num_layers, spec.num_kv_heads,
-                                     spec.head_dim, spec.dtype), pin=runner.device.type == "cuda")
+        host = HostKVPool(dataclasses.replace(spec, num_pages=host_pages), pin=runner.device.type == "cuda")
     runner.kv_transfer = KVTransfer(runner.pool, host, store)
     fields = dict(host_pages=host_pages, page_bytes=spec.bytes_per_token * spec.page_size,
                   model_identity=model_identity(mc.name, source),

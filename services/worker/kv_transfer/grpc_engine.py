@@ -3,8 +3,8 @@
 The decode side serves KVReceiver (protos/radixmesh/v1/kv_transfer.proto) on host:0 from a
 sync gRPC server's threads, writing each chunk straight into its pool. The sender gathers its
 pages' bytes into chunks of at most 4 MiB (each a list of segments: layer, k or v, first
-destination page, page count) and streams them under a deadline of timeout_s; the receiver
-answers once every byte is in place.
+destination page, page count; a latent pool's tensor is always 0, k: it has no V to send) and
+streams them under a deadline of timeout_s; the receiver answers once every byte is in place.
 """
 from __future__ import annotations
 
@@ -27,14 +27,15 @@ CHUNK_BYTES = 4 << 20  # payload per message: grpc's default receive limit, and 
 RECEIVER_THREADS = 4  # concurrent senders a decode worker writes for at once
 
 
-def page_arrays(pool: KVPool, layout: PoolLayout) -> tuple[np.ndarray, np.ndarray]:
-    """k and v as their bytes, uint8 [L, pages, page_bytes] views (FP8 and bf16 alike)."""
+def page_arrays(pool: KVPool, layout: PoolLayout) -> tuple[np.ndarray, ...]:
+    """The pool's tensors (k and v, or k alone if latent) as their bytes, uint8 [L, pages, page_bytes]
+    views (FP8 and bf16 alike)."""
     shape = (layout.num_layers, layout.num_pages, layout.page_bytes)
-    return tuple(t.view(torch.uint8).reshape(shape).numpy() for t in (pool.k, pool.v))
+    return tuple(t.view(torch.uint8).reshape(shape).numpy() for t in pool.tensors)
 
 
-def _chunks(arrays: tuple[np.ndarray, np.ndarray], layout: PoolLayout, runs: list[PageRun]) -> Iterator[pb.KVChunk]:
-    """The runs' pages, layer by layer, k then v, packed into chunks of at most CHUNK_BYTES."""
+def _chunks(arrays: tuple[np.ndarray, ...], layout: PoolLayout, runs: list[PageRun]) -> Iterator[pb.KVChunk]:
+    """The runs' pages, layer by layer, k then v (k alone if latent), packed into chunks of at most CHUNK_BYTES."""
     step = max(1, CHUNK_BYTES // layout.page_bytes)  # pages of one segment
     segments: list[pb.KVSegment] = []
     parts: list[np.ndarray] = []
@@ -93,7 +94,7 @@ class _Receiver(pb_grpc.KVReceiverServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"a chunk's segments name {total} bytes, it carries {len(data)}")
         for s in segments:
-            if s.tensor > 1 or s.layer >= lay.num_layers or s.dst_page + s.num_pages > lay.num_pages:
+            if s.tensor >= len(self.arrays) or s.layer >= lay.num_layers or s.dst_page + s.num_pages > lay.num_pages:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"segment (layer {s.layer}, tensor {s.tensor}, pages "
                               f"{s.dst_page}+{s.num_pages}) is outside the pool [{lay.describe()}]")
         payload = np.frombuffer(data, np.uint8).reshape(-1, page_bytes)  # [pages in the chunk, page_bytes]
@@ -146,7 +147,7 @@ class GrpcTransferEngine:
 
     def send(self, descriptor: str, src_pages: list[int], dst_pages: list[int]) -> int:
         desc, runs = plan_send(descriptor, self.backend, self.layout, src_pages, dst_pages)
-        expected = len(src_pages) * 2 * self.layout.num_layers * self.layout.page_bytes
+        expected = self.layout.send_bytes(len(src_pages))
         if not runs:
             return 0
         try:

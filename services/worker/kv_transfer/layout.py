@@ -2,7 +2,8 @@
 
 A pool's k and v are each [L, S, Hkv, D] with page p at slots [p*P, (p+1)*P), so within one
 layer a run of consecutive pages is one contiguous byte range: a send is a list of runs,
-each moved once per layer and tensor.
+each moved once per layer and tensor. An MLA latent pool (KVPoolSpec.latent_dim > 0) holds its
+bytes in k [L, S, 1, D] alone (its v is zero-width): it moves one tensor, never a V.
 """
 from __future__ import annotations
 
@@ -25,12 +26,19 @@ class PoolLayout:
     page_size: int
     dtype: str  # the storage dtype's name: "bfloat16", "float8_e4m3fn", ...
     num_pages: int  # pages the tensors hold, extra pages included
+    latent_dim: int = 0  # > 0: an MLA latent pool, k alone (V = K[..., :latent_dim])
 
     @classmethod
     def of(cls, pool: KVPool) -> PoolLayout:
         L, S, h, d = pool.k.shape
         spec = pool.spec
-        return cls(L, h, d, spec.page_size, str(pool.k.dtype).removeprefix("torch."), S // spec.page_size)
+        return cls(L, h, d, spec.page_size, str(pool.k.dtype).removeprefix("torch."), S // spec.page_size,
+                   spec.latent_dim)
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """The pool's tensors that hold bytes, in KVPool.tensors' order: ("k", "v"), or ("k",) if latent."""
+        return ("k",) if self.latent_dim else ("k", "v")
 
     @property
     def page_bytes(self) -> int:
@@ -46,12 +54,17 @@ class PoolLayout:
         """All of k (or v)."""
         return self.num_layers * self.layer_bytes
 
+    def send_bytes(self, pages: int) -> int:
+        """What a send of `pages` pages moves: every layer of every tensor (k alone if latent)."""
+        return pages * len(self.tensor_names) * self.num_layers * self.page_bytes
+
     def same_format(self, other: PoolLayout) -> bool:
         """Pages of one fit the other's (the page counts may differ)."""
         return dataclasses.replace(self, num_pages=0) == dataclasses.replace(other, num_pages=0)
 
     def describe(self) -> str:
-        return (f"{self.num_layers} layers x {self.num_kv_heads} kv heads x head_dim {self.head_dim}, "
+        latent = f" (latent {self.latent_dim}, k only)" if self.latent_dim else ""
+        return (f"{self.num_layers} layers x {self.num_kv_heads} kv heads x head_dim {self.head_dim}{latent}, "
                 f"page_size {self.page_size}, {self.dtype}, {self.num_pages} pages")
 
     def to_dict(self) -> dict:

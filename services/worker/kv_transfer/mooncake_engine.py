@@ -1,11 +1,11 @@
 """KV transfer through Mooncake's transfer engine (PyPI mooncake-transfer-engine-non-cuda).
 
-Both sides register their pool's k and v with the engine; the decode descriptor carries its
-session id (host:rpc_port, reached by P2P handshake, no metadata server) and the two base
-addresses; a send is one batched synchronous write of every page run of every layer. The
-protocol is "tcp" unless RADIXMESH_MOONCAKE_PROTOCOL says otherwise ("rdma" where the machine
-has NICs for it; RADIXMESH_MOONCAKE_DEVICE then names them, e.g. "mlx5_0"). Note that RDMA
-registration pins the whole pool, so it stops being lazily allocated.
+Both sides register their pool's k and v (k alone for a latent pool) with the engine; the decode
+descriptor carries its session id (host:rpc_port, reached by P2P handshake, no metadata server) and
+the base addresses ("k_base", "v_base"); a send is one batched synchronous write of every page
+run of every layer. The protocol is "tcp" unless RADIXMESH_MOONCAKE_PROTOCOL says otherwise
+("rdma" where the machine has NICs for it; RADIXMESH_MOONCAKE_DEVICE then names them, e.g.
+"mlx5_0"). Note that RDMA registration pins the whole pool, so it stops being lazily allocated.
 
 `host` is the address peers reach this engine at: Mooncake binds its handshake listener there.
 
@@ -74,7 +74,7 @@ class MooncakeTransferEngine:
                 raise KVTransferError(f"mooncake transfer engine failed to start on {host} over "
                                       f"{self.protocol!r} (its log above says why)")
         self.session = f"{host}:{self._te.get_rpc_port()}"
-        self._buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in (pool.k, pool.v)]
+        self._buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in pool.tensors]  # (address, bytes)
         for ptr, size in self._buffers:
             if self._te.register_memory(ptr, size) != 0:
                 raise KVTransferError(f"mooncake {self.session} failed to register {size} bytes of KV pool "
@@ -85,9 +85,9 @@ class MooncakeTransferEngine:
     def descriptor(self) -> str:
         if self._role != "decode" or self._te is None:
             raise no_descriptor(self.backend)
-        (k, _), (v, _) = self._buffers
+        bases = {f"{name}_base": ptr for name, (ptr, _) in zip(self.layout.tensor_names, self._buffers)}
         return make_descriptor(self.backend, f"mooncake://{self.session}", self.layout,
-                               session=self.session, k_base=k, v_base=v, protocol=self.protocol)
+                               session=self.session, protocol=self.protocol, **bases)
 
     def send(self, descriptor: str, src_pages: list[int], dst_pages: list[int]) -> int:
         desc, runs = plan_send(descriptor, self.backend, self.layout, src_pages, dst_pages)
@@ -101,7 +101,8 @@ class MooncakeTransferEngine:
         srcs, dsts, lengths = [], [], []
         lb, pb = self.layout.layer_bytes, self.layout.page_bytes
         remote_lb = PoolLayout(**desc["layout"]).layer_bytes
-        for (base, _), remote in zip(self._buffers, (desc["k_base"], desc["v_base"])):
+        remotes = [desc[f"{name}_base"] for name in self.layout.tensor_names]  # same_format: the same names
+        for (base, _), remote in zip(self._buffers, remotes):
             for layer in range(self.layout.num_layers):
                 for run in runs:
                     srcs.append(base + layer * lb + run.src * pb)

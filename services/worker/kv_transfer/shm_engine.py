@@ -1,12 +1,12 @@
 """KV transfer through shared memory: the same host, no socket, one copy per page run.
 
 A decode worker builds its pool with shm_zeros (registry.pool_storage gives it), so its k and
-v are files under /dev/shm mapped MAP_SHARED: sparse, costing memory only for the pages
-written, like pool_zeros. The decode engine finds those files in /proc/self/maps, holds an
-exclusive flock on k's file while it serves (a sender's liveness probe: a shared lock that
-succeeds means no receiver holds the pool any more) and unlinks both on close. A sender maps
-the files a descriptor names, once per descriptor, and copies its pages straight into them.
-A copy cannot stall, so timeout_s bounds nothing here.
+v (k alone for a latent pool, whose v is zero-width) are files under /dev/shm mapped MAP_SHARED:
+sparse, costing memory only for the pages written, like pool_zeros. The decode engine finds
+those files in /proc/self/maps, holds an exclusive flock on k's file while it serves (a
+sender's liveness probe: a shared lock that succeeds means no receiver holds the pool any more)
+and unlinks them on close. A sender maps the files a descriptor names, once per descriptor, and
+copies its pages straight into them. A copy cannot stall, so timeout_s bounds nothing here.
 """
 from __future__ import annotations
 
@@ -77,9 +77,9 @@ def mapped_file(tensor: torch.Tensor) -> str | None:
 
 @dataclass
 class _Peer:
-    """A receiver's pool, mapped: k and v uint8 [L, pages, page_bytes]; lock_fd probes liveness."""
-    k: torch.Tensor
-    v: torch.Tensor
+    """A receiver's pool, mapped: its tensors (k, v or k alone) uint8 [L, pages, page_bytes]; lock_fd
+    (on k's file) probes liveness."""
+    tensors: tuple[torch.Tensor, ...]
     lock_fd: int
 
 
@@ -88,9 +88,10 @@ def _page_bytes_view(t: torch.Tensor, layout: PoolLayout) -> torch.Tensor:
 
 
 def _open_peer(desc: dict, layout: PoolLayout) -> _Peer:
+    """Map the files the descriptor names, one a tensor of the layout ("k", "v" or "k" alone)."""
     tensors, fds = [], []
     try:
-        for path in (desc["k"], desc["v"]):
+        for path in (desc[name] for name in layout.tensor_names):
             try:
                 fds.append(os.open(path, os.O_RDWR))
             except FileNotFoundError:
@@ -106,8 +107,9 @@ def _open_peer(desc: dict, layout: PoolLayout) -> _Peer:
         for fd in fds:
             os.close(fd)
         raise
-    os.close(fds[1])
-    return _Peer(tensors[0], tensors[1], fds[0])
+    for fd in fds[1:]:
+        os.close(fd)
+    return _Peer(tuple(tensors), fds[0])
 
 
 class ShmTransferEngine:
@@ -116,15 +118,15 @@ class ShmTransferEngine:
 
     def __init__(self, pool: KVPool, role: str, host: str = "127.0.0.1", timeout_s: float = 30.0):
         self.pool, self.layout = pool, PoolLayout.of(pool)
-        self._src = (_page_bytes_view(pool.k, self.layout), _page_bytes_view(pool.v, self.layout))
+        self._src = tuple(_page_bytes_view(t, self.layout) for t in pool.tensors)  # [L, pages, page_bytes] each
         self._peers: dict[str, _Peer] = {}
-        self._files: tuple[str, str] | None = None
+        self._files: tuple[str, ...] | None = None  # the pool's files, k's first
         self._lock_fd: int | None = None
         if role == "decode":
             self._serve()
 
     def _serve(self) -> None:
-        files = tuple(mapped_file(t) for t in (self.pool.k, self.pool.v))
+        files = tuple(mapped_file(t) for t in self.pool.tensors)
         if not all(f and f.startswith(SHM_DIR + "/") and not f.endswith("(deleted)") for f in files):
             raise KVTransferError(f"the decode pool is not in {SHM_DIR} files (mapped: {files}): build its KVPool "
                                   "with storage=pool_storage('shm', 'decode')")
@@ -139,8 +141,8 @@ class ShmTransferEngine:
     def descriptor(self) -> str:
         if self._files is None:
             raise no_descriptor(self.backend)
-        k, v = self._files
-        return make_descriptor(self.backend, f"shm:pid {os.getpid()} ({k})", self.layout, k=k, v=v)
+        files = dict(zip(self.layout.tensor_names, self._files))  # "k" (and "v") -> path
+        return make_descriptor(self.backend, f"shm:pid {os.getpid()} ({files['k']})", self.layout, **files)
 
     def send(self, descriptor: str, src_pages: list[int], dst_pages: list[int]) -> int:
         desc, runs = plan_send(descriptor, self.backend, self.layout, src_pages, dst_pages)
@@ -148,9 +150,9 @@ class ShmTransferEngine:
             return 0
         peer = self._peer(descriptor, desc)
         for run in runs:
-            for src, dst in zip(self._src, (peer.k, peer.v)):
+            for src, dst in zip(self._src, peer.tensors):
                 dst[:, run.dst:run.dst + run.count].copy_(src[:, run.src:run.src + run.count])  # [L, n, page_bytes]
-        return len(src_pages) * 2 * self.layout.num_layers * self.layout.page_bytes
+        return self.layout.send_bytes(len(src_pages))
 
     def _peer(self, descriptor: str, desc: dict) -> _Peer:
         """The receiver's mapped pool, after checking a decode engine still holds it."""
