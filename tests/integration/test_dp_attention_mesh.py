@@ -1,7 +1,8 @@
 """Data-parallel attention through the real mesh: `radixmesh up --enable-dp-attention --dp-size 2
 --tp-size 2 --ep-size 2` on a random tiny DeepSeek-V3 starts one worker group and a scheduler,
 detokenizer and tokenizer per rank behind the router. Concurrent greedy requests through the router
-are spread over both ranks' schedulers and stream transformers' greedy text."""
+are spread over both ranks' schedulers (the router's cache_aware policy) and stream transformers'
+greedy text; a prompt sent again goes to the rank that cached it."""
 from __future__ import annotations
 
 import re
@@ -19,10 +20,10 @@ N_NEW = 8
 
 def test_the_router_spreads_requests_over_the_ranks_schedulers(tmp_path):
     path, hf = save_for_generation(tmp_path, "deepseek_v3")
-    prompts = [[5 + i, 17, 33 + 2 * i, 9, 60 - i, 41, 7 * i + 1] for i in range(6)]
+    prompts = [[(7 * i + 3 * j + 1) % 256 for j in range(20)] for i in range(6)]  # past a 16-token page
     mesh = Mesh("--model", path, "--dtype", "float32", "--kv-cache-bytes", str(4 << 20), "--max-requests", "4",
                 "--max-running-requests", "4", "--tp-size", "2", "--ep-size", "2", "--dp-size", "2",
-                "--enable-dp-attention", "--check-invariants", "--policy", "round_robin")
+                "--enable-dp-attention", "--check-invariants")  # the router's default policy: cache_aware
     try:
         expected = [greedy_continuation(hf, p, N_NEW) for p in prompts]  # while the mesh starts
         mesh.wait_ready(timeout=300)
@@ -46,6 +47,11 @@ def test_the_router_spreads_requests_over_the_ranks_schedulers(tmp_path):
         finished = [scheduler_pb2_grpc.SchedulerStub(mesh.channel(f"scheduler-dp{r}")).GetStats(
             scheduler_pb2.GetStatsRequest(), timeout=10).finished for r in range(2)]
         assert sum(finished) == len(prompts) and min(finished) > 0, finished  # both ranks served
+        run(0)  # again, alone: the router sends it where its prefix is cached
+        assert got[0] == expected[0]
+        hits = [scheduler_pb2_grpc.SchedulerStub(mesh.channel(f"scheduler-dp{r}")).GetStats(
+            scheduler_pb2.GetStatsRequest(), timeout=10).cache_hits for r in range(2)]
+        assert sum(hits) >= 1, hits
         assert mesh.stop() == 0
         assert mesh.leftover_children() == []
     finally:
