@@ -326,6 +326,10 @@ class Engine:
             self._loop.run_until_complete(self._task)
         except asyncio.CancelledError:
             pass  # shutdown()
+        except Exception:
+            if self._broken is None:
+                raise
+            log.info("engine loop stopped: %s", self._broken)  # every request ended with it (_recover)
         finally:
             self._driver.link.close()
             if self._front is None:  # another rank's engine shares the first one's step thread

@@ -149,3 +149,33 @@ def test_radixmesh_generate_takes_the_dp_attention_flags(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert [int(m) for m in re.findall(r"t(\d+)", out["text"])] == greedy_continuation(hf, prompt_ids, n_new)
+
+
+def test_a_rank_killed_while_the_engine_streams_ends_every_request_with_an_error_naming_it(tmp_path):
+    """Both ranks decode long requests; rank 1's process is killed: every open request, on either
+    rank, ends with an error that names the rank, within seconds, and new requests are refused."""
+    from services.common.outputs import FinishReason
+    from services.engine.engine import EngineBroken
+    path, _ = save_for_generation(tmp_path, "deepseek_v3")
+    engine = Engine(path, worker=WorkerConfig(dtype="float32", kv_cache_bytes=8 << 20, max_requests=4, tp_size=2,
+                                              ep_size=2, dp_size=2, enable_dp_attention=True, dist_timeout_s=5.0))
+    try:
+        import queue as queue_mod
+        outs: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+        sp = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+        for i in range(4):
+            engine.submit([5 + i, 17, 33, 9 + i], sp, outs.put, rid=f"r{i}")
+        first = outs.get(timeout=120)  # streaming has begun
+        assert not first.finish_reason
+        os.kill(engine.runner.group.followers[0].proc.pid, signal.SIGKILL)
+        started, errors = time.monotonic(), {}
+        while len(errors) < 4:
+            out = outs.get(timeout=30)
+            if out.finish_reason is FinishReason.ERROR:
+                errors[out.rid] = out.error
+        assert time.monotonic() - started < 20
+        assert all("worker rank 1" in e for e in errors.values()), errors
+        with pytest.raises(EngineBroken, match="worker rank 1"):
+            engine.submit([1, 2, 3], sp, outs.put)
+    finally:
+        engine.shutdown()
