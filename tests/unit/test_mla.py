@@ -123,3 +123,42 @@ def test_deepseek_variants_it_does_not_compute_are_refused(tmp_path, changes, me
 def test_the_tiny_config_exercises_groups_shared_experts_and_a_dense_layer():
     assert DEEPSEEK["n_group"] > DEEPSEEK["topk_group"] and DEEPSEEK["n_shared_experts"]
     assert DEEPSEEK["first_k_dense_replace"] == 1 and DEEPSEEK["q_lora_rank"]
+
+
+def test_the_cpu_backend_decodes_a_latent_pool_through_the_mla_kernel(tmp_path):
+    """Pure-decode steps over the latent pool run kernels/mla_decode_cpu.py (counted), and every
+    position's logits equal the torch reference backend's."""
+    path = save_tiny(tmp_path, "deepseek_v3")[0]
+    config = WorkerConfig(dtype="float32", page_size=4, kv_cache_bytes=4 << 20, max_requests=4, attention_backend="cpu")
+    runner = ModelRunner(config, load_checkpoint(path))
+    kernel = runner.backend.attention.native_mla
+    assert kernel is not None
+    calls = []
+
+    class Counted:
+        def mla_decode_attention(self, *args):
+            calls.append(args[0].shape)
+            return kernel.mla_decode_attention(*args)
+
+    runner.backend.attention.native_mla = Counted()
+    seqs = sequences("three_chunked")
+    ours = logits_by_position(runner, seqs, {rid: c for rid, (_, c) in BATCHES["three_chunked"].items()}, 4)
+    ref = _logits(path, "torch")
+    assert calls and all(shape[-1] == 32 + 16 for shape in calls)  # q in the latent space: rank + rope
+    for rid, rows in ref.items():
+        for (pos, a), (_, b) in zip(rows, ours[rid], strict=True):
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=0, msg=lambda m: f"{rid} @{pos}: {m}")
+
+
+def test_the_triton_backend_runs_a_latent_pool_as_transformers_does(tmp_path):
+    """Under Triton's interpreter: decode and extend items over the latent pool through
+    kernels/triton/mla_decode.py give transformers' logits."""
+    import triton
+    from tests.unit.tiny_models import assert_logits_match
+    path, hf = save_tiny(tmp_path, "deepseek_v3")
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        runner = ModelRunner(WorkerConfig(dtype="float32", page_size=4, kv_cache_bytes=4 << 20, max_requests=4,
+                                          attention_backend="triton", fused_ops=False), load_checkpoint(path))
+        chunks = {rid: c for rid, (_, c) in BATCHES["two"].items()}
+        assert_logits_match(runner, hf, sequences("two"), chunks, 4, "deepseek_v3 triton")

@@ -62,10 +62,11 @@ class TorchAttentionBackend:
 
     def __init__(self, scale: float, native_decode: bool = False, sliding_window: int | None = None):
         self.default = LayerAttention(scale, sliding_window)  # the layers that pass no variant of their own
-        self.native = None
+        self.native = self.native_mla = None
         if native_decode and sliding_window is None:
-            from kernels import paged_decode_cpu
+            from kernels import mla_decode_cpu, paged_decode_cpu
             self.native = paged_decode_cpu.load()  # None when it cannot be built: gather + SDPA
+            self.native_mla = mla_decode_cpu.load()  # a latent pool's decode (MLA), likewise
         self.pool: KVPool | None = None
         self.layout: BatchLayout | None = None
         self.groups: list[_Group] = []
@@ -96,6 +97,9 @@ class TorchAttentionBackend:
         if pure_decode and native is not None:  # the kernel writes this step's K/V itself
             return self._decode(layer, q, self.groups[0], spec, native, (k, v, self.layout.out_slots))
         pool.write(layer, self.layout.out_slots, k, v)
+        if pure_decode and self.native_mla is not None and pool.spec.is_latent and spec.softcap is None \
+                and spec.window is None:
+            return self._latent_decode(layer, q, self.groups[0], spec)
         if pure_decode:
             return self._decode(layer, q, self.groups[0], spec, native)
         out = q.new_empty((*q.shape[:-1], self._v_dim()))  # [T, H, Dv]
@@ -143,6 +147,16 @@ class TorchAttentionBackend:
         qg = self._rotated(q).view(B, hkv, -1, q.shape[-1]).to(kg.dtype)  # [B, Hkv, G, D]
         o = _scores_softmax_v(qg, kg, vg, g.mask(spec.window), spec)  # mask [B, 1, 1, Lk]
         return self._rotated(o).reshape(*q.shape[:-1], self._v_dim()).to(q.dtype)
+
+    def _latent_decode(self, layer: int, q: torch.Tensor, g: _Group, spec: LayerAttention) -> torch.Tensor:
+        """A pure-decode step over a latent pool through the C++ kernel (kernels/mla_decode_cpu.py):
+        every head reads each cached row in place. q [B, H, D] → [B, H, latent_dim]; an FP8 pool's
+        query and output rotate in the blocks of its rows (the kernel reads rows as scaled values)."""
+        fp8 = self.pool.spec.is_fp8
+        qk = self._rotated(q) if fp8 else q
+        out = self.native_mla.mla_decode_attention(qk.contiguous(), self.pool.k[layer], g.kv_slots, g.kv_lens,
+                                                   spec.scale, self.pool.spec.latent_dim)
+        return (self._rotated(out) if fp8 else out).to(q.dtype)
 
     def _v_dim(self) -> int:
         """The width of a V row: the pool's, or a latent pool's latent_dim."""

@@ -20,9 +20,10 @@ from typing import Callable
 
 import torch
 
-from kernels.kv_fp8 import hadamard_rotate
+from kernels.kv_fp8 import hadamard_block, hadamard_rotate
 from kernels.triton.decode_attention import choose_num_splits, decode_attention
 from kernels.triton.extend_attention import extend_attention
+from kernels.triton.mla_decode import mla_decode_attention, mla_extend_attention
 from services.worker.attention.backend import Attached, DecodeStep
 from services.worker.attention.batch_layout import BatchLayout
 from services.worker.host_to_device import to_device
@@ -116,6 +117,8 @@ class TritonAttentionBackend:
         spec = variant or self.default
         pool = self.pool
         pool.write(layer, self.out_slots, k, v)
+        if pool.spec.is_latent:
+            return self._latent(layer, q, spec)
         fp8 = pool.spec.is_fp8
         qr = hadamard_rotate(q.float()).to(q.dtype) if fp8 else q  # the pool's rotated space
         kl, vl, page_size = pool.k[layer], pool.v[layer], pool.spec.page_size
@@ -135,3 +138,26 @@ class TritonAttentionBackend:
             out = oe if e.rows is None else out.index_copy_(0, e.rows, oe)
         return hadamard_rotate(out.float()).to(q.dtype) if fp8 else out
 
+    def _latent(self, layer: int, q: torch.Tensor, spec: LayerAttention) -> torch.Tensor:
+        """An MLA latent pool (one row a token, V its first latent_dim columns): the step's decode
+        and extend items through kernels/triton/mla_decode.py. q [T, H, D] → [T, H, latent_dim];
+        an FP8 pool's query and output rotate in the blocks of its rows."""
+        pool, v_dim = self.pool, self.pool.spec.latent_dim
+        block = hadamard_block(pool.spec.head_dim)
+        fp8 = pool.spec.is_fp8
+        qr = hadamard_rotate(q.float(), block).to(q.dtype) if fp8 else q
+        kv, page_size = pool.k[layer], pool.spec.page_size
+        out = q.new_empty((*q.shape[:-1], v_dim))
+        if self.decode is not None:
+            d = self.decode
+            qd = qr if d.rows is None else qr.index_select(0, d.rows)
+            od = mla_decode_attention(qd, kv, d.page_table, d.kv_lens, page_size, spec.scale, v_dim,
+                                      num_splits=d.num_splits, max_kv_len=d.max_kv_len)
+            out = od if d.rows is None else out.index_copy_(0, d.rows, od)
+        if self.extend is not None:
+            e = self.extend
+            qe = qr if e.rows is None else qr.index_select(0, e.rows)
+            oe = mla_extend_attention(qe, kv, e.page_table, e.cu_q, e.start_pos, page_size, spec.scale, v_dim,
+                                      max_q_len=e.max_q_len)
+            out = oe if e.rows is None else out.index_copy_(0, e.rows, oe)
+        return hadamard_rotate(out.float(), block).to(q.dtype) if fp8 else out
