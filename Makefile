@@ -14,7 +14,8 @@ AVX2_TESTS := tests/unit/test_cpu_isa.py tests/unit/test_kernels_cpu.py tests/un
 	tests/unit/test_sampling.py tests/unit/test_token_bitmask_cpu.py tests/unit/test_model_tiny_configs.py tests/integration/test_engine_reference.py \
 	tests/unit/test_lora_stacked.py tests/unit/test_lora_parity.py tests/unit/test_lora_kernel.py \
 	tests/unit/test_kv_fp8_kernels.py tests/unit/test_kv_fp8_pool.py tests/unit/test_quantized_linear.py tests/unit/test_quantized_linear_models.py \
-	tests/unit/test_int8_activations.py tests/unit/test_aux_hidden.py tests/unit/test_eagle_drafter.py
+	tests/unit/test_int8_activations.py tests/unit/test_aux_hidden.py tests/unit/test_eagle_drafter.py \
+	tests/unit/test_mla_kernels.py
 
 .PHONY: setup kernels test test-fast test-avx2 serve protos bench clean
 

@@ -14,13 +14,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 
-from kernels import cpu_build, cpu_isa, decode_stack, fused_cpu, lora_cpu, paged_decode_cpu, quant_gemv, \
-    token_bitmask_cpu
+from kernels import cpu_build, cpu_isa, decode_stack, fused_cpu, lora_cpu, mla_decode_cpu, paged_decode_cpu, \
+    quant_gemv, token_bitmask_cpu
 
 KERNELS: dict[str, tuple[str, ModuleType]] = {
     "paged_decode": ("paged decode attention", paged_decode_cpu), "fused_ops": ("fused layer ops", fused_cpu),
     "quant_gemv": ("quantized linear", quant_gemv), "decode_stack": ("decode stack", decode_stack),
     "token_bitmask": ("grammar token bitmask", token_bitmask_cpu), "lora": ("multi-LoRA apply", lora_cpu),
+    "mla_decode": ("MLA latent decode attention", mla_decode_cpu),
 }
 ERROR_LINES = 60  # of each failed build's messages, printed
 
