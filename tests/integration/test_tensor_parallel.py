@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 # One tiny configuration per registered architecture (Llama and Qwen2 below, the rest tiny_models').
 PER_ARCHITECTURE = ["qwen3_gqa_tied_wide_heads", "phi3_window", "mistral_no_window", "gemma2", "qwen3_moe",
-                    "mixtral", "deepseek_v3"]
+                    "mixtral", "deepseek_v3", "deepseek_v2_group_limited"]
 EXTRA = {  # name → (transformers config class, model class, fields)
     "llama_gqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
     "qwen2_bias_one_kv_head": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1)),  # replicated KV

@@ -58,6 +58,14 @@ CONFIGS = {
     "deepseek_v3_no_q_lora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {  # V2-Lite's q: one projection
         **DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": 2,
         "rope_interleave": False, "norm_topk_prob": False, "tie_word_embeddings": True}),
+    # DeepSeek-V2: softmax routing, 3 experts from the best of 2 groups by its best score (so not always
+    # the 3 best overall), scaled, never renormalised
+    "deepseek_v2_group_limited": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        **DEEPSEEK, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1, "num_experts_per_tok": 3,
+        "n_shared_experts": 2}),
+    "deepseek_v2_lite_greedy": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {  # V2-Lite: no q LoRA, greedy
+        **DEEPSEEK, "q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0}),
 }
 
 # One config per architecture beyond Llama/Qwen2, for the end-to-end checks (`radixmesh generate`,

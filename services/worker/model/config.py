@@ -49,12 +49,12 @@ class ModelConfig:
     # The experts' weight slots a sparse block holds: 0 = one per expert; an expert-parallel rank's
     # model holds only its physical experts (services/worker/parallel/expert_parallel.py).
     expert_slots: int = 0
-    # DeepSeek MoE (deepseek.py): routing by "softmax" (Qwen, Mixtral) or "sigmoid" scores plus
-    # a per-expert correction bias for the choice only (V3's noaux_tc); the experts are split into
-    # n_group groups of which topk_group (the best by their two best scores) are eligible; the
-    # chosen weights times routed_scaling_factor; n_shared_experts always-on experts as one dense
-    # MLP of n_shared_experts * moe_intermediate_size beside them.
-    scoring_func: str = "softmax"
+    # DeepSeek MoE (deepseek.py, group_router.py): topk_method "" is the plain softmax top-k router
+    # (Qwen, Mixtral); a DeepSeek one picks with n_group groups of which topk_group are eligible: "noaux_tc" (V3: sigmoid scores plus a correction bias for the choice),
+    # "greedy" / "group_limited_greedy" (V2: softmax); the chosen weights times
+    # routed_scaling_factor; n_shared_experts always-on experts as one dense MLP of
+    # n_shared_experts * moe_intermediate_size beside them.
+    topk_method: str = ""
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0

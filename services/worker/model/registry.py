@@ -2,7 +2,7 @@
 
 Adding a model = its file (the class, or the ModelConfig fields it sets on the Llama decoder)
 plus one line in ARCHITECTURES (docs/adding_a_model.md). Everything else is refused by name:
-Gemma 1, Qwen2-MoE (shared experts), DeepSeek-V2, ... would load as Llama and compute wrong logits.
+Gemma 1, Qwen2-MoE (shared experts), ... would load as Llama and compute wrong logits.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Callable
 from torch import nn
 
 from services.worker.model.config import ModelConfig
-from services.worker.model.deepseek import deepseek_model, deepseek_v3_fields
+from services.worker.model.deepseek import deepseek_model, deepseek_v2_fields, deepseek_v3_fields
 from services.worker.model.gemma2 import Gemma2ForCausalLM, gemma2_fields
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.mistral import mistral_fields
@@ -56,6 +56,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture("gemma2", Gemma2ForCausalLM, gemma2_fields),
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qwen3_moe_model, qwen3_moe_fields),
     "MixtralForCausalLM": Architecture("mixtral", mixtral_model, mixtral_fields, mixtral_hf_name),
+    "DeepseekV2ForCausalLM": Architecture("deepseek_v2", deepseek_model, deepseek_v2_fields),
     "DeepseekV3ForCausalLM": Architecture("deepseek_v3", deepseek_model, deepseek_v3_fields),
 }
 
