@@ -58,6 +58,11 @@ CONFIGS = {
     "deepseek_v3_no_q_lora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {  # V2-Lite's q: one projection
         **DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": 2,
         "rope_interleave": False, "norm_topk_prob": False, "tie_word_embeddings": True}),
+    # YaRN as the released V2/V3 configs set it, stretched 4x from 32 positions (the sequences run past 60),
+    # mscale != mscale_all_dim so the cos/sin amplitude and the softmax scale both change
+    "deepseek_v3_yarn": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**DEEPSEEK, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
     # DeepSeek-V2: softmax routing, 3 experts from the best of 2 groups by its best score (so not always
     # the 3 best overall), scaled, never renormalised
     "deepseek_v2_group_limited": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {

@@ -7,13 +7,12 @@ Layers below first_k_dense_replace are dense MLPs of intermediate_size; every la
 sparse block of n_routed_experts experts of moe_intermediate_size, num_experts_per_tok a token,
 plus n_shared_experts * moe_intermediate_size of shared MLP. Refused: an activation other than
 SiLU, a routing its version does not define (V3: noaux_tc; V2: greedy or group_limited_greedy),
-and a RoPE scaling rope.py does not compute. The MTP
+and a RoPE scaling rope.py does not compute (the released models' YaRN it does). The MTP
 layers a checkpoint may carry past num_hidden_layers are not loaded here (speculative NEXTN reads
 them). The one-call decode stack and the quantized-only paths are declined (decode_stack_refusal).
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from torch import nn
@@ -23,6 +22,7 @@ from services.worker.model.group_router import GroupLimitedRouter
 from services.worker.model.llama import MLP, LlamaForCausalLM
 from services.worker.model.mla import MLAttention
 from services.worker.model.moe import SparseMoeBlock, routing_fields
+from services.worker.model.rope import yarn_mscale
 
 
 def deepseek_v3_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -73,15 +73,14 @@ def _deepseek_fields(raw: dict[str, Any], family: str, default_experts: int, def
 
 
 def _yarn_mscale_squared(raw: dict[str, Any]) -> float:
-    """YaRN's attention-scale correction mscale(factor, mscale_all_dim) ** 2; 1 without YaRN."""
+    """DeepSeek's attention-scale correction under YaRN, yarn_mscale(factor, mscale_all_dim) ** 2;
+    1 without YaRN."""
     scaling = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     all_dim = float(scaling.get("mscale_all_dim") or 0)
-    factor = float(scaling.get("factor") or 1)
-    if kind == "default" or not all_dim or factor <= 1:
+    if kind == "default" or not all_dim:
         return 1.0
-    mscale = 0.1 * all_dim * math.log(factor) + 1.0
-    return mscale * mscale
+    return yarn_mscale(float(scaling.get("factor") or 1), all_dim) ** 2
 
 
 def deepseek_mlp(config: ModelConfig, layer: int) -> nn.Module:
