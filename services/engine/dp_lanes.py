@@ -1,5 +1,5 @@
 """The Engine's data-parallel-attention ranks (--enable-dp-attention): one engine per rank, each a
-scheduler over its rank's KV, all stepping through one runner (dp_link.py, dp_rounds.py).
+scheduler over its rank's KV, all stepping through one runner (runner_link.dp_step, dp_rounds.py).
 
 Requests are spread over them as the router spreads them over replicas: its cache_aware policy
 (services/router/policies/cache_aware.py), keyed by the prompt's token ids, so that a request

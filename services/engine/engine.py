@@ -34,8 +34,7 @@ from services.common.text_options import TextOptions
 from services.detokenizer.sequence_text import SequenceText
 from services.engine.runner_admin import RunnerAdmin
 from services.engine.dp_lanes import DpLanes
-from services.engine.dp_link import DpRankLink
-from services.engine.runner_link import RunnerLink
+from services.engine.runner_link import RunnerLink, dp_step
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import carry_counters
 from services.scheduler.core_factory import build_core, fit_config
@@ -148,9 +147,8 @@ class Engine:
 
     def _link(self):
         """The scheduler's link to the runner: direct, or through the data-parallel rounds."""
-        if self._rounds is None:
-            return RunnerLink(self.runner, self._executor)
-        return DpRankLink(self._rounds, self.dp_rank, self.runner, self._executor)
+        step = None if self._rounds is None else dp_step(self._rounds, self.dp_rank)
+        return RunnerLink(self.runner, self._executor, step)
 
     @staticmethod
     def _build_runner(worker: WorkerConfig, checkpoint: Checkpoint | None, path: str | None, hicache: HiCacheConfig,

@@ -11,25 +11,33 @@ that raises loses the worker: WorkerLost, and the driver's failure policy.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from services.scheduler.worker_link import WorkerLost
 from services.step.contract import StepPlan, StepResult
+from services.worker.group.dp_rounds import DpRounds
 
 log = logging.getLogger(__name__)
 
 
 class RunnerLink:
-    def __init__(self, runner, executor: ThreadPoolExecutor) -> None:
-        """runner: a ModelRunner (its execute(plan) -> StepResult); executor: its step thread."""
+    def __init__(self, runner, executor: ThreadPoolExecutor,
+                 step: Callable[[StepPlan], Callable[[], StepResult]] | None = None) -> None:
+        """runner: a ModelRunner (its execute(plan) -> StepResult); executor: its step thread.
+        step(plan), called as the plan is sent: what the step thread runs for it; default
+        runner.execute(plan). A data-parallel rank's scheduler joins the group's rounds instead
+        (dp_step)."""
         self._runner, self._executor = runner, executor
+        self._step = step or (lambda plan: functools.partial(runner.execute, plan))
         self._queued: deque = deque()  # oldest first: the plans' futures
 
     async def send(self, plan: StepPlan) -> None:
         loop = asyncio.get_running_loop()
-        self._queued.append(loop.run_in_executor(self._executor, self._runner.execute, plan))
+        self._queued.append(loop.run_in_executor(self._executor, self._step(plan)))
 
     async def receive(self, plan: StepPlan, started: float) -> StepResult:
         queued = self._queued.popleft()
@@ -58,3 +66,9 @@ def _forget(future: asyncio.Future) -> None:
     """A step nobody waits for any more: its failure, if any, is not news."""
     if not future.cancelled():
         future.exception()
+
+
+def dp_step(rounds: DpRounds, rank: int) -> Callable[[StepPlan], Callable[[], StepResult]]:
+    """A RunnerLink step for data-parallel rank `rank`'s scheduler: the plan queues in the rank's
+    inbox as it is sent, and the step thread runs rounds until it has run (dp_rounds.py)."""
+    return lambda plan: functools.partial(rounds.result, rounds.enqueue(rank, plan))
