@@ -439,7 +439,8 @@ class Engine:
         pages dropped. Raises AdminError, dropping nothing, while requests run or wait."""
         async def call() -> int:
             return flush(self.scheduler)
-        return self.admin_call(call())
+        others = self._lanes.others if self._lanes is not None else ()  # every data-parallel rank's cache
+        return self.admin_call(call()) + sum(lane.flush_cache() for lane in others)
 
     def flush_kv_writes(self) -> None:
         """Wait until the pages written to the kvstore so far have landed (tests)."""

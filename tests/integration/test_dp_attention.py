@@ -179,3 +179,19 @@ def test_a_rank_killed_while_the_engine_streams_ends_every_request_with_an_error
             engine.submit([1, 2, 3], sp, outs.put)
     finally:
         engine.shutdown()
+
+
+def test_the_engine_flushes_every_ranks_cache(tmp_path):
+    path, _ = save_for_generation(tmp_path, "deepseek_v3")
+    engine = Engine(path, worker=WorkerConfig(dtype="float32", kv_cache_bytes=8 << 20, max_requests=4, tp_size=2,
+                                              ep_size=2, dp_size=2, enable_dp_attention=True))
+    try:
+        sp = SamplingParams(temperature=0.0, max_new_tokens=4)
+        engine.generate_batch([[(5 * i + j) % 256 for j in range(40)] for i in range(4)], sp)  # a page or more each
+        assert sorted(set(engine._lanes.picked)) == [0, 1]
+        cached = [lane.scheduler.kv.cache.cached_pages for lane in engine._lanes.lanes]
+        assert min(cached) > 0, cached
+        assert engine.flush_cache() == sum(cached)
+        assert [lane.scheduler.kv.cache.cached_pages for lane in engine._lanes.lanes] == [0, 0]
+    finally:
+        engine.shutdown()
