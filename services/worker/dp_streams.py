@@ -5,7 +5,8 @@ each from that rank's scheduler (radixmesh up starts one per rank), named by the
 A stream's plans join the group's rounds (services/worker/group/dp_rounds.py) as they arrive, and
 their results go back in the stream's plan order; the rounds run on the worker's one step thread.
 A new stream for a rank first drops that rank's requests (its scheduler knows none of them), and
-waits for the rank's previous stream to end, as the plain Step stream does.
+waits for the rank's previous stream to end, as the plain Step stream does. Each plan gets the
+worker.step span the plain stream gives it, with its rank (radixmesh.dp_rank).
 """
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ def stream_rank(context: grpc.aio.ServicerContext, size: int) -> int | None:
 
 class DpStreams:
     def __init__(self, runner, executor: ThreadPoolExecutor, takeover_s: float,
-                 observe: Callable[[pb.StepPlan, float], None]) -> None:
+                 observe: Callable[[pb.StepPlan, float], None], span: Callable[[pb.StepPlan], object | None]) -> None:
+        """observe(msg, seconds): a step's metrics; span(msg): its worker.step span (None: tracing off)."""
         self.rounds = DpRounds(runner, runner.dp_size)
         self._runner, self._executor, self._takeover_s, self._observe = runner, executor, takeover_s, observe
+        self._span = span
         self._locks = [asyncio.Lock() for _ in range(runner.dp_size)]
 
     async def serve(self, request_iterator: AsyncIterator[pb.StepPlan],
@@ -64,13 +67,15 @@ class DpStreams:
             log.info("step stream opened", extra={"peer": context.peer(), "dp_rank": rank})
             reader = asyncio.create_task(self._read(request_iterator, rank, pending, loop))
             while (item := await pending.get()) is not None:
-                msg, started, result = item
+                msg, started, span, result = item
                 try:
                     out = await result
                 except Exception as exc:
                     log.error("data-parallel rank %d: step %d failed", rank, msg.step_id, exc_info=exc)
+                    _end_span(span, rank, exc=exc)
                     await context.abort(grpc.StatusCode.INTERNAL, f"worker step {msg.step_id} failed: {exc}")
                 self._observe(msg, loop.time() - started)
+                _end_span(span, rank, out.forward_seconds)
                 yield result_to_proto(out)
             await reader
         finally:
@@ -82,8 +87,21 @@ class DpStreams:
         """Each plan into the rounds as it arrives; its future onto `pending`, in order."""
         try:
             async for msg in request_iterator:
+                span = self._span(msg)  # from the plan's arrival: its wait for a round included
                 ticket = self.rounds.enqueue(rank, plan_from_proto(msg))
-                await pending.put((msg, loop.time(), loop.run_in_executor(self._executor, self.rounds.result,
-                                                                          ticket)))
+                await pending.put((msg, loop.time(), span, loop.run_in_executor(self._executor, self.rounds.result,
+                                                                                ticket)))
         finally:
             await pending.put(None)
+
+
+def _end_span(span, rank: int, forward_seconds: float | None = None, exc: Exception | None = None) -> None:
+    """End a step's worker.step span (None: tracing off), naming the rank it ran on."""
+    if span is None:
+        return
+    span.set_attribute("radixmesh.dp_rank", rank)
+    if forward_seconds is not None:
+        span.set_attribute("radixmesh.forward_seconds", forward_seconds)
+    if exc is not None:
+        span.record_exception(exc)
+    span.end()

@@ -96,7 +96,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         self.runner, eos = await loop.run_in_executor(self._executor, self._load)
         if self.config.enable_dp_attention:
-            self.dp_streams = DpStreams(self.runner, self._executor, STREAM_TAKEOVER_S, self._observe)
+            self.dp_streams = DpStreams(self.runner, self._executor, STREAM_TAKEOVER_S, self._observe,
+                                        lambda msg: self._step_span(msg) if tracing.enabled() else None)
         self.info = worker_info(self.runner, eos, self._tiers if self.hicache is not None else None,
                                 self.hicache.kvstore_addr if self.hicache is not None else None)
         self._model = self.info.model.name
