@@ -13,27 +13,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.quant_kernels import best_ms  # noqa: E402
 from kernels import mla_decode_cpu  # noqa: E402
 
 H, DK, V_DIM = 16, 576, 512
-
-
-def best_ms(fn, budget_s: float = 1.0, min_calls: int = 3) -> float:
-    """Fastest wall time of fn() in ms, calling it for about budget_s after one warm-up call."""
-    fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_calls or time.perf_counter() - start < budget_s:
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return min(times)
 
 
 def case(batch: int, context: int) -> dict:
