@@ -62,13 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"int8 activations: not measured (quant_gemv not built: {unavailable.get('quant_gemv')})")
         return 0
     variants = {}  # name -> (x, weight) -> y
-    if fp32.int8_activations():
-        variants["avx512"] = lambda x, w: fp32.quant_linear(x, w.qs, w.d, w.m, w.code, None, True, True)
+    if fp32.int8_activations():  # the worker's own path, named by its instructions
+        variants[fp32.int8_path()] = lambda x, w: fp32.quant_linear(x, w.qs, w.d, w.m, w.code, None, True, True)
     probe = load_cpu_extension("int8_activation_probe", PROBE) if "avx_vnni" in cpu_isa.cpu_flags() else None
-    if probe is not None:
-        variants["avx256"] = lambda x, w: probe.q8_linear(x, w.qs, w.d, w.m, w.code)
+    if probe is not None and "avx-vnni" not in variants:
+        variants["probe avx-vnni"] = lambda x, w: probe.q8_linear(x, w.qs, w.d, w.m, w.code)
     if not variants:
-        print("int8 activations: not measured (this CPU has neither AVX512-VNNI nor AVX-VNNI)")
+        print("int8 activations: not measured (this build of quant_gemv has no int8 path: it needs AVX2)")
         return 0
     ckpt = load_checkpoint(default_model_path())
     weights = step_weights(ckpt)

@@ -18,6 +18,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define RADIXMESH_INT8_ACTIVATIONS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RADIXMESH_INT8_ACTIVATIONS 1
+#define RADIXMESH_INT8_AVX2 1  // int8_activations_avx2.h: 256-bit, AVX-VNNI's dot or AVX2's pair sums
 #endif
 
 namespace radixmesh::qint8 {
@@ -33,20 +37,38 @@ constexpr bool compiled() {
 #endif
 }
 
+// Which int8 path this build has: its dot product's instructions, or "" without one.
+constexpr const char* path_name() {
+#if defined(RADIXMESH_INT8_AVX2) && defined(__AVXVNNI__)
+  return "avx-vnni";
+#elif defined(RADIXMESH_INT8_AVX2)
+  return "avx2";
+#elif defined(RADIXMESH_INT8_ACTIVATIONS)
+  return "avx512-vnni";
+#else
+  return "";
+#endif
+}
+
 // Whether a weight of this format and input width runs with int8 activations in this build.
 constexpr bool supports(int64_t qtype, int64_t K) {
   return compiled() && (qtype == kQ4_1 || qtype == kQ8_0) && K % (2 * kGroup) == 0;
 }
 
 // x [T, K] quantized: q [T, K] int8; s [T, nb]; dx_pair [T, nb, 8]: each group's scale eight
-// times, so groups 2p and 2p + 1 load as one 16-lane vector (their dot products' lanes).
+// times, so groups 2p and 2p + 1 load as one 16-lane vector (their dot products' lanes). The
+// 256-bit path orders q and dx_pair within each row its own way (int8_activations_avx2.h).
 struct Int8X {
   const int8_t* q;
   const float* dx_pair;
   const float* s;
 };
 
-#ifdef RADIXMESH_INT8_ACTIVATIONS
+#if defined(RADIXMESH_INT8_AVX2)
+}  // namespace radixmesh::qint8
+#include "int8_activations_avx2.h"
+namespace radixmesh::qint8 {
+#elif defined(RADIXMESH_INT8_ACTIVATIONS)
 // x [T, K] quantized into buffers the caller keeps alive (q [T, K], dx_pair [T, K/32 * 8],
 // s [T, K/32]); returns the view the matmul takes.
 inline Int8X quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* dx_pair, float* s) {
@@ -147,6 +169,6 @@ inline void span(int64_t qtype, const uint8_t* qs, const float* d, const float* 
 #else
 // Never called: supports() is false in such a build (callers check it first).
 inline Int8X quantize(const float*, int64_t, int64_t, int8_t*, float*, float*) { return {}; }
-#endif  // RADIXMESH_INT8_ACTIVATIONS
+#endif  // RADIXMESH_INT8_AVX2, RADIXMESH_INT8_ACTIVATIONS
 
 }  // namespace radixmesh::qint8

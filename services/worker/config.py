@@ -61,11 +61,11 @@ class WorkerConfig:
     quant_activations: str = field(default="auto", metadata={
         "help": "CPU, with --quantization auto: the activations of the steps that run on the file's Q4_1/Q8_0 "
                 "blocks (those of <= --quant-max-rows tokens, and verify steps). float32: exact float32 math on "
-                "the file's weights; int8: each row quantized per group of 32 and multiplied with AVX512-VNNI "
-                "integer dot products as llama.cpp does (~15%% faster linears, ~0.6%% error per linear, +0.9%% "
-                "perplexity: bench/int8_activations.py, docs/quantization.md); needs AVX512-VNNI (else float32, "
-                "with a warning) and a --dtype other than float32, the exact mode. auto (default): int8 where "
-                "the CPU has AVX512-VNNI, --dtype is not float32 and --quantization is auto; else float32"})
+                "the file's weights; int8: each row quantized per group of 32 and multiplied with integer dot "
+                "products as llama.cpp does (AVX512-VNNI, AVX-VNNI or AVX2; ~0.6%% error per linear, +0.9%% "
+                "perplexity; 15-30%% faster linears with VNNI, 1.7x and more on AVX2 alone: bench/int8_activations.py, "
+                "docs/quantization.md); refused with --dtype float32, the exact mode. auto (default): int8 where "
+                "the kernel has an int8 path, --dtype is not float32 and --quantization is auto; else float32"})
     quantization: str = field(default="auto", metadata={
         "help": "the format linear weights are held in (services/worker/model/weight_format.py). auto: dense "
                 "in --dtype, plus a GGUF file's quantized blocks for steps of <= --quant-max-rows tokens; none: "

@@ -1,7 +1,8 @@
 """Int8 activations for the few-row quantized matmul (kernels/cpu/int8_activations.h, the
 worker's --quant-activations int8): against a float64 reference of the same rounding, row by row
 independent of the rows beside it, only for the formats it covers, and refused where it does
-not apply, and kept float32 where the build has no VNNI."""
+not apply, and kept float32 where the build has no int8 path (it has one wherever AVX2 is: the
+512-bit VNNI path, or the 256-bit one of int8_activations_avx2.h)."""
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,8 @@ from kernels.quant_gemv import Int8Activations, QuantWeight
 from services.worker.config import WorkerConfig
 
 MODULE = quant_gemv.load()
-needs_vnni = pytest.mark.skipif(MODULE is None or not MODULE.int8_activations(),
-                                reason="quant_gemv has no int8 activations here (needs AVX512-VNNI)")
+needs_int8 = pytest.mark.skipif(MODULE is None or not MODULE.int8_activations(),
+                                reason="quant_gemv has no int8 activations here (needs AVX2 or AVX512-VNNI)")
 
 
 def quantized_x(x: torch.Tensor) -> torch.Tensor:
@@ -37,7 +38,7 @@ def int8_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return MODULE.quant_linear(x, w.qs, w.d, w.m, w.code, None, True, True)
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_matches_the_float64_reference_of_the_same_rounding(qtype, rows):
@@ -51,7 +52,7 @@ def test_matches_the_float64_reference_of_the_same_rounding(qtype, rows):
     assert float((got - exact).norm() / exact.norm()) < 0.02  # ... to within a rounding of int8
 
 
-@needs_vnni
+@needs_int8
 def test_a_row_does_not_depend_on_the_rows_beside_it():
     w = weight("Q4_1", 36, 192)
     x = torch.randn(8, 192, generator=torch.Generator().manual_seed(1))
@@ -60,7 +61,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(int8_linear(x[r:r + 1], w)[0], together[r])
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q6_K"])
 def test_formats_it_does_not_cover_keep_float32_activations(qtype):
     w = weight(qtype, 16, 256)
@@ -68,14 +69,14 @@ def test_formats_it_does_not_cover_keep_float32_activations(qtype):
     assert torch.equal(int8_linear(x, w), MODULE.quant_linear(x, w.qs, w.d, w.m, w.code, None, True))
 
 
-@needs_vnni
+@needs_int8
 def test_more_rows_than_the_fused_path_take_the_tiles_unchanged():
     w = weight("Q4_1", 32, 64)
     x = torch.randn(12, 64, generator=torch.Generator().manual_seed(3))
     assert torch.equal(int8_linear(x, w), MODULE.quant_linear(x, w.qs, w.d, w.m, w.code, None, True))
 
 
-@needs_vnni
+@needs_int8
 def test_the_module_wrapper_turns_it_on_for_every_call():
     w = weight("Q8_0", 24, 64)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
@@ -93,48 +94,55 @@ def test_refused_where_it_does_not_apply():
         WorkerConfig(quant_activations="int4")
 
 
-def test_without_vnni_the_worker_keeps_float32_activations(checkpoint, monkeypatch, caplog):
-    """The fallback, forced: a quant_gemv build without the VNNI path (any CPU without AVX512-VNNI,
-    or RADIXMESH_CPU_ISA=avx2) asked for int8 serves with float32 activations and says so."""
+def test_without_an_int8_path_the_worker_keeps_float32_activations(checkpoint, monkeypatch, caplog):
+    """The fallback, forced: a quant_gemv build without an int8 path (a CPU without AVX2) asked
+    for int8 serves with float32 activations and says so."""
     from services.worker.model_runner import ModelRunner
     if MODULE is None:
         pytest.skip("the quantized-linear kernel is not built here")
 
-    class WithoutVnni:
+    class WithoutInt8:
         def int8_activations(self) -> bool:
             return False
 
         def __getattr__(self, name):
             return getattr(MODULE, name)
 
-    monkeypatch.setattr(quant_gemv, "load", WithoutVnni)
+    monkeypatch.setattr(quant_gemv, "load", WithoutInt8)
     with caplog.at_level(logging.WARNING):
         runner = ModelRunner(WorkerConfig(kv_cache_bytes=8 << 20, max_requests=2, quant_activations="int8"),
                              checkpoint)
     assert not runner.backend.int8_activations
-    assert "no AVX512-VNNI" in caplog.text
+    assert "without an int8 path" in caplog.text
     assert runner.quantized_weights > 0
     assert not any(isinstance(lin._quant_kernel, Int8Activations) for lin in runner.model.step_linears())
     if runner.model.decode_stack is not None:
         assert not runner.model.decode_stack.int8_activations
 
 
-def test_auto_is_int8_exactly_where_the_cpu_has_vnni(checkpoint, monkeypatch, caplog):
-    """The default (auto) takes int8 activations on a VNNI build in bfloat16 and keeps float32 in
-    the exact mode, under other weight formats and on a build without VNNI, silently."""
+def test_auto_is_int8_wherever_the_build_has_it_outside_the_exact_mode(checkpoint, monkeypatch, caplog):
+    """The default (auto) takes int8 activations on a build with an int8 path, also where --dtype
+    auto runs float32 (a CPU without fast bfloat16), and keeps float32 in the exact mode (--dtype
+    float32 asked for), under other weight formats and on a build without one, silently."""
     from services.worker.attention.cpu_backend import _int8_activations
     if MODULE is None:
         pytest.skip("the quantized-linear kernel is not built here")
     assert WorkerConfig().quant_activations == "auto"
     with caplog.at_level(logging.WARNING):
         assert _int8_activations(WorkerConfig()) == MODULE.int8_activations()
+        assert _int8_activations(WorkerConfig(dtype="bfloat16")) == MODULE.int8_activations()
+        with monkeypatch.context() as patched:  # a CPU without fast bfloat16: auto runs float32
+            from kernels import cpu_isa
+            patched.setattr(cpu_isa, "has_fast_bf16", lambda: False)
+            assert WorkerConfig().torch_dtype == torch.float32
+            assert _int8_activations(WorkerConfig()) == MODULE.int8_activations()
         assert not _int8_activations(WorkerConfig(dtype="float32"))
         assert not _int8_activations(WorkerConfig(quantization="int8"))
         assert not _int8_activations(WorkerConfig(quant_activations="float32"))
 
-        class WithoutVnni:
+        class WithoutInt8:
             def int8_activations(self) -> bool:
                 return False
-        monkeypatch.setattr(quant_gemv, "load", WithoutVnni)
+        monkeypatch.setattr(quant_gemv, "load", WithoutInt8)
         assert not _int8_activations(WorkerConfig())
-    assert "AVX512-VNNI" not in caplog.text and "exact mode" not in caplog.text
+    assert "int8 path" not in caplog.text and "exact mode" not in caplog.text

@@ -113,12 +113,13 @@ def _use_quantized(model: LlamaForCausalLM, config: WorkerConfig, checkpoint: Ch
 
 
 def _int8_activations(config: WorkerConfig) -> bool:
-    """--quant-activations int8, where the build has the VNNI path and the model is not float32;
-    auto: the same, silently, and only under --quantization auto (the measured default where the
-    CPU has AVX512-VNNI: docs/benchmarks.md, issue 41)."""
+    """--quant-activations int8, where the build has an int8 path (AVX512-VNNI, else AVX-VNNI or
+    AVX2: kernels/cpu/int8_activations*.h) and --dtype float32, the exact mode, was not asked for;
+    auto: the same, silently, and only under --quantization auto (the measured default on every
+    CPU: docs/benchmarks.md, issue 41). On a CPU without fast bfloat16, --dtype auto runs the
+    model in float32 for speed, not as the exact mode, so int8 activations still apply."""
     asked = config.quant_activations
-    if asked == "float32" or (asked == "auto" and (config.quantization != "auto"
-                                                   or config.torch_dtype == torch.float32)):
+    if asked == "float32" or (asked == "auto" and (config.quantization != "auto" or config.dtype == "float32")):
         return False
     from kernels import quant_gemv
     kernel = quant_gemv.load()
@@ -126,13 +127,10 @@ def _int8_activations(config: WorkerConfig) -> bool:
         return False
     if not kernel.int8_activations():
         if asked == "int8":
-            log.warning("--quant-activations int8: this CPU has no AVX512-VNNI (or the kernel was built without "
-                        "it); the quantized steps keep float32 activations")
+            log.warning("--quant-activations int8: the quantized-linear kernel was built without an int8 path "
+                        "(it needs AVX2 or AVX512-VNNI); the quantized steps keep float32 activations")
         return False
-    if config.torch_dtype == torch.float32:
-        log.warning("--quant-activations int8: the model runs in float32, the exact mode; activations stay float32")
-        return False
-    return True
+    return True  # int8 with --dtype float32 is refused by WorkerConfig
 
 
 def _use_decode_stack(model: LlamaForCausalLM, config: WorkerConfig, int8_activations: bool) -> bool:

@@ -1,0 +1,175 @@
+// Int8 activations in 256-bit registers, for CPUs with AVX2 and no AVX512-VNNI (AMD Zen 2/3,
+// Intel before Ice Lake, Alder Lake and later clients). Same rounding and same sums as the
+// AVX512-VNNI path of int8_activations.h, whose shared declarations (Int8X, kGroup, the QType
+// codes) this file follows; only the float accumulation order differs.
+//
+// Per group of 32 and x row: the u8 x s8 products of a weight group and x's group, summed to
+// eight int32 lanes by AVX-VNNI's vpdpbusd where the build has it, else by AVX2's
+// vpmaddubsw (pairs to int16) and vpmaddwd (pairs to int32), llama.cpp's way on AVX2. The int16
+// pair sums never saturate: Q4_1 values are 0..15 and Q8_0's |v| is at most 128, times |q| <=
+// 127, twice, is at most 32,512. So the integer dot product is exact either way.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace radixmesh::qint8 {
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline int32_t hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+// This path's layout of the quantized x, per pair of groups (2p, 2p + 1): the 64 bytes
+// [q_2p[0:16], q_2p+1[0:16], q_2p[16:32], q_2p+1[16:32]] and the scales [dx_2p x4, dx_2p+1 x4]
+// (dx_pair's row stride stays nb * 8 floats, as in the 512-bit path). So one 32-byte load of two
+// Q4_1 groups' nibbles splits into the bytes that meet x's first and second halves, with no
+// shuffle per weight. s is per group, as everywhere.
+
+// x [T, K] quantized into buffers the caller keeps alive (q [T, K], dx_pair [T, K/32 * 8],
+// s [T, K/32]); returns the view the matmul takes. dx = max|x| / 127, q = round-half-even(x / dx)
+// (the default rounding mode of vcvtps2dq, as in the 512-bit path), s = dx * sum q. K % 64 == 0.
+inline Int8X quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* dx_pair, float* s) {
+  const int64_t nb = K / kGroup;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < nb; b += 2) {
+      __m256i bytes[2];
+      float dx[2];
+      for (int g = 0; g < 2; ++g) {
+        const float* xb = x + t * K + (b + g) * kGroup;
+        __m256 v[4];
+        __m256 mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) mx = _mm256_max_ps(mx, _mm256_and_ps(v[i] = _mm256_loadu_ps(xb + 8 * i), abs_mask));
+        dx[g] = hmax8(mx) / 127.f;
+        const __m256 inv = _mm256_set1_ps(dx[g] > 0.f ? 1.f / dx[g] : 0.f);
+        __m256i qi[4];
+        for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        bytes[g] = _mm256_permutevar8x32_epi32(q16, byte_order);  // the group's 32 values in order
+        const int32_t sum = hsum8i(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+        s[t * nb + b + g] = dx[g] * static_cast<float>(sum);
+      }
+      int8_t* out = q + t * K + b * kGroup;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(bytes[0], bytes[1], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_permute2x128_si256(bytes[0], bytes[1], 0x31));
+      _mm256_storeu_ps(dx_pair + t * nb * 8 + b * 4, _mm256_setr_m128(_mm_set1_ps(dx[0]), _mm_set1_ps(dx[1])));
+    }
+  return {q, dx_pair, s};
+}
+
+// Eight int32 sums, four per group of the pair, of w_lo x x_lo + w_hi x x_hi (u8 x s8 bytes).
+template <int64_t QT>
+inline __m256i dot_pair(__m256i w_lo, __m256i x_lo, __m256i w_hi, __m256i x_hi) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w_lo, x_lo), w_hi, x_hi);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i lo = _mm256_maddubs_epi16(w_lo, x_lo), hi = _mm256_maddubs_epi16(w_hi, x_hi);
+  if constexpr (QT == kQ4_1)  // pair sums <= 3,810: two of them still fit in int16
+    return _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
+  else
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+#endif
+}
+
+// NR output rows from n0 times R x rows: y [NR, R] (by output row, as quant_gemv.h's spans).
+template <int64_t QT, int R, int NR>
+void rows(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int64_t K, float* y) {
+  constexpr int64_t group_bytes = QT == kQ4_1 ? 16 : 32;
+  const int64_t nb = K / kGroup, row_bytes = nb * group_bytes;
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m256i pair_lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[NR][R];
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < R; ++r) acc[n][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    if ((b * group_bytes) % 64 == 0)  // the next NR rows' lines: helps the streamer
+      for (int n = 0; n < NR; ++n) __builtin_prefetch(qs + (n + NR) * row_bytes + b * group_bytes);
+    __m256i x_lo[R], x_hi[R];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = x.q + r * K + b * kGroup;
+      x_lo[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+      x_hi[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
+    }
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* qn = qs + n * row_bytes + b * group_bytes;
+      __m256i w_lo, w_hi, sign_lo{}, sign_hi{};
+      if constexpr (QT == kQ4_1) {  // byte i of a group: value i low, value i + 16 high
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn));
+        w_lo = _mm256_and_si256(v, low4);
+        w_hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      } else {  // signed values: |v| times x carrying v's sign
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + 32));
+        sign_lo = _mm256_permute2x128_si256(v0, v1, 0x20);
+        sign_hi = _mm256_permute2x128_si256(v0, v1, 0x31);
+        w_lo = _mm256_abs_epi8(sign_lo);
+        w_hi = _mm256_abs_epi8(sign_hi);
+      }
+      const __m128 d2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d + n * nb + b)));
+      const __m256 dn = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), pair_lanes);  // [d_b x4, d_b+1 x4]
+      for (int r = 0; r < R; ++r) {
+        const __m256i xl = QT == kQ4_1 ? x_lo[r] : _mm256_sign_epi8(x_lo[r], sign_lo);
+        const __m256i xh = QT == kQ4_1 ? x_hi[r] : _mm256_sign_epi8(x_hi[r], sign_hi);
+        const __m256 scale = _mm256_mul_ps(dn, _mm256_loadu_ps(x.dx_pair + r * nb * 8 + b * 4));
+        acc[n][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_pair<QT>(w_lo, xl, w_hi, xh)), scale, acc[n][r]);
+      }
+    }
+  }
+  float mins[NR][R] = {};
+  if constexpr (QT == kQ4_1) {  // + sum_b m_b s_b
+    for (int n = 0; n < NR; ++n)
+      for (int r = 0; r < R; ++r) {
+        __m256 ms = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8)
+          ms = _mm256_fmadd_ps(_mm256_loadu_ps(m + n * nb + b), _mm256_loadu_ps(x.s + r * nb + b), ms);
+        mins[n][r] = hsum8(ms);
+        for (; b < nb; ++b) mins[n][r] += m[n * nb + b] * x.s[r * nb + b];
+      }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < R; ++r) y[n * R + r] = hsum8(acc[n][r]) + mins[n][r];
+}
+
+template <int64_t QT, int R>
+void span_rows(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int64_t K, int64_t begin,
+               int64_t end, float* y /* [rows, R] from begin */) {
+  constexpr int NR = R == 1 ? 4 : R == 2 ? 2 : 1;  // 16 ymm registers: NR * R accumulators, 2R x vectors
+  constexpr int64_t group_bytes = QT == kQ4_1 ? 16 : 32;
+  const int64_t nb = K / kGroup, row_bytes = nb * group_bytes;
+  int64_t n = begin;
+  for (; n + NR <= end; n += NR) rows<QT, R, NR>(qs + n * row_bytes, d + n * nb, m + n * nb, x, K, y + (n - begin) * R);
+  for (; n < end; ++n) rows<QT, R, 1>(qs + n * row_bytes, d + n * nb, m + n * nb, x, K, y + (n - begin) * R);
+}
+
+template <int64_t QT>
+void span_qt(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int64_t R, int64_t K, int64_t begin,
+             int64_t end, float* y) {
+  radixmesh::with_rows(R, [&](auto r) { span_rows<QT, decltype(r)::value>(qs, d, m, x, K, begin, end, y); });
+}
+
+// Output rows [begin, end) for R (<= 8) quantized x rows: y [rows, R]. m: Q4_1's mins.
+inline void span(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const Int8X& x, int64_t R,
+                 int64_t K, int64_t begin, int64_t end, float* y) {
+  if (qtype == kQ4_1) span_qt<kQ4_1>(qs, d, m, x, R, K, begin, end, y);
+  else span_qt<kQ8_0>(qs, d, d, x, R, K, begin, end, y);  // m unread
+}
+
+}  // namespace radixmesh::qint8
