@@ -228,6 +228,15 @@ class DecodeStack {
     team_.reset();  // joins its helpers; the next step makes a team with the new placement
   }
 
+  // The nice value of the team's helpers (-20..19; below the process's own needs CAP_SYS_NICE,
+  // else the helpers keep the one they inherit); takes effect for the next step.
+  void set_helper_nice(int64_t nice) {
+    std::lock_guard<std::mutex> hold(busy_);
+    TORCH_CHECK(nice >= -20 && nice <= 19, "helper nice must be in -20..19, got ", nice);
+    helper_nice_ = static_cast<int>(nice);
+    team_.reset();  // joins its helpers; the next step makes a team at the new priority
+  }
+
   // Q4_1 and Q8_0 linears quantize their input to int8 and use VNNI dot products (where
   // compiled in: quant_gemv's int8_activations()); the worker's --quant-activations int8.
   // Tensor parallelism: the o and down projections hold a rank's input columns, so their
@@ -302,7 +311,7 @@ class DecodeStack {
     const int helpers = std::clamp(threads - 1, 0, radixmesh::StepTeam::kMaxHelpers);
     if (!team_ || team_->helpers() != helpers || team_->scratch_bytes() < scratch) {
       team_.reset();  // joins its helpers
-      team_ = std::make_unique<radixmesh::StepTeam>(helpers, scratch, team_spin_us_, helper_cpus_);
+      team_ = std::make_unique<radixmesh::StepTeam>(helpers, scratch, team_spin_us_, helper_cpus_, helper_nice_);
       team_->set_helper_delay_us(helper_delay_us_);
     }
     if (!k_held_.is_same(k_pool) || !v_held_.is_same(v_pool)) {
@@ -502,6 +511,7 @@ class DecodeStack {
   int64_t chunked_rows_ = 0;  // the most output rows a linear's chunks cover, for chunked_rows_threads_
   int chunked_rows_threads_ = -1;
   std::vector<int64_t> helper_cpus_;
+  int helper_nice_ = 0;
   std::vector<float> yf_;  // the linears' float32 output (the lead's alone), reused across calls
   // What the team's helpers read: a late helper may still read a buffer after its loop
   // ended, so these are grown only while the team is quiet and never freed before it.
@@ -538,6 +548,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("set_helper_cpus", &DecodeStack::set_helper_cpus, "the CPUs the step team's helpers run on",
            py::arg("cpus"))
+      .def("set_helper_nice", &DecodeStack::set_helper_nice, "the nice value of the step team's helpers (-20..19)",
+           py::arg("nice"))
       .def("set_all_reduce", &DecodeStack::set_all_reduce,
            "tensor parallelism: sum the o and down projections' outputs over the group with fn (None: off)",
            py::arg("fn"))

@@ -36,6 +36,7 @@
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -76,9 +77,12 @@ class StepTeam {
   // next loop before it sleeps (loops within a step follow each other within microseconds;
   // between steps the helper sleeps and leaves its core to others).
   // helper_cpus: where the helpers may run (empty: where the creating thread may).
-  StepTeam(int helpers, int64_t scratch_bytes, int64_t spin_us, std::vector<int64_t> helper_cpus = {})
+  // helper_nice: the helpers' nice value, set by each helper for itself (a new thread would
+  // otherwise inherit its creator's, and the lead may be running at a raised priority).
+  StepTeam(int helpers, int64_t scratch_bytes, int64_t spin_us, std::vector<int64_t> helper_cpus = {},
+           int helper_nice = 0)
       : scratch_bytes_(scratch_bytes), spin_(std::chrono::microseconds(spin_us)), helper_cpus_(std::move(helper_cpus)),
-        done_(kMaxChunks) {
+        helper_nice_(helper_nice), done_(kMaxChunks) {
     helpers = std::clamp(helpers, 0, kMaxHelpers);
     for (auto& d : done_) d.store(0, std::memory_order_relaxed);
     lead_scratch_.reset(new (std::align_val_t(64)) unsigned char[scratch_bytes_]);
@@ -229,6 +233,9 @@ class StepTeam {
       for (int64_t cpu : helper_cpus_) CPU_SET(static_cast<int>(cpu), &set);
       pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
     }
+    // Per thread on Linux. Lowering a priority needs no privilege; raising it may fail, and the
+    // helper then keeps the one it inherited.
+    setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), helper_nice_);
     unsigned char* scratch = scratch_[h].get();
     std::atomic<bool>& working = *working_[h];
     uint64_t last = 0;
@@ -290,6 +297,7 @@ class StepTeam {
   const int64_t scratch_bytes_;
   const std::chrono::microseconds spin_;
   const std::vector<int64_t> helper_cpus_;
+  const int helper_nice_;
   uint64_t gen_ = 0;  // the lead's
   std::vector<bool> mine_;
   std::unique_ptr<unsigned char[], AlignedFree> lead_scratch_;

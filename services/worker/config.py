@@ -81,6 +81,11 @@ class WorkerConfig:
         "help": "CPU, one-call decode steps: their parallel loops run on a team whose lead never waits for a "
                 "preempted helper (kernels/cpu/step_team.h); an idle helper polls this long for the next loop, "
                 "then sleeps. -1: run them on OpenMP instead"})
+    step_team_helper_nice: int = field(default=0, metadata={
+        "help": "CPU, one-call decode steps: the nice value (-20..19) of the step team's helpers. They set it "
+                "themselves, so they do not inherit the lead's raised priority (--lead-nice) and outrank the "
+                "mesh's other threads; higher: those preempt a helper sooner, and the lead computes what the "
+                "helper left. Negative needs CAP_SYS_NICE, else the helpers keep what they inherit"})
     lead_cpu: int | None = field(default=None, metadata={
         "help": "CPU: run one-call decode steps' lead thread on this CPU and keep the worker's other threads "
                 "(event loop, gRPC, the step team's helpers) off it, for machines with as few cores as the "
@@ -242,6 +247,8 @@ class WorkerConfig:
             other_cpus(self.lead_cpu)  # a CPU of this process's, and not its only one
         if not -20 <= self.lead_nice <= 0:
             raise ValueError(f"--lead-nice must be in [-20, 0], got {self.lead_nice}")
+        if not -20 <= self.step_team_helper_nice <= 19:
+            raise ValueError(f"--step-team-helper-nice must be in -20..19, got {self.step_team_helper_nice}")
         if self.step_team_spin_us < -1:
             raise ValueError(f"--step-team-spin-us must be >= -1, got {self.step_team_spin_us}")
         if self.jump_forward_min_tokens < 1:

@@ -160,3 +160,27 @@ def test_without_cap_sys_nice_the_lead_priority_is_refused_and_steps_run_as_they
     own = os.getpriority(os.PRIO_PROCESS, tid)
     with priority.leading():  # would raise PermissionError if it tried
         assert os.getpriority(os.PRIO_PROCESS, tid) == own
+
+
+def _helper_priorities(before: set[int]) -> list[int]:
+    return [os.getpriority(os.PRIO_PROCESS, tid) for tid, (name, _) in _thread_cpus().items()
+            if tid not in before and name == "rm-team-1"]
+
+
+@needs_two
+def test_the_step_team_helpers_keep_their_own_priority_not_the_leads(checkpoint):
+    """--step-team-helper-nice: a helper made during a step (at the lead's raised priority) sets
+    its own nice value; it used to inherit the lead's -N and then outrank the mesh's services."""
+    before = set(_thread_cpus())
+    runner = ModelRunner(WorkerConfig(dtype="bfloat16", kv_cache_bytes=8 << 20, max_requests=4, quant_max_rows=2,
+                                      lead_nice=-5), checkpoint)
+    if not runner.backend.lead_priority.usable:
+        pytest.skip("no CAP_SYS_NICE here: the lead never runs above the helpers")
+    _decode(runner, ["a"], 2)
+    assert _helper_priorities(before) == [0]
+    runner.model.decode_stack.set_helper_nice(7)  # a new team at the next step
+    before = set(_thread_cpus())
+    _decode(runner, ["b"], 2)
+    assert _helper_priorities(before) == [7]
+    with pytest.raises(ValueError, match="step-team-helper-nice"):
+        WorkerConfig(step_team_helper_nice=20)

@@ -148,4 +148,5 @@ def _use_decode_stack(model: LlamaForCausalLM, config: WorkerConfig, int8_activa
     if not model.use_decode_stack(decode_stack.load(), config.step_team_spin_us, config.quant_max_rows):
         return False
     model.decode_stack.set_int8_activations(int8_activations)  # as the op-by-op linears: both paths agree
+    model.decode_stack.set_helper_nice(config.step_team_helper_nice)
     return True
