@@ -5,9 +5,10 @@ worker's float32-activation kernel on the GGUF blocks (kernels/cpu/quant_gemv.h)
 Both run every linear of one decode step of the default model on its own Q4_1 / Q8_0 weights
 (30 layers of q, k, v, o, gate, up, down, then the Q8_0 LM head), one Python call per linear
 for both, for 1 to 8 rows (a decode step, or a verify step of 8 rows). The probe kernel is
-the worker's own (kernels/cpu/int8_activations.h, AVX512-VNNI: `quant_linear(...,
+the worker's own (kernels/cpu/int8_activations.h: AVX512-VNNI, or the 256-bit AVX2 path of
+int8_activations_avx2.h, named by the instructions this build has: `quant_linear(...,
 int8_activations=True)`, the worker's --quant-activations int8) and, where the CPU has AVX-VNNI,
-the 256-bit variant in bench/kernels/int8_activation_probe.cpp (what an AVX2 CPU with VNNI has). Printed per row count: each kernel's fastest step time, the ratio
+the 256-bit AVX-VNNI probe in bench/kernels/int8_activation_probe.cpp. Printed per row count: each kernel's fastest step time, the ratio
 int8 / float32, the step's weight bytes over that time as a fraction of the read bandwidth
 measured in the same run, and the int8 path's error (relative L2 against the float32 path's
 output, itself the float32 matmul with the file's exact weights).
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if fp32.int8_activations():  # the worker's own path, named by its instructions
         variants[fp32.int8_path()] = lambda x, w: fp32.quant_linear(x, w.qs, w.d, w.m, w.code, None, True, True)
     probe = load_cpu_extension("int8_activation_probe", PROBE) if "avx_vnni" in cpu_isa.cpu_flags() else None
-    if probe is not None and "avx-vnni" not in variants:
+    if probe is not None:
         variants["probe avx-vnni"] = lambda x, w: probe.q8_linear(x, w.qs, w.d, w.m, w.code)
     if not variants:
         print("int8 activations: not measured (this build of quant_gemv has no int8 path: it needs AVX2)")

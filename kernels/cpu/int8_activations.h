@@ -1,13 +1,14 @@
 // Int8 activations for the fused few-row matmul (quant_gemv.h): x is quantized per group of 32
 // (dx = max|x| / 127, q = round-half-even(x * (1 / dx)), s = dx * sum q, llama.cpp's Q8_1) and
-// multiplied by the Q4_1 or Q8_0 values with AVX512-VNNI's u8 x s8 dot products:
+// multiplied by the Q4_1 or Q8_0 values with u8 x s8 dot products: AVX512-VNNI's here, or in
+// 256-bit registers with AVX2 alone (int8_activations_avx2.h):
 //   Q4_1: y = sum_b d_b dx_b (v . q)_b + m_b s_b      Q8_0: y = sum_b d_b dx_b (v . q)_b
 // The integer dot products are exact; the error is x's rounding, ~0.6% of a linear's output
-// (bench/int8_activations.py: ~20% faster than float32 activations on a Xeon with VNNI, for 1
-// to 8 rows). Each row's x is quantized alone and each output's order of operations is fixed,
-// so a row's result still does not depend on the rows beside it.
-// Used where the worker asks for it (--quant-activations int8) and the build has VNNI; the
-// other formats, and K not a multiple of 64, keep float32 activations.
+// (bench/int8_activations.py: ~20% faster than float32 activations on a Xeon with VNNI, 1.9x on
+// an AVX2-only EPYC, for 1 to 8 rows). Each row's x is quantized alone and each output's order
+// of operations is fixed, so a row's result still does not depend on the rows beside it.
+// Used where the worker asks for it (--quant-activations, int8 by default outside --dtype
+// float32); the other formats, and K not a multiple of 64, keep float32 activations.
 #pragma once
 
 #include <algorithm>
@@ -21,7 +22,7 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define RADIXMESH_INT8_ACTIVATIONS 1
-#define RADIXMESH_INT8_AVX2 1  // int8_activations_avx2.h: 256-bit, AVX-VNNI's dot or AVX2's pair sums
+#define RADIXMESH_INT8_AVX2 1  // int8_activations_avx2.h: 256-bit, AVX2's pair sums
 #endif
 
 namespace radixmesh::qint8 {
@@ -39,9 +40,7 @@ constexpr bool compiled() {
 
 // Which int8 path this build has: its dot product's instructions, or "" without one.
 constexpr const char* path_name() {
-#if defined(RADIXMESH_INT8_AVX2) && defined(__AVXVNNI__)
-  return "avx-vnni";
-#elif defined(RADIXMESH_INT8_AVX2)
+#if defined(RADIXMESH_INT8_AVX2)
   return "avx2";
 #elif defined(RADIXMESH_INT8_ACTIVATIONS)
   return "avx512-vnni";
@@ -143,10 +142,20 @@ void rows(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int
     for (int r = 0; r < R; ++r) y[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
+// Output rows in flight per pass for R x rows: the 32 zmm registers hold NR * R accumulators.
+template <int R>
+constexpr int rows_in_flight() { return R <= 4 ? 4 : 2; }
+#else
+// Never called: supports() is false in such a build (callers check it first).
+inline Int8X quantize(const float*, int64_t, int64_t, int8_t*, float*, float*) { return {}; }
+#endif  // RADIXMESH_INT8_AVX2, RADIXMESH_INT8_ACTIVATIONS
+
+#ifdef RADIXMESH_INT8_ACTIVATIONS
+// The paths' shared driver: output rows [begin, end) in passes of the path's rows<QT, R, NR>.
 template <int64_t QT, int R>
 void span_rows(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int64_t K, int64_t begin,
                int64_t end, float* y /* [rows, R] from begin */) {
-  constexpr int NR = R <= 4 ? 4 : 2;
+  constexpr int NR = rows_in_flight<R>();
   constexpr int64_t group_bytes = QT == kQ4_1 ? 16 : 32;
   const int64_t nb = K / kGroup, row_bytes = nb * group_bytes;
   int64_t n = begin;
@@ -166,9 +175,6 @@ inline void span(int64_t qtype, const uint8_t* qs, const float* d, const float* 
   if (qtype == kQ4_1) span_qt<kQ4_1>(qs, d, m, x, R, K, begin, end, y);
   else span_qt<kQ8_0>(qs, d, d, x, R, K, begin, end, y);  // m unread
 }
-#else
-// Never called: supports() is false in such a build (callers check it first).
-inline Int8X quantize(const float*, int64_t, int64_t, int8_t*, float*, float*) { return {}; }
-#endif  // RADIXMESH_INT8_AVX2, RADIXMESH_INT8_ACTIVATIONS
+#endif  // RADIXMESH_INT8_ACTIVATIONS
 
 }  // namespace radixmesh::qint8

@@ -3,11 +3,11 @@
 // AVX512-VNNI path of int8_activations.h, whose shared declarations (Int8X, kGroup, the QType
 // codes) this file follows; only the float accumulation order differs.
 //
-// Per group of 32 and x row: the u8 x s8 products of a weight group and x's group, summed to
-// eight int32 lanes by AVX-VNNI's vpdpbusd where the build has it, else by AVX2's
-// vpmaddubsw (pairs to int16) and vpmaddwd (pairs to int32), llama.cpp's way on AVX2. The int16
-// pair sums never saturate: Q4_1 values are 0..15 and Q8_0's |v| is at most 128, times |q| <=
-// 127, twice, is at most 32,512. So the integer dot product is exact either way.
+// Per pair of groups and x row: the u8 x s8 products of the weights and x, summed to eight
+// int32 lanes by AVX2's vpmaddubsw (pairs to int16) and vpmaddwd (pairs to int32), llama.cpp's
+// way on AVX2. The int16 pair sums never saturate: Q4_1 values are 0..15 and Q8_0's |v| is at
+// most 128, times |q| <= 127, twice, is at most 32,512 (and Q4_1 adds two such sums, <= 7,620).
+// So the integer dot product is exact.
 #pragma once
 
 #include <immintrin.h>
@@ -74,18 +74,16 @@ inline Int8X quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* dx
 }
 
 // Eight int32 sums, four per group of the pair, of w_lo x x_lo + w_hi x x_hi (u8 x s8 bytes).
+// (AVX-VNNI's vpdpbusd would do it in two instructions; no CPU this project is tested on has
+// AVX-VNNI without AVX512-VNNI, so that variant is left out rather than shipped untested.)
 template <int64_t QT>
 inline __m256i dot_pair(__m256i w_lo, __m256i x_lo, __m256i w_hi, __m256i x_hi) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w_lo, x_lo), w_hi, x_hi);
-#else
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i lo = _mm256_maddubs_epi16(w_lo, x_lo), hi = _mm256_maddubs_epi16(w_hi, x_hi);
   if constexpr (QT == kQ4_1)  // pair sums <= 3,810: two of them still fit in int16
     return _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
   else
     return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-#endif
 }
 
 // NR output rows from n0 times R x rows: y [NR, R] (by output row, as quant_gemv.h's spans).
@@ -148,28 +146,9 @@ void rows(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int
     for (int r = 0; r < R; ++r) y[n * R + r] = hsum8(acc[n][r]) + mins[n][r];
 }
 
-template <int64_t QT, int R>
-void span_rows(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int64_t K, int64_t begin,
-               int64_t end, float* y /* [rows, R] from begin */) {
-  constexpr int NR = R == 1 ? 4 : R == 2 ? 2 : 1;  // 16 ymm registers: NR * R accumulators, 2R x vectors
-  constexpr int64_t group_bytes = QT == kQ4_1 ? 16 : 32;
-  const int64_t nb = K / kGroup, row_bytes = nb * group_bytes;
-  int64_t n = begin;
-  for (; n + NR <= end; n += NR) rows<QT, R, NR>(qs + n * row_bytes, d + n * nb, m + n * nb, x, K, y + (n - begin) * R);
-  for (; n < end; ++n) rows<QT, R, 1>(qs + n * row_bytes, d + n * nb, m + n * nb, x, K, y + (n - begin) * R);
-}
-
-template <int64_t QT>
-void span_qt(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int64_t R, int64_t K, int64_t begin,
-             int64_t end, float* y) {
-  radixmesh::with_rows(R, [&](auto r) { span_rows<QT, decltype(r)::value>(qs, d, m, x, K, begin, end, y); });
-}
-
-// Output rows [begin, end) for R (<= 8) quantized x rows: y [rows, R]. m: Q4_1's mins.
-inline void span(int64_t qtype, const uint8_t* qs, const float* d, const float* m, const Int8X& x, int64_t R,
-                 int64_t K, int64_t begin, int64_t end, float* y) {
-  if (qtype == kQ4_1) span_qt<kQ4_1>(qs, d, m, x, R, K, begin, end, y);
-  else span_qt<kQ8_0>(qs, d, d, x, R, K, begin, end, y);  // m unread
-}
+// Output rows in flight per pass for R x rows: the 16 ymm registers hold NR * R accumulators
+// and the 2R x vectors.
+template <int R>
+constexpr int rows_in_flight() { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 
 }  // namespace radixmesh::qint8

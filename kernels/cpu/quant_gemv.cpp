@@ -87,10 +87,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("qtype"), py::arg("bias") = py::none(),
         py::arg("float_out") = false, py::arg("int8_activations") = false);
   m.def("int8_activations", [] { return radixmesh::qint8::compiled(); },
-        "whether int8 activations (AVX512-VNNI, AVX-VNNI or AVX2) were compiled in: quant_linear's "
+        "whether int8 activations (AVX512-VNNI or AVX2) were compiled in: quant_linear's "
         "int8_activations then quantizes x for Q4_1 and Q8_0 weights of up to 8 rows");
   m.def("int8_path", [] { return std::string(radixmesh::qint8::path_name()); },
-        "the int8 activations' dot-product path compiled in: avx512-vnni, avx-vnni, avx2 or empty");
+        "the int8 activations' dot-product path compiled in: avx512-vnni, avx2 or empty");
   m.def("has_avx512_path", &has_avx512_path, "whether the AVX-512 matmul was compiled in");
   m.def("fused_path", &fused_path, "the fused few-row path compiled in: avx512, avx2 or portable");
   m.def("bf16_tiles", [] { return kBf16Tiles; }, "whether many-row steps on bfloat16 x use bfloat16 tiles");

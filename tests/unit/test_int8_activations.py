@@ -146,3 +146,12 @@ def test_auto_is_int8_wherever_the_build_has_it_outside_the_exact_mode(checkpoin
         monkeypatch.setattr(quant_gemv, "load", WithoutInt8)
         assert not _int8_activations(WorkerConfig())
     assert "int8 path" not in caplog.text and "exact mode" not in caplog.text
+
+
+@needs_int8
+def test_the_build_names_its_int8_path():
+    """AVX512-VNNI where the build targets it, else the 256-bit AVX2 path (the forced-AVX2 pass
+    runs the latter on any CPU, so both are exercised on an AVX-512 machine)."""
+    from kernels import cpu_isa
+    wide = MODULE.fused_path() == "avx512" and cpu_isa.has("avx512_vnni")
+    assert MODULE.int8_path() == ("avx512-vnni" if wide else "avx2")

@@ -113,7 +113,7 @@ def _use_quantized(model: LlamaForCausalLM, config: WorkerConfig, checkpoint: Ch
 
 
 def _int8_activations(config: WorkerConfig) -> bool:
-    """--quant-activations int8, where the build has an int8 path (AVX512-VNNI, else AVX-VNNI or
+    """--quant-activations int8, where the build has an int8 path (AVX512-VNNI, else
     AVX2: kernels/cpu/int8_activations*.h) and --dtype float32, the exact mode, was not asked for;
     auto: the same, silently, and only under --quantization auto (the measured default on every
     CPU: docs/benchmarks.md, issue 41). On a CPU without fast bfloat16, --dtype auto runs the
