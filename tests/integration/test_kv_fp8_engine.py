@@ -28,6 +28,9 @@ BUDGET = 64 << 20  # float32 KV: 1456 tokens, so 8 long prompts retract; FP8: 4x
 # and e5m2's, with half the mantissa, < 0.51): the output agrees up to the first such near-tie.
 NEAR_TIE = {"fp8_e4m3": 0.6, "fp8_e5m2": 1.0}
 MIN_AGREEMENT = {"fp8_e4m3": 0.3, "fp8_e5m2": 0.2}  # mean share of tokens before the first divergence
+# The best prompt's share: e4m3 keeps some prompt token-exact all the way; e5m2 need not (on an
+# AVX2-only EPYC its best prompt agreed 26 of 32 tokens, then flipped at a top-2 gap of 0.158).
+MIN_BEST = {"fp8_e4m3": 1.0, "fp8_e5m2": 0.75}
 
 
 def _engine(checkpoint, tokenizer, kv: str) -> Engine:
@@ -80,7 +83,7 @@ def test_fp8_kv_greedy_agrees_with_unquantized_kv_and_frees_everything(checkpoin
                 print(f"  prompt {i}: diverges at token {n}, float32 KV's top-2 gap there {gap:.3f}")
                 assert gap < NEAR_TIE[kv], f"prompt {i}: {kv} flipped token {n} at a top-2 gap of {gap:.3f}"
         assert mean >= MIN_AGREEMENT[kv]
-        assert max(shares) == 1.0  # some prompt is token-exact all the way
+        assert max(shares) >= MIN_BEST[kv]
         sched.check_invariants()
         assert sched.kv.allocator.num_free + sched.kv.cache.evictable_pages == baseline == eng.limits.num_pages
     finally:
