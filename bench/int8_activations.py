@@ -8,10 +8,11 @@ for both, for 1 to 8 rows (a decode step, or a verify step of 8 rows). The probe
 the worker's own (kernels/cpu/int8_activations.h: AVX512-VNNI, or the 256-bit AVX2 path of
 int8_activations_avx2.h, named by the instructions this build has: `quant_linear(...,
 int8_activations=True)`, the worker's --quant-activations int8) and, where the CPU has AVX-VNNI,
-the 256-bit AVX-VNNI probe in bench/kernels/int8_activation_probe.cpp. Printed per row count: each kernel's fastest step time, the ratio
-int8 / float32, the step's weight bytes over that time as a fraction of the read bandwidth
-measured in the same run, and the int8 path's error (relative L2 against the float32 path's
-output, itself the float32 matmul with the file's exact weights).
+the 256-bit AVX-VNNI probe in bench/kernels/int8_activation_probe.cpp. Printed per row count:
+each kernel's fastest step time, the ratio int8 / float32, the step's weight bytes over that
+time as a fraction of the read bandwidth measured in the same run, and the int8 path's error
+(relative L2 against the float32 path's output, itself the float32 matmul with the file's exact
+weights).
 
     .venv/bin/python bench/int8_activations.py [--rows 1,2,4,8] [--json out.json]
 """

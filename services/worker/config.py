@@ -63,7 +63,7 @@ class WorkerConfig:
                 "blocks (those of <= --quant-max-rows tokens, and verify steps). float32: exact float32 math on "
                 "the file's weights; int8: each row quantized per group of 32 and multiplied with integer dot "
                 "products as llama.cpp does (AVX512-VNNI or AVX2; ~0.6%% error per linear, +0.9%% "
-                "perplexity; 15-30%% faster linears with VNNI, 1.7x and more on AVX2 alone: bench/int8_activations.py, "
+                "perplexity; linears 11-19%% faster with AVX512-VNNI, 1.9x on AVX2 alone: bench/int8_activations.py, "
                 "docs/quantization.md); refused with --dtype float32, the exact mode. auto (default): int8 where "
                 "the kernel has an int8 path, --dtype is not float32 and --quantization is auto; else float32"})
     quantization: str = field(default="auto", metadata={
