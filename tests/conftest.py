@@ -25,7 +25,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-pytest_plugins = ("tests.rss_watch",)  # peak RSS, printed and held to a budget; memory trimmed between modules
+# peak RSS, printed and held to a budget, memory trimmed between modules; wall time per module
+pytest_plugins = ("tests.rss_watch", "tests.module_times")
 
 SLOW_DIRS = {"integration", "e2e"}  # the mesh, processes and the real model
 MODEL_FIXTURES = {"checkpoint", "hf_model"}  # the default model's weights, ours and transformers'
