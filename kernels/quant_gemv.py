@@ -143,12 +143,12 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
 class Int8Activations:
     """The compiled module with int8 activations on (the worker's --quant-activations int8):
     every quant_linear call of at most FUSED_MAX_ROWS rows on Q4_1/Q8_0 weights quantizes x per
-    group of 32 and multiplies with VNNI dot products (kernels/cpu/int8_activations.h). Only
+    group of 32 and multiplies with integer dot products (kernels/cpu/int8_activations*.h). Only
     where `module.int8_activations()` says the build has them."""
 
     def __init__(self, module: ModuleType) -> None:
         if not module.int8_activations():
-            raise ValueError("this build of quant_gemv has no int8 activations (AVX512-VNNI)")
+            raise ValueError("this build of quant_gemv has no int8 activations (they need AVX2 or AVX512-VNNI)")
         self.module = module
 
     def quant_linear(self, *args, **kwargs) -> torch.Tensor:
