@@ -63,6 +63,13 @@ struct Int8X {
   const float* s;
 };
 
+// Once per 64 bytes of a row: the next NR rows' line at byte `at` (helps the hardware streamer).
+template <int NR>
+inline void prefetch_rows_ahead(const uint8_t* qs, int64_t row_bytes, int64_t at) {
+  if (at % 64 == 0)
+    for (int n = 0; n < NR; ++n) __builtin_prefetch(qs + (n + NR) * row_bytes + at);
+}
+
 #if defined(RADIXMESH_INT8_AVX2)
 }  // namespace radixmesh::qint8
 #include "int8_activations_avx2.h"
@@ -104,8 +111,7 @@ void rows(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int
   for (int n = 0; n < NR; ++n)
     for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 2) {
-    if ((b * group_bytes) % 64 == 0)  // the next NR rows' lines: helps the streamer
-      for (int n = 0; n < NR; ++n) __builtin_prefetch(qs + (n + NR) * row_bytes + b * group_bytes);
+    prefetch_rows_ahead<NR>(qs, row_bytes, b * group_bytes);
     __m512i xv[R];
     for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_si512(x.q + r * K + b * kGroup);
     for (int n = 0; n < NR; ++n) {

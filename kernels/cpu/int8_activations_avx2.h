@@ -97,8 +97,7 @@ void rows(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int
   for (int n = 0; n < NR; ++n)
     for (int r = 0; r < R; ++r) acc[n][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b += 2) {
-    if ((b * group_bytes) % 64 == 0)  // the next NR rows' lines: helps the streamer
-      for (int n = 0; n < NR; ++n) __builtin_prefetch(qs + (n + NR) * row_bytes + b * group_bytes);
+    prefetch_rows_ahead<NR>(qs, row_bytes, b * group_bytes);
     __m256i x_lo[R], x_hi[R];
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = x.q + r * K + b * kGroup;
