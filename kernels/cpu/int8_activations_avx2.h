@@ -14,25 +14,9 @@
 
 #include <cstdint>
 
+#include "avx2_reduce.h"
+
 namespace radixmesh::qint8 {
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline int32_t hsum8i(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
-}
 
 // This path's layout of the quantized x, per pair of groups (2p, 2p + 1): the 64 bytes
 // [q_2p[0:16], q_2p+1[0:16], q_2p[16:32], q_2p+1[16:32]] and the scales [dx_2p x4, dx_2p+1 x4]
@@ -56,13 +40,13 @@ inline Int8X quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* dx
         __m256 v[4];
         __m256 mx = _mm256_setzero_ps();
         for (int i = 0; i < 4; ++i) mx = _mm256_max_ps(mx, _mm256_and_ps(v[i] = _mm256_loadu_ps(xb + 8 * i), abs_mask));
-        dx[g] = hmax8(mx) / 127.f;
+        dx[g] = hmax256(mx) / 127.f;
         const __m256 inv = _mm256_set1_ps(dx[g] > 0.f ? 1.f / dx[g] : 0.f);
         __m256i qi[4];
         for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
         const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
         bytes[g] = _mm256_permutevar8x32_epi32(q16, byte_order);  // the group's 32 values in order
-        const int32_t sum = hsum8i(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+        const int32_t sum = hsum256i(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
         s[t * nb + b + g] = dx[g] * static_cast<float>(sum);
       }
       int8_t* out = q + t * K + b * kGroup;
@@ -137,12 +121,12 @@ void rows(const uint8_t* qs, const float* d, const float* m, const Int8X& x, int
         int64_t b = 0;
         for (; b + 8 <= nb; b += 8)
           ms = _mm256_fmadd_ps(_mm256_loadu_ps(m + n * nb + b), _mm256_loadu_ps(x.s + r * nb + b), ms);
-        mins[n][r] = hsum8(ms);
+        mins[n][r] = hsum256(ms);
         for (; b < nb; ++b) mins[n][r] += m[n * nb + b] * x.s[r * nb + b];
       }
   }
   for (int n = 0; n < NR; ++n)
-    for (int r = 0; r < R; ++r) y[n * R + r] = hsum8(acc[n][r]) + mins[n][r];
+    for (int r = 0; r < R; ++r) y[n * R + r] = hsum256(acc[n][r]) + mins[n][r];
 }
 
 // Output rows in flight per pass for R x rows: the 16 ymm registers hold NR * R accumulators

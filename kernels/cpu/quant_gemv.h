@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2_reduce.h"
 #include "convert.h"
 #include "int8_activations.h"
 #include "parallel.h"
@@ -231,13 +232,6 @@ inline __m256 widen_quarter(const uint8_t* q) {  // values 8k .. 8k + 7, less th
     if constexpr (offset(QT) != 0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(offset(QT)));
   }
   return _mm256_cvtepi32_ps(v);
-}
-
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 template <int64_t QT, int R, int NR, int k>
