@@ -17,7 +17,7 @@ AVX2_TESTS := tests/unit/test_cpu_isa.py tests/unit/test_kernels_cpu.py tests/un
 	tests/unit/test_int8_activations.py tests/unit/test_aux_hidden.py tests/unit/test_eagle_drafter.py \
 	tests/unit/test_mla_kernels.py
 
-.PHONY: setup kernels test test-fast test-avx2 serve protos bench clean
+.PHONY: setup kernels test test-fast test-avx2 test-avx2-lane serve protos bench clean
 
 # Mooncake's transfer engine (the mooncake KV transfer backend) loads Debian's libibverbs1, installed
 # here when missing and we are root with apt-get; without it only that backend is unavailable, and says so.
@@ -42,11 +42,18 @@ setup: $(STAMP) kernels
 
 test: setup
 	$(PY) -m pytest -q -rs -p no:cacheprovider $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-avx2
+	$(MAKE) --no-print-directory test-avx2-lane
 
 # The transport-free core, no model load, no mesh (tests marked slow are left out: tests/conftest.py).
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+
+# make test's AVX2 rerun, skipped where it would repeat the run just made: a CPU with no
+# instruction set beyond the baseline (kernels/cpu_isa.py: native_is_avx2_baseline).
+test-avx2-lane: setup
+	@if $(PY) -m kernels.cpu_isa --native-is-baseline >/dev/null; then \
+		echo "test-avx2: skipped, this CPU's native build is the AVX2 baseline ($$($(PY) -m kernels.cpu_isa))"; \
+	else $(MAKE) --no-print-directory test-avx2; fi
 
 test-avx2: setup
 	$(AVX2_ENV) $(PY) -m kernels.build_all

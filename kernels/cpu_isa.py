@@ -26,6 +26,8 @@ CHOICES = ("native", "avx2")
 # x86-64-v3: what -march=x86-64-v3 may use, so a CPU with these runs the avx2 build.
 AVX2_BASELINE = frozenset({"sse", "sse2", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm",
                            "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "xsave"})
+# The flags beyond that baseline that a kernel path or torch's dispatch takes (describe()).
+OPTIONAL_PATHS = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "avx512_vnni", "avx_vnni")
 # What torch itself reads when the avx2 baseline is forced.
 TORCH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
@@ -113,9 +115,23 @@ def apply_to_torch_env() -> None:
             os.environ.setdefault(key, value)
 
 
+def native_is_avx2_baseline() -> bool:
+    """True when this CPU has none of OPTIONAL_PATHS: its native build runs the same kernel
+    paths and torch dispatch as the forced avx2 baseline (an AVX2-only CPU such as Zen 3)."""
+    return not any(f in _proc_flags() for f in OPTIONAL_PATHS)
+
+
 def describe() -> str:
     """One line for the worker's start-up log."""
-    optional = [f for f in ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "avx512_vnni", "avx_vnni")
-                if f in cpu_flags()]
+    optional = [f for f in OPTIONAL_PATHS if f in cpu_flags()]
     base = "avx2" if has("avx2", "fma") else "no avx2"
     return f"{ENV}={forced_isa()}: {base}" + (f" + {' '.join(optional)}" if optional else ", no optional ISA")
+
+
+if __name__ == "__main__":
+    # `python -m kernels.cpu_isa`: the describe() line; with --native-is-baseline, exit 0 when
+    # native_is_avx2_baseline() (make test then skips its AVX2 rerun), else 1.
+    import sys
+    print(describe())
+    if "--native-is-baseline" in sys.argv[1:]:
+        sys.exit(0 if native_is_avx2_baseline() else 1)

@@ -78,6 +78,16 @@ def test_forcing_avx2_hides_every_optional_flag(cpu):
     assert cpu_build.build_root().endswith("avx2")
 
 
+def test_make_test_skips_its_avx2_rerun_only_where_native_is_the_baseline(cpu):
+    """An AVX2-only CPU's native build already runs the baseline's paths; any optional ISA
+    (AVX-512, AVX-VNNI alone included) keeps the rerun, and forcing avx2 does not hide them."""
+    cpu(AVX2_ONLY | {"sha_ni", "vaes"})  # Zen 3's extras take no kernel path
+    assert cpu_isa.native_is_avx2_baseline()
+    for flags in (AMD_EPYC, INTEL_SPR, AVX2_ONLY | {"avx_vnni"}):
+        cpu(flags, isa="avx2")
+        assert not cpu_isa.native_is_avx2_baseline(), flags
+
+
 def test_native_build_is_keyed_by_the_cpu(cpu):
     cpu(INTEL_SPR)
     intel = cpu_isa.compile_flags()
