@@ -11,9 +11,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_avx2.h"
 #include "convert.h"
 #include "fp8.h"
 #include "parallel.h"
+#include "softmax_rows.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -24,26 +26,6 @@ namespace radixmesh::attn {
 
 using radixmesh::from_float;
 using radixmesh::to_float;
-
-// Softmax of each of `rows` score rows of length len (row stride ld), in place.
-// Returns nothing; rows sum to 1. Vectorized through libmvec's expf (-ffast-math).
-inline void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld) {
-  for (int64_t g = 0; g < rows; ++g) {
-    float* s = scores + g * ld;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < len; ++j) {
-      s[j] = expf(s[j] - m);
-      sum += s[j];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t j = 0; j < len; ++j) s[j] *= inv;
-  }
-}
 
 // ---- portable path ------------------------------------------------------------------
 // q, out: [group, D] float for the query heads sharing one KV head; k/v offset to the head.
@@ -112,7 +94,8 @@ void item_portable(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv
   for (int64_t e = 0; e < group * D; ++e) orow[e] = from_float<q_t>(of[e]);
 }
 
-// item_portable, or for FP8 KV with head_dim 64/128 on AVX512-BF16 CPUs item_fp8 (below).
+// item_portable; for FP8 KV with head_dim 64/128 on AVX512-BF16 CPUs item_fp8 (below); for
+// float32/bfloat16/float16 KV with head_dim 64/128 on AVX2 item_avx2 (attention_avx2.h).
 template <typename q_t, typename kv_t>
 void item_any(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* vp, const int64_t* sp,
               const int64_t* lens, int64_t i, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale, q_t* orow);
@@ -446,6 +429,11 @@ void item_any(const q_t* qp, int64_t q_row_stride, const kv_t* kp, const kv_t* v
 #ifdef RADIXMESH_AVX512_BF16
   if constexpr (radixmesh::is_fp8_v<kv_t>) {
     if (D == 64 || D == 128) return item_fp8(qp, q_row_stride, kp, vp, sp, lens, i, H, Hkv, D, L, scale, orow);
+  }
+#endif
+#ifdef RADIXMESH_ATTENTION_AVX2
+  if constexpr (avx2_kv_v<kv_t>) {
+    if (avx2_path(D)) return item_avx2(qp, q_row_stride, kp, vp, sp, lens, i, H, Hkv, D, L, scale, orow);
   }
 #endif
   item_portable(qp, q_row_stride, kp, vp, sp, lens, i, H, Hkv, D, L, scale, orow);
