@@ -12,9 +12,10 @@ batch-1 weight-read floor measured in the same run (issue 41: measure first).
    (bench/mesh_profile.py's measure: the worker timed the same way, every mesh process's CPU
    read from /proc over the window).
 
-The table, per output token: the linears against the floor; the rest of the one-call decode step
-(attention over the short KV, norms, RoPE, SwiGLU, the embedding row: the C++ step minus its
-linears); sampling; the runner's Python; the worker's step RPC and its wait between steps (mesh);
+The table, per output token: the linears against the floor; the one-call decode step split by
+its own timers (`DecodeStack.phase_seconds`: the linears as the step runs them, attention over
+the short KV, RoPE and the KV write, norms/SwiGLU/residuals, the LM head, the step's set-up);
+sampling; the runner's Python; the worker's step RPC and its wait between steps (mesh);
 then the CPU each mesh process spends per token, each one hop of the token's way out
 (scheduler, detokenizer, tokenizer, gateway), against zero. Printed, never asserted.
 
@@ -65,6 +66,8 @@ def measure_in_process(args) -> dict:
     async def run() -> list[float]:
         for ids in random_prompts(2, args.input_len, rng):  # first steps, code paths' caches
             await engine.one(ids, 8)
+        if stack is not None:
+            stack.reset_phases()
         before = dict(clock.seconds), dict(clock.counters)
         gaps: list[float] = []
         for ids in random_prompts(args.requests, args.input_len, rng):
@@ -72,12 +75,13 @@ def measure_in_process(args) -> dict:
             gaps += itl_samples(rec.events)
         return gaps, before
 
+    stack = engine.engine.runner.model.decode_stack
     try:
         gaps, (sec0, cnt0) = asyncio.run(run())
         tokens = clock.counters["decode_tokens"] - cnt0.get("decode_tokens", 0)
         seconds = {k: v - sec0.get(k, 0.0) for k, v in clock.seconds.items()}
         eng = engine.engine
-        stack = eng.runner.model.decode_stack
+        step_split = None if stack is None else one_call_split(stack.phase_seconds())
         linears = None
         if stack is not None:  # on the step thread, as the worker calls it
             linears = eng._executor.submit(lambda: best_of(lambda: stack.linears_only(1), 30, warmup=3)).result()
@@ -85,10 +89,23 @@ def measure_in_process(args) -> dict:
         return {"itl_ms": {"median": 1e3 * percentile(gaps, 50), "mean": 1e3 * sum(gaps) / len(gaps),
                            "n": len(gaps)},
                 "phases_ms": per_token_ms(seconds, tokens), "decode_tokens": tokens,
-                "linears_only_ms": None if linears is None else 1e3 * linears,
+                "linears_only_ms": None if linears is None else 1e3 * linears, "one_call_split_ms": step_split,
                 "int8_activations": bool(getattr(backend, "int8_activations", False))}
     finally:
         engine.close()
+
+
+def one_call_split(phases: dict) -> dict[str, float]:
+    """DecodeStack.phase_seconds() → ms per one-call step, by phase."""
+    steps = max(1, phases.get("steps", 0))
+    return {name: 1e3 * seconds / steps for name, seconds in phases.items() if name != "steps"}
+
+
+# the one-call step's phases (DecodeStack.phase_seconds), as the table names them
+ONE_CALL_PHASES = (("linears", "linears, as the step runs them"), ("lm_head", "LM head"),
+                   ("attention", "attention"), ("rope_kv_write", "RoPE + KV write"),
+                   ("elementwise", "norms, SwiGLU, residuals, embedding"), ("all_reduce", "all-reduce (TP)"),
+                   ("setup", "set-up (slots, checks, team)"))
 
 
 def mesh_split(res: dict) -> dict:
@@ -120,9 +137,14 @@ def table(limits: dict, inproc: dict, mesh: dict) -> str:
     row("linears (linears_only(1), best)", lin, lin, "" if lin is None else f"{lin / floor:.2f}x the floor")
     for key, label in (("one_call", "one-call decode step (C++)"),):
         row(label, ip[key], mp[key])
+    step_split = inproc.get("one_call_split_ms")
+    if step_split:  # per one-call step (a decode token), in process
+        for key, label in ONE_CALL_PHASES:
+            if key != "all_reduce" or step_split.get(key, 0.0) > 0:
+                row(f"  of it: {label}", step_split.get(key, 0.0), None, "per step, the step's own timers")
     if lin is not None:
-        row("  of it: attention, norms, RoPE, SwiGLU", ip["one_call"] - lin, mp["one_call"] - lin,
-            "the step minus its linears")
+        row("  of it: all but the linears + LM head", ip["one_call"] - lin, mp["one_call"] - lin,
+            "the step minus linears_only")
     row("prefill matmuls", ip["prefill_matmul"], mp["prefill_matmul"], "the prompt's, spread over the output")
     row("op-by-op attention / element-wise / matmuls", ip["decode_matmul"] + ip["attention"] + ip["elementwise"],
         mp["decode_matmul"] + mp["attention"] + mp["elementwise"], "prefill steps', and steps the one call declines")

@@ -30,6 +30,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -60,6 +62,28 @@ struct Layer {
 void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.is_contiguous(), what, " must be a contiguous [", n, "] vector");
 }
+
+// Where a step's time goes (phase_seconds()): each phase's wall time, summed over steps. A
+// clock read is ~20 ns and a batch-1 step takes ~250 of them, so the timers stay on.
+enum Phase { kSetup, kLinears, kAttention, kRopeKv, kElementwise, kAllReduce, kLmHead, kNumPhases };
+constexpr const char* kPhaseNames[kNumPhases] = {"setup", "linears", "attention", "rope_kv_write", "elementwise",
+                                                 "all_reduce", "lm_head"};
+
+class PhaseTimer {  // charges the time since the last mark to a phase
+  using Clock = std::chrono::steady_clock;
+
+ public:
+  explicit PhaseTimer(std::array<double, kNumPhases>& total) : total_(total), last_(Clock::now()) {}
+  void charge(Phase phase) {
+    const auto now = Clock::now();
+    total_[phase] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  std::array<double, kNumPhases>& total_;
+  Clock::time_point last_;
+};
 
 class DecodeStack {
  public:
@@ -170,6 +194,8 @@ class DecodeStack {
     int64_t Lk = 0;
     for (int64_t b = 0; b < B; ++b) Lk = std::max(Lk, pos[b] + 1);
     std::lock_guard<std::mutex> hold(busy_);  // the reused buffers: one step at a time
+    PhaseTimer timer(phase_s_);
+    ++steps_;
     begin_step(B, k_pool, v_pool);
     int64_t* slots = persistent(slots_, B * Lk);  // the attention's helpers read these
     int64_t* lens = persistent(lens_, B);
@@ -190,10 +216,11 @@ class DecodeStack {
               logits_rows.data_ptr<int64_t>(), logits_rows.size(0), embedded ? embedded->data_ptr() : nullptr,
               aux_out ? aux_out->data_ptr<float>() : nullptr, aux_slot.data(),
               aux_out ? aux_out->size(1) : 0};
+    timer.charge(kSetup);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, embed_.scalar_type(), "decode_stack", [&] {
-      if (kv_type == at::kFloat8_e4m3fn) run<scalar_t, radixmesh::fp8_e4m3>(step, k_pool, v_pool, logits);
-      else if (kv_type == at::kFloat8_e5m2) run<scalar_t, radixmesh::fp8_e5m2>(step, k_pool, v_pool, logits);
-      else run<scalar_t, scalar_t>(step, k_pool, v_pool, logits);
+      if (kv_type == at::kFloat8_e4m3fn) run<scalar_t, radixmesh::fp8_e4m3>(step, k_pool, v_pool, logits, timer);
+      else if (kv_type == at::kFloat8_e5m2) run<scalar_t, radixmesh::fp8_e5m2>(step, k_pool, v_pool, logits, timer);
+      else run<scalar_t, scalar_t>(step, k_pool, v_pool, logits, timer);
     });
     return logits;
   }
@@ -215,6 +242,20 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Seconds each phase of forward() took, summed over its steps since the last reset ("steps":
+  // how many). The lock is not taken: read between steps (a concurrent step may tear a sum).
+  py::dict phase_seconds() const {
+    py::dict out;
+    for (int p = 0; p < kNumPhases; ++p) out[kPhaseNames[p]] = phase_s_[p];
+    out["steps"] = steps_;
+    return out;
+  }
+  void reset_phases() {
+    std::lock_guard<std::mutex> hold(busy_);
+    phase_s_.fill(0.0);
+    steps_ = 0;
+  }
 
   // Chunks the lead computed itself because a helper had not finished them (step_team.h).
   int64_t team_recomputed() const { return team_ ? team_->recomputed() : 0; }
@@ -408,15 +449,17 @@ class DecodeStack {
     }
   }
 
+  // False (and nothing done) without a group.
   template <typename S>
-  void sum_over_group(S* x, int64_t B, int64_t Hd) {
-    if (!all_reduce_) return;
+  bool sum_over_group(S* x, int64_t B, int64_t Hd) {
+    if (!all_reduce_) return false;
     py::gil_scoped_acquire gil;  // forward runs without it
     auto partial = torch::from_blob(x, {B, Hd}, embed_.options());
     auto summed = all_reduce_(partial).template cast<torch::Tensor>().contiguous();
     TORCH_CHECK(summed.sizes() == partial.sizes() && summed.scalar_type() == partial.scalar_type(),
                 "all_reduce must return a tensor of its input's shape and dtype");
     if (summed.data_ptr() != static_cast<void*>(x)) std::memcpy(x, summed.data_ptr(), B * Hd * sizeof(S));
+    return true;
   }
 
   struct Step {  // one call's request-level inputs, checked
@@ -438,7 +481,7 @@ class DecodeStack {
   }
 
   template <typename S, typename KV>
-  void run(const Step& st, torch::Tensor& k_pool, torch::Tensor& v_pool, torch::Tensor& logits) {
+  void run(const Step& st, torch::Tensor& k_pool, torch::Tensor& v_pool, torch::Tensor& logits, PhaseTimer& timer) {
     using namespace radixmesh::ops;
     const int64_t B = st.B, Hd = embed_.size(1), W = (H_ + 2 * Hkv_) * D_;
     const int64_t I = linears_[layers_[0].down].K, S_slots = k_pool.size(1);
@@ -463,24 +506,33 @@ class DecodeStack {
         if (aux_j >= 0) capture_row(st, b, aux_j, &residual[b * Hd], Hd);
         norm_row(&residual[b * Hd], layer.input_norm.data_ptr<S>(), &h[b * Hd], Hd, eps_, tmp.data());
       }
+      timer.charge(kElementwise);
       linear(layer.qkv, h.data(), B, qkv);
+      timer.charge(kLinears);
       for (int64_t b = 0; b < B; ++b)
         for (int64_t head = 0; head < H_ + Hkv_; ++head)
           rope_head(&qkv[b * W + head * D_], cos + pos[b] * D_, sin + pos[b] * D_, half);
       KV* k = static_cast<KV*>(k_pool.data_ptr()) + l * S_slots * kv_row;
       KV* v = static_cast<KV*>(v_pool.data_ptr()) + l * S_slots * kv_row;
       write_kv(qkv, W, ns, B, k, v);
+      timer.charge(kRopeKv);
       attend<S, KV>(qkv, W, k, v, st.slots, st.lens, B, st.Lk, attn.data());
+      timer.charge(kAttention);
       linear(layer.o, attn.data(), B, x.data());
-      sum_over_group(x.data(), B, Hd);
+      timer.charge(kLinears);
+      if (sum_over_group(x.data(), B, Hd)) timer.charge(kAllReduce);
       for (int64_t b = 0; b < B; ++b) {
         add_row(&residual[b * Hd], &x[b * Hd], Hd, false);
         norm_row(&residual[b * Hd], layer.post_norm.data_ptr<S>(), &h[b * Hd], Hd, eps_, tmp.data());
       }
+      timer.charge(kElementwise);
       linear(layer.gate_up, h.data(), B, gu.data());
+      timer.charge(kLinears);
       for (int64_t b = 0; b < B; ++b) silu_mul_row(&gu[b * 2 * I], &gu[b * 2 * I + I], &act[b * I], I);
+      timer.charge(kElementwise);
       linear(layer.down, act.data(), B, x.data());
-      sum_over_group(x.data(), B, Hd);
+      timer.charge(kLinears);
+      if (sum_over_group(x.data(), B, Hd)) timer.charge(kAllReduce);
     }
     const int64_t R = st.R;
     const int64_t* rows = st.logits_rows;
@@ -497,7 +549,9 @@ class DecodeStack {
       add_row(res.data(), &x[rows[r] * Hd], Hd, false);
       norm_row(res.data(), final_norm_.data_ptr<S>(), &h[r * Hd], Hd, eps_, tmp.data());
     }
+    timer.charge(kElementwise);
     linear_float(linears_[lm_head_], h.data(), R, logits.data_ptr<float>());
+    timer.charge(kLmHead);
   }
 
   int64_t H_, Hkv_, D_;
@@ -519,6 +573,8 @@ class DecodeStack {
   std::vector<int8_t> xq_;        // with int8 activations: the input quantized, its scales, its sums
   std::vector<float> dx_pair_, xs_;
   bool int8_activations_ = false;
+  std::array<double, kNumPhases> phase_s_{};  // phase_seconds()
+  int64_t steps_ = 0;
   py::object all_reduce_;  // null: no group
   std::vector<unsigned char> qkv_;
   std::vector<int64_t> slots_, lens_;
@@ -546,6 +602,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("linears_only", &DecodeStack::linears_only, "time the step's matmuls alone on B rows",
            py::arg("rows"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("phase_seconds", &DecodeStack::phase_seconds,
+           "seconds per phase of forward() (setup, linears, attention, rope_kv_write, elementwise, all_reduce, "
+           "lm_head) summed since reset_phases(), and the step count")
+      .def("reset_phases", &DecodeStack::reset_phases, "zero phase_seconds()")
       .def("set_helper_cpus", &DecodeStack::set_helper_cpus, "the CPUs the step team's helpers run on",
            py::arg("cpus"))
       .def("set_helper_nice", &DecodeStack::set_helper_nice, "the nice value of the step team's helpers (-20..19)",

@@ -38,5 +38,21 @@ def test_table_names_the_floor_multiples():
     assert "1.60x / 2.00x the floor" in text  # 5.6 and 7.0 over 3.5
     assert "1.20x the floor" in text          # the linears
     assert "activations on the blocks: int8" in text
-    row = next(line for line in text.splitlines() if line.startswith("  of it: attention"))
+    row = next(line for line in text.splitlines() if line.startswith("  of it: all but the linears"))
     assert "0.800" in row and "1.800" in row  # the one-call step minus its linears, both sides
+    assert "of it: attention" not in text  # no split recorded: no split rows
+
+
+def test_the_one_call_steps_own_timers_split_it_per_step():
+    split_ms = split.one_call_split({"linears": 0.33, "lm_head": 0.1, "attention": 0.05, "rope_kv_write": 0.002,
+                                     "elementwise": 0.004, "all_reduce": 0.0, "setup": 0.001, "steps": 100})
+    assert split_ms["linears"] == pytest.approx(3.3) and split_ms["attention"] == pytest.approx(0.5)
+    assert "steps" not in split_ms
+    limits = {"batch1_floor_ms": 3.5, "batch1_weight_bytes": 111.5e6, "memory": {"read_gb_s": 31.9}}
+    inproc = {"itl_ms": {"median": 5.6, "mean": 5.8}, "linears_only_ms": 4.2, "int8_activations": True,
+              "decode_tokens": 190, "one_call_split_ms": split_ms,
+              "phases_ms": dict.fromkeys(split.STEP_PHASES, 0.0) | {"one_call": 5.0}}
+    lines = split.table(limits, inproc, split.mesh_split(MESH)).splitlines()
+    attention = next(line for line in lines if line.startswith("  of it: attention"))
+    assert "0.500" in attention
+    assert not any("all-reduce" in line for line in lines)  # a group of one: no all-reduce row

@@ -194,6 +194,22 @@ def test_linears_only_runs_the_step_matmuls_and_checks_rows(runners):
             stack.linears_only(bad)
 
 
+def test_the_step_times_its_own_phases(runners):
+    """phase_seconds(): every forward() counted, each phase's time summed (bench/single_stream_split.py
+    prints them per step); reset_phases() starts over."""
+    stack = runners("float32", True).model.decode_stack
+    stack.reset_phases()
+    _decode(runners("float32", True), ["a", "b"], 3)
+    phases = stack.phase_seconds()
+    assert phases.pop("steps") == 3
+    assert set(phases) == {"setup", "linears", "attention", "rope_kv_write", "elementwise", "all_reduce", "lm_head"}
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert phases["linears"] > phases["attention"] > 0 and phases["lm_head"] > 0
+    assert phases["all_reduce"] == 0  # no group
+    stack.reset_phases()
+    assert stack.phase_seconds() == dict.fromkeys(phases, 0.0) | {"steps": 0}
+
+
 @pytest.mark.parametrize("dtype,activations", ACTIVATIONS)
 def test_a_verify_item_gives_the_logits_of_decoding_its_tokens_one_by_one(runners, dtype, activations):
     """Speculation's verify item [last, d1..d5] runs as one call: six rows sharing the request's
