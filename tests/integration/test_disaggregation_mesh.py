@@ -1,8 +1,11 @@
 """Prefill/decode disaggregation between two real replicas (`radixmesh up`, real model, float32):
 the request goes to both tokenizers with the pairing the router would give it, the decode side's
 stream is the client's. Compared token for token with a third, co-located replica run with the
-same flags, for each transfer backend and for FP8 KV with the kvstore tier; every replica loads
-a LoRA adapter that one case uses. Cancelled pairs leave the KV pages on both sides back at their
+same flags, for FP8 KV with the kvstore tier: every case on the default transfer backend (grpc),
+and on the others the cases whose KV crosses differently (one chunk, many chunks, a shared prefix
+already on the decode side, cancellation); the rest (stops, logprobs, grammar, seeds, adapters)
+only continue on the decode side what crossed. Every replica loads a LoRA adapter that one case
+uses. Cancelled pairs leave the KV pages on both sides back at their
 baseline (killed replicas: test_disaggregation_faults.py)."""
 from __future__ import annotations
 
@@ -65,9 +68,10 @@ def expected(adapter) -> dict:
         colocated.stop()
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module")
 def pair(request, expected, adapter):
-    """(prefill, decode) replicas moving KV with one transfer backend."""
+    """(prefill, decode) replicas moving KV with one transfer backend (the tests' indirect
+    parameter: pytest groups the tests by it, so each pair starts once)."""
     started = meshes("prefill", "decode", backend=request.param, extra=(*COMPOSED, "--lora-paths", f"a={adapter}"))
     yield started
     for mesh in started:
@@ -120,10 +124,23 @@ CASES = {
     "seeded": request("Invent a name for a cat.", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=11),
 }
 CASES["lora"].adapter = "a"
+# The cases the other transfer backends run: those whose KV crosses in another shape (one chunk, many).
+TRANSFER_SHAPES = ("story", "long-prompt")
 
 
+@pytest.mark.parametrize("pair", ["grpc"], indirect=True, scope="module")
 @pytest.mark.parametrize("case", list(CASES))
 def test_disaggregated_output_equals_colocated(pair, expected, case):
+    assert_pair_equals_colocated(pair, expected, case)
+
+
+@pytest.mark.parametrize("pair", [b for b in BACKENDS if b != "grpc"], indirect=True, scope="module")
+@pytest.mark.parametrize("case", TRANSFER_SHAPES)
+def test_every_transfer_backend_gives_the_colocated_output(pair, expected, case):
+    assert_pair_equals_colocated(pair, expected, case)
+
+
+def assert_pair_equals_colocated(pair, expected, case):
     prefill, decode = pair
     got, prefill_side = run_pair(prefill, decode, CASES[case])
     expected = expected[case]
@@ -158,6 +175,7 @@ def settle(*sides: Mesh, timeout: float = 30) -> list[int]:
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("pair", BACKENDS, indirect=True, scope="module")
 def test_a_shared_prefix_crosses_once(pair):
     prefill, decode = pair
     hits_before = stats(decode).cache_hit_tokens
@@ -170,6 +188,7 @@ def test_a_shared_prefix_crosses_once(pair):
     assert settle(prefill, decode) == [0, 0]
 
 
+@pytest.mark.parametrize("pair", BACKENDS, indirect=True, scope="module")
 def test_cancelled_pairs_free_their_pages_on_both_sides(pair):
     prefill, decode = pair
     address = bootstrap(prefill)
