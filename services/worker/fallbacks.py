@@ -31,7 +31,7 @@ def cpu_fallbacks(config, prepacked: bool) -> list[str]:
                      f"{prepack_refusal(config.torch_dtype) or 'a weight could not be packed'}")
     if not cpu_isa.has_avx512():
         found.append("no AVX-512 (F/BW/VL/DQ): the quantized GEMV and paged attention kernels run their "
-                     "portable AVX2 loops")
+                     "256-bit AVX2 paths (an FP8 KV cache: portable loops)")
     return found
 
 

@@ -62,7 +62,7 @@ def test_avx2_only_cpu_runs_float32_unpacked(cpu):
     assert "AVX-512" in linear.prepack_refusal(torch.bfloat16)
     found = fallbacks.cpu_fallbacks(WorkerConfig(), prepacked=False)
     assert any("--dtype auto runs float32" in line for line in found)
-    assert any("portable AVX2 loops" in line for line in found)
+    assert any("256-bit AVX2 paths" in line for line in found)
     bf16 = fallbacks.cpu_fallbacks(WorkerConfig(dtype="bfloat16"), prepacked=False)
     assert any("bfloat16 linears run unpacked" in line and "AVX-512" in line for line in bf16)
 
