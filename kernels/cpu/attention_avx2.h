@@ -23,7 +23,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "avx2_reduce.h"
 #include "convert.h"
+#include "row_prefetch.h"
 #include "softmax_rows.h"
 
 #define RADIXMESH_ATTENTION_AVX2 1
@@ -45,22 +47,6 @@ inline __m256 widen8(const KV* p) {
   } else {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-}
-
-// Every cache line of one head's K or V row: the rows are scattered over the pool (slots), so
-// the hardware prefetcher cannot follow them; one line per row left the other three to miss.
-template <int D, typename KV>
-inline void prefetch_head_row(const KV* p) {
-  for (int off = 0; off < D * static_cast<int>(sizeof(KV)); off += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + off);
-}
-
-// r[i] = the sum of v[i]'s 8 lanes, for 8 vectors.
-inline __m256 reduce8(const __m256* v) {
-  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half: 4 partial sums
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 // One KV head and GB of the query heads sharing it: q [GB, D] float, out [GB, D] float,

@@ -15,6 +15,7 @@
 #include "convert.h"
 #include "fp8.h"
 #include "parallel.h"
+#include "row_prefetch.h"
 #include "softmax_rows.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -176,11 +177,6 @@ inline void widen_bf16x32(const bf16* p, __m512& lo, __m512& hi) {
   hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x));
 }
 
-template <int D>
-inline void prefetch_row(const bf16* p) {  // every cache line of one head's row
-  for (int off = 0; off < D * 2; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + off);
-}
-
 // One KV head and GB of the query heads that share it.
 //   q    [GB, D] bf16 (contiguous heads), k/v offset to the head, slot_stride elements per slot
 //   out  [GB, D] bf16; scores: scratch of GB * ld floats, ld >= len rounded up to 16
@@ -203,7 +199,7 @@ void attend_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const b
     const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
     for (int jj = 0; jj < n; ++jj) {
       const int64_t j = j0 + jj;
-      if (j + kAhead < len) prefetch_row<D>(k + slots[j + kAhead] * slot_stride);
+      if (j + kAhead < len) prefetch_head_row<D>(k + slots[j + kAhead] * slot_stride);
       const bf16* kr = k + slots[j] * slot_stride;
       __m512bh kv[C];
       for (int c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
@@ -230,7 +226,7 @@ void attend_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const b
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
-    if (j + kAhead < len) prefetch_row<D>(v + slots[j + kAhead] * slot_stride);
+    if (j + kAhead < len) prefetch_head_row<D>(v + slots[j + kAhead] * slot_stride);
     const bf16* vr = v + slots[j] * slot_stride;
     __m512 vlo[C], vhi[C];
     for (int c = 0; c < C; ++c) widen_bf16x32(vr + c * 32, vlo[c], vhi[c]);
