@@ -61,6 +61,8 @@ def measure_in_process(args) -> dict:
     clock = phase_timers.PhaseClock()
     phase_timers.install(clock)
     engine = InProcess(SimpleNamespace(model=args.model, kv_cache_bytes=None))
+    eng = engine.engine
+    stack = eng.runner.model.decode_stack  # None: the one-call step is off
     rng = random.Random(args.seed)
 
     async def run() -> list[float]:
@@ -75,12 +77,10 @@ def measure_in_process(args) -> dict:
             gaps += itl_samples(rec.events)
         return gaps, before
 
-    stack = engine.engine.runner.model.decode_stack
     try:
         gaps, (sec0, cnt0) = asyncio.run(run())
         tokens = clock.counters["decode_tokens"] - cnt0.get("decode_tokens", 0)
         seconds = {k: v - sec0.get(k, 0.0) for k, v in clock.seconds.items()}
-        eng = engine.engine
         step_split = None if stack is None else one_call_split(stack.phase_seconds())
         linears = None
         if stack is not None:  # on the step thread, as the worker calls it
