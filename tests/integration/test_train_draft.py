@@ -1,6 +1,8 @@
 """`radixmesh train-draft` end to end on a handful of prompts with the real default model: it shows
 progress, writes a head EagleHead.load reads back, reports an acceptance length, and a rerun
-with --resume reuses the cached data and the last epoch's state."""
+with --resume reuses the cached data and the last epoch's state. Its answers come from the
+Engine in float32: the greedy ones are transformers' own, and the sampled ones repeat with the
+seed."""
 from __future__ import annotations
 
 import json
@@ -9,7 +11,11 @@ import os
 import pytest
 import torch
 
+from services.engine.engine import Engine
+from services.scheduler.config import SchedulerConfig
+from services.worker.config import WorkerConfig
 from services.worker.speculative import train_draft
+from services.worker.speculative.draft_data import generate_answers
 from services.worker.speculative.eagle_head import EagleHead, HeadKV
 
 pytestmark = pytest.mark.slow
@@ -29,7 +35,8 @@ def test_train_draft_tiny_run(tmp_path, capsys, model_path, one_thread):
             "--intermediate-size", "64", "--threads", "1"]
     assert train_draft.main(argv) == 0
     err = capsys.readouterr().err  # tqdm's bars
-    for stage in ("(a) generating answers", "(b) features, train", "(d) epoch 1/1", "(e) acceptance"):
+    for stage in ("(a) generating answers, train", "(a) generating answers, copy round", "(b) features, train",
+                  "(d) epoch 1/1", "(e) acceptance"):
         assert stage in err
     assert {"config.json", "model.safetensors", "eval.json"} <= set(os.listdir(out))
     assert {"data.pt", "train_state.pt"} <= set(os.listdir(cache))
@@ -49,3 +56,27 @@ def test_train_draft_tiny_run(tmp_path, capsys, model_path, one_thread):
     printed = capsys.readouterr()
     assert "reusing" in printed.out and "resuming after epoch 1" in printed.out
     assert "(d) epoch 2/2" in printed.err and "(d) epoch 1/2" not in printed.err
+
+
+def test_answers_are_the_targets_greedy_tokens_then_seeded_samples(model_path, checkpoint, tokenizer, hf_model):
+    messages = [[{"role": "user", "content": "Name three colours."}],
+                [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
+                 {"role": "user", "content": "And 3 + 3?"}]]
+    ids = [tokenizer.encode(tokenizer.apply_chat_template(m, add_generation_prompt=True), add_special_tokens=False)
+           for m in messages]
+    engine = Engine(worker=WorkerConfig(model=model_path, dtype="float32", max_requests=8),
+                    scheduler=SchedulerConfig(max_running_requests=8), checkpoint=checkpoint, tokenizer=tokenizer)
+    try:
+        first = generate_answers(engine, ids, 40, 3, 0.8, 5, "answers")
+        again = generate_answers(engine, ids, 40, 3, 0.8, 5, "answers")
+    finally:
+        engine.shutdown()
+    eos = tokenizer.eos_token_ids
+    for prompt, answers in zip(ids, first):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=eos,
+                                    pad_token_id=eos[0])[0, len(prompt):].tolist()
+        assert answers[0] == ref  # greedy, its EOS included when it stopped on one
+        assert len(answers) == 3 and all(answers[1:])
+    assert any(a[-1] in eos for per in first for a in per)  # a stop on EOS keeps the EOS, as transformers does
+    assert first == again  # the sampled answers follow the seed

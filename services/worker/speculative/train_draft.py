@@ -1,10 +1,12 @@
 """`radixmesh train-draft`: train an EAGLE-3 head (services/worker/speculative/eagle_head.py) for a
-target model on its own greedy answers, on the CPU.
+target model on its own answers, on the CPU.
 
 Why self-distillation: a head is only worth its acceptance rate, the chance its drafts are what
 the target itself would say; the target's greedy answers to chat prompts are exactly the text it
 will be asked to continue, and need no dataset download. Steps, each cached in --cache-dir:
-  (a) the target answers the prompts greedily (HF transformers, float32, chat template);
+  (a) the target answers the prompts (radixmesh's Engine, float32, chat template, all prompts
+      batched): greedily, plus sampled answers and a round of copy prompts when asked
+      (--samples-per-prompt, --copy-prompts; draft_data.py);
   (b) a teacher-forced forward of prompt + answer gives, at every position, the residual streams
       at the head's capture layers and the target's argmax next token -> data.pt;
   (c) the draft vocabulary: the most frequent target tokens of the answers (d2t / t2d);
@@ -35,6 +37,7 @@ from tqdm import tqdm
 
 from services.common.config import config_from_args, flags_from_dataclass
 from services.common.model_path import resolve_model_path
+from services.worker.speculative.draft_data import copy_conversations, features, generate_answers
 from services.worker.speculative.eagle_head import EagleHead, EagleHeadConfig, HeadKV
 
 BUNDLED_PROMPTS = os.path.join(os.path.dirname(__file__), "data", "draft_prompts.json")
@@ -53,14 +56,20 @@ class TrainDraftConfig:
     num_prompts: int = field(default=0, metadata={"help": "train on the first N training prompts (0: all)"})
     eval_prompts: int = field(default=0, metadata={"help": "evaluate on the first N held-out prompts (0: all)"})
     max_new_tokens: int = field(default=160, metadata={"help": "the length of each generated answer"})
-    epochs: int = field(default=10, metadata={"help": "passes over the training data"})
+    epochs: int = field(default=4, metadata={"help": "passes over the training data"})
     draft_vocab_size: int = field(default=2048, metadata={"help": "the head's vocabulary: the most frequent "
                                                                   "target tokens"})
     intermediate_size: int = field(default=768, metadata={"help": "the head's MLP width"})
     ttt_steps: int = field(default=3, metadata={"help": "draft steps unrolled in training, and the eval's depth"})
     lr: float = field(default=1e-3, metadata={"help": "peak AdamW learning rate (cosine decay, 3% warm-up)"})
     batch_tokens: int = field(default=512, metadata={"help": "tokens per optimizer step (whole sequences packed)"})
-    gen_batch: int = field(default=48, metadata={"help": "prompts per generation batch"})
+    samples_per_prompt: int = field(default=3, metadata={"help": "answers per training prompt: the greedy one, "
+                                                                 "then sampled ones (--sample-temperature)"})
+    sample_temperature: float = field(default=0.8, metadata={"help": "the sampled answers' temperature"})
+    copy_prompts: bool = field(default=True, metadata={"help": "a second round of training prompts built from "
+                                                               "the answers, whose replies copy from their context "
+                                                               "(quote, repeat, edit code; draft_data.py)"})
+    gen_batch: int = field(default=64, metadata={"help": "answers generated at once (the Engine's running requests)"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads (on a busy 2-core box, 1 is faster: thread hand-offs cost more than they save)"})
     seed: int = field(default=0, metadata={"help": "shuffling and init seed"})
     init_from_target: bool = field(default=False, metadata={"help": "start lm_head and norm from the target's "
@@ -72,6 +81,10 @@ class TrainDraftConfig:
             raise ValueError("--output is required: the directory the head is written to")
         if self.ttt_steps < 1 or self.epochs < 0 or self.draft_vocab_size < 1:
             raise ValueError("--ttt-steps and --draft-vocab-size must be >= 1, --epochs >= 0")
+        if self.samples_per_prompt < 1 or self.gen_batch < 1:
+            raise ValueError("--samples-per-prompt and --gen-batch must be >= 1")
+        if not self.sample_temperature > 0:
+            raise ValueError(f"--sample-temperature must be > 0, got {self.sample_temperature}")
 
     @property
     def cache(self) -> str:
@@ -95,50 +108,13 @@ def read_prompts(cfg: TrainDraftConfig) -> tuple[list[list[dict]], list[list[dic
     return train[: cfg.num_prompts or None], held[: cfg.eval_prompts or None]
 
 
-@torch.no_grad()
-def generate(model, prompt_ids: list[list[int]], eos: list[int], cfg: TrainDraftConfig) -> list[list[int]]:
-    """Greedy answers (left-padded batches, shortest prompts together), each cut after its EOS."""
-    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    answers: list[list[int]] = [[] for _ in prompt_ids]
-    bar = tqdm(total=len(order), desc="(a) generating answers", unit="prompt")
-    for b in range(0, len(order), cfg.gen_batch):
-        idx = order[b: b + cfg.gen_batch]
-        width = max(len(prompt_ids[i]) for i in idx)
-        ids = torch.tensor([[eos[0]] * (width - len(prompt_ids[i])) + prompt_ids[i] for i in idx])
-        mask = torch.tensor([[0] * (width - len(prompt_ids[i])) + [1] * len(prompt_ids[i]) for i in idx])
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=eos[0])[:, width:].tolist()
-        for i, row in zip(idx, out):
-            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-            answers[i] = row[:cut]
-        bar.update(len(idx))
-    bar.close()
-    return answers
-
-
-@torch.no_grad()
-def features(model, prompt_ids: list[list[int]], answers: list[list[int]], capture: tuple[int, ...],
-             desc: str) -> list[dict]:
-    """Teacher-forced prompt + answer -> per sequence: tokens [T], prompt_len, aux [T, k * H]
-    (bf16: the residual streams entering the capture layers), next_ids [T] (the target's argmax),
-    final [T, H] (bf16: the target's last hidden state after its final norm, whose product with
-    the embedding gives the target's logits: the soft labels)."""
-    seqs = []
-    for p, a in tqdm(list(zip(prompt_ids, answers)), desc=desc, unit="seq"):
-        tokens = torch.tensor([p + a])
-        out = model(input_ids=tokens, output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[l][0] for l in capture], -1)  # hidden_states[l]: entering layer l
-        seqs.append({"tokens": tokens[0].to(torch.int32), "prompt_len": len(p), "aux": aux.to(torch.bfloat16),
-                     "next_ids": out.logits[0].argmax(-1).to(torch.int32),
-                     "final": out.hidden_states[-1][0].to(torch.bfloat16)})
-    return seqs
-
-
 def collect_data(cfg: TrainDraftConfig, model_path: str) -> dict:
     """data.pt when it matches these settings, else (a) + (b) and save it. The head captures the
     residual streams SGLang's default EAGLE-3 setup does: entering layers 2, L // 2 and L - 3."""
     key = {"model": os.path.abspath(model_path), "prompts": cfg.prompts or "bundled", "num_prompts": cfg.num_prompts,
-           "eval_prompts": cfg.eval_prompts, "max_new_tokens": cfg.max_new_tokens}
+           "eval_prompts": cfg.eval_prompts, "max_new_tokens": cfg.max_new_tokens,
+           "samples_per_prompt": cfg.samples_per_prompt, "sample_temperature": cfg.sample_temperature,
+           "copy_prompts": cfg.copy_prompts, "seed": cfg.seed}
     path = os.path.join(cfg.cache, "data.pt")
     if os.path.exists(path):
         data = torch.load(path, weights_only=False)
@@ -147,8 +123,8 @@ def collect_data(cfg: TrainDraftConfig, model_path: str) -> dict:
             return data
     from services.tokenizer.text_tokenizer import load_tokenizer
     tok = load_tokenizer(model_path)
+    pairs = answer_prompts(cfg, model_path, tok)
     model = load_target(model_path)
-    train, held = read_prompts(cfg)
     mc = model.config
     L = mc.num_hidden_layers
     capture = (2, L // 2, L - 3)
@@ -158,15 +134,43 @@ def collect_data(cfg: TrainDraftConfig, model_path: str) -> dict:
               "max_pos": mc.max_position_embeddings, "capture": capture}
     data = {"key": key, "target": target, "embed": model.get_input_embeddings().weight.detach().clone(),
             "norm": model.model.norm.weight.detach().clone()}
-    for name, msgs in (("train", train), ("heldout", held)):
-        ids = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True), add_special_tokens=False)
-               for m in msgs]
-        answers = generate(model, ids, tok.eos_token_ids, cfg)
+    for name, (ids, answers) in pairs.items():
         data[name] = features(model, ids, answers, capture, f"(b) features, {name}")
     del model
     os.makedirs(cfg.cache, exist_ok=True)
     torch.save(data, path)
     return data
+
+
+def answer_prompts(cfg: TrainDraftConfig, model_path: str, tok) -> dict[str, tuple[list, list]]:
+    """(a) on radixmesh's Engine in float32 -> {"train": (prompt ids, answers), "heldout": ...};
+    the training sequences are every answer of every prompt, then the copy round's."""
+    from services.engine.engine import Engine
+    from services.scheduler.config import SchedulerConfig
+    from services.worker.config import WorkerConfig
+    train, held = read_prompts(cfg)
+    encode = lambda messages: tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),  # noqa: E731
+                                         add_special_tokens=False)
+    engine = Engine(worker=WorkerConfig(model=model_path, dtype="float32", max_requests=cfg.gen_batch),
+                    scheduler=SchedulerConfig(max_running_requests=cfg.gen_batch), tokenizer=tok)
+    try:
+        def answer(ids: list[list[int]], samples: int, desc: str) -> list[list[list[int]]]:
+            return generate_answers(engine, ids, cfg.max_new_tokens, samples, cfg.sample_temperature, cfg.seed, desc)
+
+        train_ids = [encode(m) for m in train]
+        answers = answer(train_ids, cfg.samples_per_prompt, "(a) generating answers, train")
+        prompts = [p for p, per in zip(train_ids, answers) for _ in per]
+        outputs = [a for per in answers for a in per]
+        if cfg.copy_prompts:
+            texts = [(m, tok.decode(per[0])) for m, per in zip(train, answers)]
+            copy_ids = [encode(m) for m in copy_conversations(texts, random.Random(cfg.seed))]
+            prompts += copy_ids
+            outputs += [per[0] for per in answer(copy_ids, 1, "(a) generating answers, copy round")]
+        held_ids = [encode(m) for m in held]
+        held_answers = [per[0] for per in answer(held_ids, 1, "(a) generating answers, heldout")]
+    finally:
+        engine.shutdown()
+    return {"train": (prompts, outputs), "heldout": (held_ids, held_answers)}
 
 
 # --- (c): the draft vocabulary -----------------------------------------------------------------
