@@ -12,7 +12,7 @@ Configurations, each workload on its own mesh, run back to back: plain decoding;
 the default model, as a chain (the default flags) and as a tree (--speculative-eagle-topk 2); and
 n-gram (NGRAM) for reference.
 
-    .venv/bin/python bench/eagle.py [--quick] [--configs plain,chain,tree,ngram]
+    .venv/bin/python bench/eagle.py [--quick] [--configs plain,chain,tree,ngram] [--head DIR]
 Prints a table with each configuration's ITL over plain's and writes bench/results/eagle-<date>.json.
 """
 from __future__ import annotations
@@ -75,12 +75,13 @@ def workload_stats(url: str, model: str, conversations: list[list[dict]]) -> dic
     return out
 
 
-def run_config(name: str, workloads: dict[str, list]) -> dict:
+def run_config(name: str, workloads: dict[str, list], head: str | None = None) -> dict:
     """Each workload on a mesh of its own: the scheduler's acceptance prior, which sets how deep
     it drafts, starts afresh for each (one workload's rejections do not silence the next)."""
+    flags = CONFIGS[name] + (["--speculative-draft-model-path", head] if head and name in ("chain", "tree") else [])
     cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--max-connections-per-client",
-           "none"] + CONFIGS[name]
-    out = {"flags": CONFIGS[name]}
+           "none"] + flags
+    out = {"flags": flags}
     for wl, conversations in workloads.items():
         with peers.Server(cmd, None) as server:
             model = json.load(urllib.request.urlopen(server.url + "/v1/models"))["data"][0]["id"]
@@ -94,6 +95,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 conversations per workload")
     ap.add_argument("--configs", default="plain,chain,tree,ngram")
+    ap.add_argument("--head", help="an EAGLE-3 head directory for chain and tree (default: the shipped head)")
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     args = ap.parse_args()
     n = 4 if args.quick else 12
     workloads = {"copy_heavy": COPY_HEAVY[:n], "chat": CHAT[:n]}
@@ -101,9 +104,10 @@ def main() -> int:
     if names[0] != "plain":
         ap.error("--configs must start with plain (the ratios' base)")
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cores": os.cpu_count(),
+              "head": args.head or "shipped",
               "max_tokens": spec_bench.MAX_TOKENS, "configs": {}}
     for name in names:
-        result["configs"][name] = run_config(name, workloads)
+        result["configs"][name] = run_config(name, workloads, args.head)
     plain = result["configs"]["plain"]
     print(f"\nCPU: {result['cpu']} ({result['cores']} cores); single stream through the mesh, greedy, "
           f"{spec_bench.MAX_TOKENS} new tokens")
@@ -116,7 +120,7 @@ def main() -> int:
             print(f"{name:8s} {wl:11s} {r['mean_itl_ms']:8.2f} {r['itl_vs_plain']:8.3f} "
                   f"{str(r.get('accept_length', '-')):>11s} {str(r['same_text_as_plain']):>10s}")
     os.makedirs(os.path.join(REPO, "bench", "results"), exist_ok=True)
-    path = os.path.join(REPO, "bench", "results", f"eagle-{time.strftime('%Y-%m-%d')}.json")
+    path = os.path.join(REPO, "bench", "results", f"eagle-{time.strftime('%Y-%m-%d')}{args.tag}.json")
     for cfg in result["configs"].values():
         for wl in workloads:
             cfg[wl].pop("texts")
