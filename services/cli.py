@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "bench": "services.loadgen.cli:main",
     "eval": "services.eval.cli:main",
     "quantize": "services.quantize.cli:main",
-    "train-draft": "services.worker.speculative.train_draft:main",
+    "train-draft": "services.engine.draft_answers:main",
 }
 
 

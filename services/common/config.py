@@ -177,6 +177,7 @@ def flags_from_dataclass(cls: type, parser: argparse.ArgumentParser) -> argparse
         else:
             kwargs["default"] = default
             kwargs["help"] = f"{help_text} (default: {default!r})".strip()
+        kwargs["help"] = kwargs["help"].replace("%", "%%")  # argparse %-formats help: a literal "3%" would crash --help
         inner, optional = _unwrap_optional(tp)
         origin = typing.get_origin(inner)
         if inner is bool:

@@ -14,8 +14,8 @@ import torch
 from services.engine.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
-from services.worker.speculative import train_draft
-from services.worker.speculative.draft_data import generate_answers
+from services.engine import draft_answers
+from services.engine.draft_answers import generate_answers
 from services.worker.speculative.eagle_head import EagleHead, HeadKV
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def test_train_draft_tiny_run(tmp_path, capsys, model_path, one_thread):
     argv = ["--model", model_path, "--output", str(out), "--cache-dir", str(cache), "--num-prompts", "4",
             "--eval-prompts", "2", "--max-new-tokens", "16", "--epochs", "1", "--draft-vocab-size", "256",
             "--intermediate-size", "64", "--threads", "1"]
-    assert train_draft.main(argv) == 0
+    assert draft_answers.main(argv) == 0
     err = capsys.readouterr().err  # tqdm's bars
     for stage in ("(a) generating answers, train", "(a) generating answers, copy round", "(b) features, train",
                   "(d) epoch 1/1", "(e) acceptance"):
@@ -52,7 +52,7 @@ def test_train_draft_tiny_run(tmp_path, capsys, model_path, one_thread):
                                    torch.arange(len(seq["tokens"]) - 1), HeadKV.empty(head.config, torch.float32))
     assert logits.shape == (len(seq["tokens"]) - 1, 256) and torch.isfinite(logits).all()
 
-    assert train_draft.main(argv + ["--epochs", "2", "--resume"]) == 0
+    assert draft_answers.main(argv + ["--epochs", "2", "--resume"]) == 0
     printed = capsys.readouterr()
     assert "reusing" in printed.out and "resuming after epoch 1" in printed.out
     assert "(d) epoch 2/2" in printed.err and "(d) epoch 1/2" not in printed.err

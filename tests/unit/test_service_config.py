@@ -60,6 +60,16 @@ def test_help_carries_text_and_default() -> None:
     assert "--no-disable-cache" in text and "core options" in text
 
 
+def test_a_percent_sign_in_help_prints_as_written() -> None:
+    @dataclass
+    class Warmup:
+        lr: float = field(default=1e-3, metadata={"help": "peak rate (cosine, 3% warm-up)"})
+
+    p = argparse.ArgumentParser()
+    flags_from_dataclass(Warmup, p)
+    assert "(cosine, 3% warm-up)" in p.format_help()
+
+
 def test_invalid_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--listen", "nope"], ["--policy", "random"], ["--max-running", "x"]):
         with pytest.raises(SystemExit) as exit_:

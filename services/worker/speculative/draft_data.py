@@ -1,11 +1,10 @@
 """The training data of `radixmesh train-draft` (train_draft.py): the target's own answers to a
 prompt set, and its teacher-forced features along them.
 
-- Answers come from radixmesh's own Engine in float32, whose greedy tokens are transformers'
-  token for token (the project's invariant, tests/integration/test_engine_reference.py), with
-  every prompt of a round batched into the same decode steps: several times the throughput of
-  transformers' padded `generate` on a CPU, and the generation stage is what limits how much a
-  head can learn from.
+- Answers come from radixmesh's own Engine in float32 (services/engine/draft_answers.py: the
+  engine sits above the worker, so the command's entry point lives there), whose greedy tokens
+  are transformers' token for token, with every prompt of a round batched into the same decode
+  steps: the generation stage is what limits how much a head can learn from.
 - Beyond each prompt's greedy answer, `--samples-per-prompt` - 1 sampled ones (temperature
   `--sample-temperature`, a fixed seed): other paths through the same prompt. The labels are the
   target's own distribution at every position of whatever text it is fed, so a sampled answer
@@ -20,7 +19,6 @@ prompt set, and its teacher-forced features along them.
 """
 from __future__ import annotations
 
-import queue
 import random
 
 import torch
@@ -69,42 +67,6 @@ def _code_block(text: str) -> str | None:
     start = text.find("```")
     end = text.find("```", start + 3) if start >= 0 else -1
     return text[start: end + 3] if end > start else None
-
-
-def generate_answers(engine, prompt_ids: list[list[int]], max_new_tokens: int, samples: int, temperature: float,
-                     seed: int, desc: str) -> list[list[list[int]]]:
-    """Per prompt: its greedy answer, then `samples` - 1 sampled ones; each ends with the EOS
-    that stopped it (as transformers' generate writes it). All prompts are queued at once and
-    batch in the Engine's decode steps; the bar counts finished answers."""
-    from services.common.outputs import FinishReason, RequestOutput
-    from services.common.sampling_params import SamplingParams
-    done: queue.SimpleQueue = queue.SimpleQueue()
-    eos = set(engine.tokenizer.eos_token_ids)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    for i, ids in enumerate(prompt_ids):
-        engine.submit(ids, greedy, lambda o, i=i: done.put((i, 0, o)))
-        if samples > 1:
-            sampled = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i)
-            engine.submit(ids, sampled, lambda o, i=i: done.put((i, 1 + o.index, o)), n=samples - 1)
-    chunks: dict[tuple[int, int], list] = {}
-    answers: list[list[list[int]]] = [[[] for _ in range(samples)] for _ in prompt_ids]
-    with tqdm(total=len(prompt_ids) * samples, desc=desc, unit="answer") as bar:
-        for _ in range(len(prompt_ids) * samples):
-            while True:
-                i, k, out = done.get(timeout=600)
-                chunks.setdefault((i, k), []).append(out)
-                if out.finished:
-                    break
-            whole = RequestOutput.joined(chunks.pop((i, k)))
-            if whole.finish_reason is FinishReason.ERROR:
-                raise RuntimeError(f"generating answer {k} of prompt {i} failed: {whole.error}")
-            tokens = list(whole.token_ids)
-            if whole.finish_reason is FinishReason.STOP and whole.matched_stop in eos and \
-                    (not tokens or tokens[-1] != whole.matched_stop):
-                tokens.append(whole.matched_stop)
-            answers[i][k] = tokens
-            bar.update(1)
-    return answers
 
 
 @torch.no_grad()

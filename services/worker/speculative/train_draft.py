@@ -6,7 +6,8 @@ the target itself would say; the target's greedy answers to chat prompts are exa
 will be asked to continue, and need no dataset download. Steps, each cached in --cache-dir:
   (a) the target answers the prompts (radixmesh's Engine, float32, chat template, all prompts
       batched): greedily, plus sampled answers and a round of copy prompts when asked
-      (--samples-per-prompt, --copy-prompts; draft_data.py);
+      (--samples-per-prompt, --copy-prompts; services/engine/draft_answers.py, which is also the
+      command's entry point, and draft_data.py);
   (b) a teacher-forced forward of prompt + answer gives, at every position, the residual streams
       at the head's capture layers and the target's argmax next token -> data.pt;
   (c) the draft vocabulary: the most frequent target tokens of the answers (d2t / t2d);
@@ -30,6 +31,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +39,11 @@ from tqdm import tqdm
 
 from services.common.config import config_from_args, flags_from_dataclass
 from services.common.model_path import resolve_model_path
-from services.worker.speculative.draft_data import copy_conversations, features, generate_answers
+from services.worker.speculative.draft_data import features
 from services.worker.speculative.eagle_head import EagleHead, EagleHeadConfig, HeadKV
 
+# (a): (config, model path, tokenizer) -> {"train": (prompt ids, answers), "heldout": (...)}
+AnswerPrompts = Callable[["TrainDraftConfig", str, Any], dict[str, tuple[list, list]]]
 BUNDLED_PROMPTS = os.path.join(os.path.dirname(__file__), "data", "draft_prompts.json")
 
 
@@ -108,7 +112,7 @@ def read_prompts(cfg: TrainDraftConfig) -> tuple[list[list[dict]], list[list[dic
     return train[: cfg.num_prompts or None], held[: cfg.eval_prompts or None]
 
 
-def collect_data(cfg: TrainDraftConfig, model_path: str) -> dict:
+def collect_data(cfg: TrainDraftConfig, model_path: str, answer_prompts: AnswerPrompts) -> dict:
     """data.pt when it matches these settings, else (a) + (b) and save it. The head captures the
     residual streams SGLang's default EAGLE-3 setup does: entering layers 2, L // 2 and L - 3."""
     key = {"model": os.path.abspath(model_path), "prompts": cfg.prompts or "bundled", "num_prompts": cfg.num_prompts,
@@ -140,37 +144,6 @@ def collect_data(cfg: TrainDraftConfig, model_path: str) -> dict:
     os.makedirs(cfg.cache, exist_ok=True)
     torch.save(data, path)
     return data
-
-
-def answer_prompts(cfg: TrainDraftConfig, model_path: str, tok) -> dict[str, tuple[list, list]]:
-    """(a) on radixmesh's Engine in float32 -> {"train": (prompt ids, answers), "heldout": ...};
-    the training sequences are every answer of every prompt, then the copy round's."""
-    from services.engine.engine import Engine
-    from services.scheduler.config import SchedulerConfig
-    from services.worker.config import WorkerConfig
-    train, held = read_prompts(cfg)
-    encode = lambda messages: tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),  # noqa: E731
-                                         add_special_tokens=False)
-    engine = Engine(worker=WorkerConfig(model=model_path, dtype="float32", max_requests=cfg.gen_batch),
-                    scheduler=SchedulerConfig(max_running_requests=cfg.gen_batch), tokenizer=tok)
-    try:
-        def answer(ids: list[list[int]], samples: int, desc: str) -> list[list[list[int]]]:
-            return generate_answers(engine, ids, cfg.max_new_tokens, samples, cfg.sample_temperature, cfg.seed, desc)
-
-        train_ids = [encode(m) for m in train]
-        answers = answer(train_ids, cfg.samples_per_prompt, "(a) generating answers, train")
-        prompts = [p for p, per in zip(train_ids, answers) for _ in per]
-        outputs = [a for per in answers for a in per]
-        if cfg.copy_prompts:
-            texts = [(m, tok.decode(per[0])) for m, per in zip(train, answers)]
-            copy_ids = [encode(m) for m in copy_conversations(texts, random.Random(cfg.seed))]
-            prompts += copy_ids
-            outputs += [per[0] for per in answer(copy_ids, 1, "(a) generating answers, copy round")]
-        held_ids = [encode(m) for m in held]
-        held_answers = [per[0] for per in answer(held_ids, 1, "(a) generating answers, heldout")]
-    finally:
-        engine.shutdown()
-    return {"train": (prompts, outputs), "heldout": (held_ids, held_answers)}
 
 
 # --- (c): the draft vocabulary -----------------------------------------------------------------
@@ -367,10 +340,10 @@ def new_head(data: dict, cfg: TrainDraftConfig) -> EagleHead:
     return head
 
 
-def run(cfg: TrainDraftConfig) -> dict:
+def run(cfg: TrainDraftConfig, answer_prompts: AnswerPrompts) -> dict:
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    data = collect_data(cfg, resolve_model_path(cfg.model))
+    data = collect_data(cfg, resolve_model_path(cfg.model), answer_prompts)
     head = new_head(data, cfg)
     os.makedirs(cfg.output, exist_ok=True)
     train(head, data, cfg, os.path.join(cfg.cache, "train_state.pt"))
@@ -385,7 +358,9 @@ def run(cfg: TrainDraftConfig) -> dict:
     return result
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], answer_prompts: AnswerPrompts) -> int:
+    """The command, given step (a): services/engine/draft_answers.py's answer_prompts on the Engine
+    (`radixmesh train-draft` enters there)."""
     p = argparse.ArgumentParser(prog="radixmesh train-draft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     flags_from_dataclass(TrainDraftConfig, p)
@@ -394,5 +369,5 @@ def main(argv: list[str]) -> int:
         cfg = config_from_args(TrainDraftConfig, args)
     except ValueError as e:
         p.error(str(e))
-    run(cfg)
+    run(cfg, answer_prompts)
     return 0
