@@ -96,7 +96,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 conversations per workload")
     ap.add_argument("--configs", default="plain,chain,tree,ngram")
     ap.add_argument("--head", help="an EAGLE-3 head directory for chain and tree (default: the shipped head)")
-    ap.add_argument("--tag", default="", help="appended to the result file's name")
+    ap.add_argument("--tag", default="", help="appended to the result file's name (a leading dash: --tag=-zen3)")
     args = ap.parse_args()
     n = 4 if args.quick else 12
     workloads = {"copy_heavy": COPY_HEAVY[:n], "chat": CHAT[:n]}

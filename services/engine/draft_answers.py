@@ -55,11 +55,10 @@ def answer_prompts(cfg: train_draft.TrainDraftConfig, model_path: str, tok) -> d
 
 def generate_answers(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int, samples: int, temperature: float,
                      seed: int, desc: str) -> list[list[list[int]]]:
-    """Per prompt: its greedy answer, then `samples` - 1 sampled ones; each ends with the EOS
-    that stopped it (as transformers' generate writes it). All prompts are queued at once and
+    """Per prompt: its greedy answer, then `samples` - 1 sampled ones; an answer that stopped on
+    EOS ends with it (the Engine returns the stop token, as transformers' generate does). All prompts are queued at once and
     batch in the Engine's decode steps; the bar counts finished answers."""
     done: queue.SimpleQueue = queue.SimpleQueue()
-    eos = set(engine.tokenizer.eos_token_ids)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     for i, ids in enumerate(prompt_ids):
         engine.submit(ids, greedy, lambda o, i=i: done.put((i, 0, o)))
@@ -78,10 +77,6 @@ def generate_answers(engine: Engine, prompt_ids: list[list[int]], max_new_tokens
             whole = RequestOutput.joined(chunks.pop((i, k)))
             if whole.finish_reason is FinishReason.ERROR:
                 raise RuntimeError(f"generating answer {k} of prompt {i} failed: {whole.error}")
-            tokens = list(whole.token_ids)
-            if whole.finish_reason is FinishReason.STOP and whole.matched_stop in eos and \
-                    (not tokens or tokens[-1] != whole.matched_stop):
-                tokens.append(whole.matched_stop)
-            answers[i][k] = tokens
+            answers[i][k] = whole.token_ids
             bar.update(1)
     return answers
