@@ -224,7 +224,7 @@ class UpConfig:
         "help": "a CPU kept for the worker's decode-step lead thread: the worker gets --lead-cpu and every other "
                 "service starts on the other CPUs (one replica; services/worker/lead_cpu.py). auto (default): the "
                 "last of this process's CPUs when the mesh runs one replica on at least 2 CPUs (single-stream ITL "
-                "-10%%, 64-concurrent throughput unchanged: docs/benchmarks.md, issue 41), else none; off: no "
+                "-10%, 64-concurrent throughput unchanged: docs/benchmarks.md, issue 41), else none; off: no "
                 "pinning; N: CPU N"})
 
     @property

@@ -55,7 +55,7 @@ class RouterConfig:
     max_retries: int = field(default=2, metadata={
         "help": "retries of a request that failed before its first token (each on another replica if any)"})
     retry_backoff_s: float = field(default=0.05, metadata={
-        "help": "first retry's backoff; doubles per retry, with +-50%% jitter"})
+        "help": "first retry's backoff; doubles per retry, with +-50% jitter"})
     retry_backoff_max_s: float = field(default=1.0, metadata={"help": "cap on one backoff"})
     breaker_failures: int = field(default=3, metadata={
         "help": "consecutive failed attempts that open a replica's circuit breaker"})

@@ -34,10 +34,14 @@ class SchedulerConfig:
         "help": "speculative decoding (the worker's --speculative-algorithm): off while more requests than this "
                 "run; below it the depth adapts to the batch and to each request's acceptance "
                 "(services/scheduler/speculation.py)"})
+    speculative_cost_model: str = field(default="measured", metadata={
+        "help": "what prices speculation's drafts: measured (the worker's timed decode steps by tokens and its "
+                "drafter's time, so speculation turns off where it does not pay) or fixed (--speculative-row-cost "
+                "alone, the same depths on every machine)", "choices": ["measured", "fixed"]})
     speculative_row_cost: float = field(default=0.2, metadata={
-        "help": "speculation's cost model: one more token in a step costs this fraction of a one-token step "
-                "(the CPU's one-call decode step on the quantized blocks: 0.15-0.4 from 2 to 8 tokens; "
-                "docs/speculative.md)"})
+        "help": "speculation's cost model before the worker's decode steps are timed: one more token in a step "
+                "costs this fraction of a one-token step; from the first timed steps on, the measured costs by "
+                "tokens and the drafter's measured time decide (services/scheduler/step_costs.py)"})
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"--schedule-policy must be one of {POLICIES}, got {self.schedule_policy!r}")
@@ -47,6 +51,8 @@ class SchedulerConfig:
             raise ValueError("--chunked-prefill-size must be positive or -1 (off)")
         if self.speculative_disable_batch_size < 0:
             raise ValueError("--speculative-disable-batch-size must be >= 0")
+        if self.speculative_cost_model not in ("measured", "fixed"):
+            raise ValueError(f"--speculative-cost-model must be measured or fixed, got {self.speculative_cost_model!r}")
         if not self.speculative_row_cost > 0:
             raise ValueError("--speculative-row-cost must be > 0")
         if self.max_prefill_tokens < 1:

@@ -43,6 +43,7 @@ from services.scheduler.policy import order_waiting
 from services.scheduler import prompt_outputs
 from services.scheduler.request import Request, Status
 from services.scheduler.speculation import SpeculationPolicy
+from services.scheduler.step_costs import StepCosts
 from services.step.contract import (
     LAST_SAMPLED, NewRequestSpec, SampledLogprobs, StepItem, StepPlan, StepResult, TokenRun)
 
@@ -111,7 +112,7 @@ class Scheduler:
         self._outputs: list[RequestOutput] = []
         self._step_id = 0
         self.spec = SpeculationPolicy(limits.max_draft_tokens, config.speculative_disable_batch_size,
-                                      config.speculative_row_cost)
+                                      StepCosts(config.speculative_row_cost))
         self.accept_lengths: deque[int] = deque(maxlen=4096)  # tokens per speculative verify (telemetry drains)
         # Disaggregation (services/scheduler/disaggregation.py): one side of each pair, or neither.
         self.disaggregation = disaggregation or DisaggregationConfig()
@@ -601,11 +602,23 @@ class Scheduler:
                 self._prefilled(req)
         self.stats.steps += 1
         self.stats.draft_seconds += result.draft_seconds
+        self._observe_costs(plan, result)
         if speculated:
             self.stats.spec_steps += 1
             self.stats.verify_seconds += result.forward_seconds
         self._refresh_gauges()
         return self.take_outputs()
+
+    def _observe_costs(self, plan: StepPlan, result: StepResult) -> None:
+        """A decode step's time is a price for speculation (step_costs.py); prefills and KV moves
+        are not."""
+        if (self.config.speculative_cost_model != "measured" or self.limits.max_draft_tokens <= 0 or plan.kv_copies
+                or plan.kv_sends or not plan.items):
+            return
+        if any(len(it.input_ids) > 1 and not it.verify for it in plan.items):
+            return
+        self.spec.costs.observe_step(sum(len(it.input_ids) for it in plan.items), result.forward_seconds,
+                                     result.draft_seconds, sum(it.draft_depth for it in plan.items))
 
     def _verified(self, req: Request, n: int, tokens: list[int]) -> bool:
         """A verify item of n tokens ([last, *draft]) produced `tokens`: the draft after the first

@@ -1,12 +1,13 @@
 """How deep to speculate for a request this step: adaptive to the load and to its acceptance.
 
-A verify item of d drafted tokens costs about `row_cost` of a one-token step per extra row (the
-weights are read once for every row; on the CPU's quantized blocks each row adds its FMAs), and
-yields 1 + E[accepted] tokens, where with a per-token acceptance rate a the expected accepted
-prefix of d drafted tokens is a (1 - a^d) / (1 - a). For a request in a step of B rows, the
-depth that maximizes the step's tokens per unit of time is
+A verify item of d drafted tokens makes the step d tokens longer, and drafting them costs the
+drafter its time; it yields 1 + E[accepted] tokens, where with a per-token acceptance rate a the
+expected accepted prefix of d drafted tokens is a (1 - a^d) / (1 - a). Both costs are the
+worker's own, measured (step_costs.py: c(n), the forward of a decode step of n tokens, and the
+drafter's seconds per drafted token; before any step is timed, c(n) = 1 + row_cost (n - 1)).
+For a request in a step of B rows, the depth that maximizes the step's tokens per second is
 
-    argmax_d (B + E[accepted | d]) / (1 + row_cost (B - 1 + d)),   d in 0..max_depth
+    argmax_d (B + E[accepted | d]) / (c(B + d) + draft(d)),   d in 0..max_depth
 
 so speculation deepens for a request whose drafts are accepted, shrinks for one whose are
 not, and fades as the batch grows (each extra row costs the whole batch's time); above
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.scheduler.request import Request
+from services.scheduler.step_costs import StepCosts
 
 EMA = 0.3  # weight of the newest verify in a request's acceptance rate
 RECOVER = 0.05  # per step without a draft, how far the rate drifts back to the fleet's
@@ -31,7 +33,7 @@ RECOVER = 0.05  # per step without a draft, how far the rate drifts back to the 
 class SpeculationPolicy:
     max_depth: int  # the worker's drafter's limit (0: no speculation)
     disable_batch_size: int  # no speculation with more running requests than this
-    row_cost: float  # one extra row of a step, in one-token steps
+    costs: StepCosts  # the worker's measured step and draft costs
     prior: float = 0.6  # the fleet-wide acceptance rate, an exponential average too
     rates: dict[str, float] = field(default_factory=dict)
     streaks: dict[str, int] = field(default_factory=dict)  # drafts in a row accepted whole
@@ -44,9 +46,10 @@ class SpeculationPolicy:
         base = self.rates.get(req.rid, self.prior)
         streak = self.streaks.get(req.rid, 0)
         rate = max(base, 1 - 0.5 ** (streak + 1)) if streak else base
-        best, best_gain = 0, batch_size / (1 + self.row_cost * (batch_size - 1))
+        costs = self.costs
+        best, best_gain = 0, batch_size / costs.step(batch_size)
         for d in range(1, self.max_depth + 1):
-            gain = (batch_size + _expected_accepted(rate, d)) / (1 + self.row_cost * (batch_size - 1 + d))
+            gain = (batch_size + _expected_accepted(rate, d)) / (costs.step(batch_size + d) + costs.draft(d))
             if gain > best_gain * 1.0001:
                 best, best_gain = d, gain
         if best == 0:

@@ -25,7 +25,7 @@ class WorkerConfig:
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     page_size: int = field(default=16, metadata={
         "help": "tokens per KV page (16: a request's KV rows stay contiguous in runs of 16, which the CPU decode "
-                "kernel reads ~20%% faster than rows scattered one token at a time; prefix matches round down to pages)"})
+                "kernel reads ~20% faster than rows scattered one token at a time; prefix matches round down to pages)"})
     kv_cache_bytes: int | None = field(default=None, metadata={
         "help": "KV pool byte budget. Default: 3 GiB (~140k tokens of SmolLM2 in bfloat16), or half the memory "
                 "available at start where that is less. On the host the pool's pages take memory only once "
@@ -62,8 +62,8 @@ class WorkerConfig:
         "help": "CPU, with --quantization auto: the activations of the steps that run on the file's Q4_1/Q8_0 "
                 "blocks (those of <= --quant-max-rows tokens, and verify steps). float32: exact float32 math on "
                 "the file's weights; int8: each row quantized per group of 32 and multiplied with integer dot "
-                "products as llama.cpp does (AVX512-VNNI or AVX2; ~0.6%% error per linear, +0.9%% "
-                "perplexity; linears 11-19%% faster with AVX512-VNNI, 1.9x on AVX2 alone: bench/int8_activations.py, "
+                "products as llama.cpp does (AVX512-VNNI or AVX2; ~0.6% error per linear, +0.9% "
+                "perplexity; linears 11-19% faster with AVX512-VNNI, 1.9x on AVX2 alone: bench/int8_activations.py, "
                 "docs/quantization.md); refused with --dtype float32, the exact mode. auto (default): int8 where "
                 "the kernel has an int8 path, --dtype is not float32 and --quantization is auto; else float32"})
     quantization: str = field(default="auto", metadata={
@@ -103,7 +103,7 @@ class WorkerConfig:
         "help": "structured outputs: run the tokens a grammar forces as one verify item instead of a model step "
                 "each (same output; not for requests asking for logprobs). Off by default on CPU: a verify item "
                 "runs op by op, not as a one-call decode step, and costs more time than it saves here "
-                "(bench/structured.py: 44%% fewer steps, 2.4x the time at batch 1)"})
+                "(bench/structured.py: 44% fewer steps, 2.4x the time at batch 1)"})
     jump_forward_min_tokens: int = field(default=1, metadata={
         "help": "jump-forward only over at least this many forced tokens"})
     grammar_cache_size: int = field(default=64, metadata={

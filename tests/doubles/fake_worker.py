@@ -34,9 +34,13 @@ def reference_output(prompt: list[int], max_new: int, stop_ids=()) -> list[int]:
 
 
 class FakeWorker:
-    def __init__(self, num_pages: int, page_size: int, max_requests: int = 1 << 30, draft_hits: int | None = None):
+    def __init__(self, num_pages: int, page_size: int, max_requests: int = 1 << 30, draft_hits: int | None = None,
+                 timing: tuple[float, float, float] | None = None):
         self.page_size = page_size
         self.draft_hits = draft_hits  # None: no drafter
+        # Reported step times (StepResult.forward_seconds, draft_seconds), or none: (a one-token
+        # step's seconds, each further token's, each drafted token's).
+        self.timing = timing
         self.verify_rows: list[int] = []  # tokens of each verify item run
         self.decode_rows: list[int] = []  # per step, the tokens of its decode and verify items
         self.max_requests = max_requests  # the real worker's page-table rows
@@ -92,6 +96,11 @@ class FakeWorker:
                     result.accepted.append(TokenRun(run[1:]))
                     result.drafts.append(TokenRun(self._draft(seq, item.draft_depth), speculative=True))
         result.kv_sends = [self._send(send) for send in plan.kv_sends]  # after the forward
+        if self.timing is not None and plan.items:
+            one, per_token, per_draft = self.timing
+            result.draft_seconds = per_draft * sum(i.draft_depth for i in plan.items)
+            tokens = sum(len(i.input_ids) for i in plan.items)
+            result.forward_seconds = one + per_token * (tokens - 1) + result.draft_seconds
         return result
 
     def _send(self, send) -> KVSendResult:

@@ -36,7 +36,9 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_new_tokens=MAX
 
 def engine(checkpoint, tokenizer, dtype: str, **spec) -> Engine:
     worker = WorkerConfig(dtype=dtype, kv_cache_bytes=96 << 20, **spec)
-    return Engine(worker=worker, scheduler=SchedulerConfig(), checkpoint=checkpoint, tokenizer=tokenizer)
+    # "fixed": these check what verifies give, so drafts must run whatever this CPU's steps cost
+    return Engine(worker=worker, scheduler=SchedulerConfig(speculative_cost_model="fixed"), checkpoint=checkpoint,
+                  tokenizer=tokenizer)
 
 
 def close(e: Engine) -> None:
@@ -116,8 +118,8 @@ def test_retraction_and_an_abort_mid_speculation_leave_no_kv_behind(checkpoint, 
     longest = max(len(p) for p in ids[:4] + [ids[8]]) + MAX_TOKENS
     worker = WorkerConfig(dtype="float32", kv_cache_bytes=(3 * longest // 2) * bytes_per_token, page_size=4,
                           speculative_algorithm="EAGLE3", speculative_eagle_topk=2, speculative_num_draft_tokens=6)
-    e = Engine(worker=worker, scheduler=SchedulerConfig(speculative_disable_batch_size=16, init_new_token_ratio=0.05,
-                                                        min_new_token_ratio=0.05),
+    e = Engine(worker=worker, scheduler=SchedulerConfig(speculative_cost_model="fixed", speculative_disable_batch_size=16,
+                                                        init_new_token_ratio=0.05, min_new_token_ratio=0.05),
                checkpoint=checkpoint, tokenizer=tokenizer)
     try:
         assert run_aborting_one(e, ids[:4], ids[8], GREEDY) == want["greedy"][:4]

@@ -22,7 +22,8 @@ CHAT = [p["messages"] for p in PROMPTS if p["split"] == "heldout"]
 @pytest.mark.parametrize("flags", [[], ["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"]],
                          ids=["chain", "tree"])
 def test_eagle3_streams_the_opt_outs_text_and_reports_acceptance(flags):
-    mesh = Mesh(*SMALL_MESH, "--speculative-algorithm", "EAGLE3", *flags, gateway=True)
+    mesh = Mesh(*SMALL_MESH, "--speculative-algorithm", "EAGLE3", "--speculative-cost-model", "fixed", *flags,
+                gateway=True)
     try:
         mesh.wait_ready()
         with urllib.request.urlopen(mesh.url + "/v1/models", timeout=30) as r:

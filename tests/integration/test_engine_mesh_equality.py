@@ -36,14 +36,15 @@ from tests.integration.mesh_harness import SMALL_MESH, Mesh
 pytestmark = pytest.mark.slow
 
 COPY_CHATS = json.loads((Path(__file__).parents[2] / "bench" / "data" / "copy_heavy.json").read_text())[:4]
-FLAGS = ["--speculative-algorithm", "NGRAM", "--jump-forward"]
+FLAGS = ["--speculative-algorithm", "NGRAM", "--speculative-cost-model", "fixed", "--jump-forward"]
 
 
 @pytest.fixture(scope="module")
 def both(checkpoint, tokenizer):
     engine = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=16,
                                         speculative_algorithm="NGRAM", jump_forward=True),
-                    scheduler=SchedulerConfig(max_running_requests=16), checkpoint=checkpoint, tokenizer=tokenizer)
+                    scheduler=SchedulerConfig(max_running_requests=16, speculative_cost_model="fixed"),
+                    checkpoint=checkpoint, tokenizer=tokenizer)
     mesh = Mesh(*SMALL_MESH, *FLAGS)
     try:
         mesh.wait_ready()

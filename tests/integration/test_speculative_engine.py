@@ -31,7 +31,9 @@ MAX_TOKENS = 48
 
 def engine(checkpoint, tokenizer, dtype: str, spec: bool, overlap: bool = True) -> Engine:
     worker = WorkerConfig(dtype=dtype, kv_cache_bytes=96 << 20, speculative_algorithm="NGRAM" if spec else None)
-    return Engine(worker=worker, scheduler=SchedulerConfig(disable_overlap_schedule=not overlap),
+    # "fixed": these check what verifies give, so drafts must run whatever this CPU's steps cost
+    return Engine(worker=worker,
+                  scheduler=SchedulerConfig(disable_overlap_schedule=not overlap, speculative_cost_model="fixed"),
                   checkpoint=checkpoint, tokenizer=tokenizer)
 
 
@@ -138,7 +140,8 @@ def test_draft_model_float32_equals_plain_one_at_a_time(checkpoint, tokenizer, p
     worker = WorkerConfig(dtype="float32", kv_cache_bytes=96 << 20, speculative_algorithm="STANDALONE",
                           speculative_draft_model_path=default_model_path(), speculative_num_draft_tokens=4,
                           speculative_draft_kv_cache_bytes=64 << 20)
-    e = Engine(worker=worker, scheduler=SchedulerConfig(), checkpoint=checkpoint, tokenizer=tokenizer)
+    e = Engine(worker=worker, scheduler=SchedulerConfig(speculative_cost_model="fixed"), checkpoint=checkpoint,
+               tokenizer=tokenizer)
     try:
         assert one_at_a_time(e, ids[:5], GREEDY) == want["greedy"][:5]
         s = e.scheduler.stats
@@ -197,8 +200,8 @@ def test_retraction_and_an_abort_mid_speculation_leave_no_kv_behind(checkpoint, 
     longest = max(len(p) for p in ids[:4] + [ids[8]]) + MAX_TOKENS  # the pool holds one request and a bit
     worker = WorkerConfig(dtype="float32", kv_cache_bytes=(3 * longest // 2) * bytes_per_token, page_size=4,
                           speculative_algorithm="NGRAM")
-    e = Engine(worker=worker, scheduler=SchedulerConfig(speculative_disable_batch_size=16, init_new_token_ratio=0.05,
-                                                        min_new_token_ratio=0.05),
+    e = Engine(worker=worker, scheduler=SchedulerConfig(speculative_cost_model="fixed", speculative_disable_batch_size=16,
+                                                        init_new_token_ratio=0.05, min_new_token_ratio=0.05),
                checkpoint=checkpoint, tokenizer=tokenizer)
     try:
         victim = ids[8]

@@ -22,8 +22,8 @@ WORKLOAD = json.loads((Path(__file__).parents[2] / "bench" / "data" / "copy_heav
 
 @pytest.fixture(scope="module")
 def mesh(receiver):
-    m = Mesh(*SMALL_MESH, "--speculative-algorithm", "NGRAM", "--metrics-port", "0", gateway=True,
-             env=otlp_env(receiver.endpoint))
+    m = Mesh(*SMALL_MESH, "--speculative-algorithm", "NGRAM", "--speculative-cost-model", "fixed", "--metrics-port", "0",
+             gateway=True, env=otlp_env(receiver.endpoint))
     try:
         m.wait_ready()
         m.url, metrics = gateway_url_and_metrics(m, ["scheduler"])

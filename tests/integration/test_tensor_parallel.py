@@ -17,6 +17,7 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import Engine
+from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from services.worker.loader.checkpoint import load_checkpoint
 from services.worker.model.registry import ARCHITECTURES
@@ -209,6 +210,7 @@ def test_tp3_and_pp2_with_ngram_speculation_verify_drafts_on_every_rank_and_keep
     for tp, pp, spec in ((1, 1, None), (3, 1, "NGRAM"), (1, 2, "NGRAM")):
         eng = Engine(worker=WorkerConfig(dtype="float32", kv_cache_bytes=32 << 20, max_requests=4, tp_size=tp,
                                          pp_size=pp, pp_micro_batch_tokens=1, speculative_algorithm=spec),
+                     scheduler=SchedulerConfig(speculative_cost_model="fixed"),  # drafts run at any step cost
                      checkpoint=checkpoint, tokenizer=tokenizer)
         try:
             outs[tp, pp] = eng.generate_batch([eng.prompt_ids(messages=c["messages"]) for c in copy_heavy], sp)

@@ -138,6 +138,7 @@ def test_a_draft_model_of_another_vocabulary_or_no_draft_path_is_refused(tiny, t
 def test_engine_greedy_output_is_the_same_with_and_without_standalone_speculation(tiny):
     from services.common.model_path import resolve_model_path
     from services.engine.engine import Engine
+    from services.scheduler.config import SchedulerConfig
     from services.tokenizer.text_tokenizer import load_tokenizer
     path, _ = tiny
     tokenizer, checkpoint = load_tokenizer(resolve_model_path(None)), load_checkpoint(path)
@@ -147,7 +148,8 @@ def test_engine_greedy_output_is_the_same_with_and_without_standalone_speculatio
         config = WorkerConfig(dtype="float32", page_size=PAGE, kv_cache_bytes=1 << 20, max_requests=4,
                               speculative_algorithm=spec, speculative_draft_model_path=path if spec else None,
                               speculative_draft_kv_cache_bytes=64 * BYTES_PER_PAGE)
-        engine = Engine(worker=config, checkpoint=checkpoint, tokenizer=tokenizer)
+        engine = Engine(worker=config, scheduler=SchedulerConfig(speculative_cost_model="fixed"),  # drafts at any cost
+                        checkpoint=checkpoint, tokenizer=tokenizer)
         try:
             outputs[spec] = [engine.generate(input_ids=p, sampling=sampling).token_ids for p in prompts(9, 14)]
             stats = engine.scheduler.stats

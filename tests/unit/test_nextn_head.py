@@ -90,8 +90,8 @@ def engine(path: str, algorithm: str | None = None, topk: int = 1) -> Engine:
     worker = WorkerConfig(dtype="float32", kv_cache_bytes=8 << 20, max_requests=64,
                           speculative_algorithm=algorithm, speculative_draft_model_path=path if algorithm else None,
                           speculative_num_steps=3, speculative_eagle_topk=topk, speculative_num_draft_tokens=6)
-    return Engine(worker=worker, scheduler=SchedulerConfig(max_running_requests=64, speculative_row_cost=1e-6,
-                                                       speculative_disable_batch_size=1000),
+    return Engine(worker=worker, scheduler=SchedulerConfig(max_running_requests=64, speculative_cost_model="fixed",
+                                                       speculative_row_cost=1e-6, speculative_disable_batch_size=1000),
                   checkpoint=load_checkpoint(path), tokenizer=load_tokenizer(path))
 
 

@@ -13,6 +13,7 @@ from services.common.sampling_params import SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import ModelLimits, Scheduler
 from services.scheduler.speculation import SpeculationPolicy
+from services.scheduler.step_costs import StepCosts
 from tests.doubles.fake_link import drive
 from tests.doubles.fake_worker import VOCAB, FakeWorker, reference_output
 
@@ -20,11 +21,11 @@ EOS = 0
 K = 6
 
 
-def make(draft_hits: int, num_pages=256, page_size=1, verify_max_rows=0, **cfg):
+def make(draft_hits: int, num_pages=256, page_size=1, verify_max_rows=0, timing=None, **cfg):
     limits = ModelLimits(num_pages, page_size, 512, VOCAB, (EOS,), max_draft_tokens=K,
                          verify_max_rows=verify_max_rows)
     config = SchedulerConfig(**{"speculative_row_cost": 0.1, **cfg})  # the fake's rows cost little
-    return Scheduler(config, limits), FakeWorker(num_pages, page_size, config.max_running_requests, draft_hits)
+    return Scheduler(config, limits), FakeWorker(num_pages, page_size, config.max_running_requests, draft_hits, timing)
 
 
 def sp(max_new=24, **kw):
@@ -141,7 +142,7 @@ def test_the_output_carries_the_requests_speculation_counters():
 
 
 def policy(**kw) -> SpeculationPolicy:
-    return SpeculationPolicy(**{"max_depth": 8, "disable_batch_size": 16, "row_cost": 0.4, **kw})
+    return SpeculationPolicy(**{"max_depth": 8, "disable_batch_size": 16, "costs": StepCosts(0.4), **kw})
 
 
 class _Req:
@@ -190,3 +191,40 @@ def test_a_run_of_whole_acceptances_deepens_at_once_and_a_partial_one_ends_it():
     assert p.depth(req, 1) > shallow + 1
     p.verified(req, 6, 1)  # the copy ended
     assert p.depth(req, 1) <= shallow
+
+
+def test_measured_costs_decide_depth_not_the_prior():
+    """The same acceptance (80%) drafts deep where extra tokens are cheap, and not at all where
+    each one costs nearly a whole step or the drafter is slow."""
+    cheap, steep, slow_drafter = StepCosts(0.4), StepCosts(0.4), StepCosts(0.4)
+    for n in range(1, 10):
+        cheap.observe_step(n, 0.010 + 0.0005 * (n - 1), 0.0, 0)
+        steep.observe_step(n, 0.010 + 0.009 * (n - 1), 0.0, 0)
+        slow_drafter.observe_step(n, 0.010 + 0.0005 * (n - 1), 0.0, 0)
+    slow_drafter.observe_step(1, 0.010, 0.0, 0)
+    slow_drafter.observe_step(2, 0.0105 + 0.024, 0.024, 3)  # 8 ms per drafted token
+    depths = {}
+    for name, costs in (("cheap", cheap), ("steep", steep), ("slow drafter", slow_drafter)):
+        p, req = policy(costs=costs), _Req()
+        for _ in range(20):
+            p.verified(req, 5, 4)
+        depths[name] = p.depth(req, 1)
+    assert depths == {"cheap": 8, "steep": 0, "slow drafter": 0}, depths
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["lockstep", "overlap"])
+def test_a_worker_whose_extra_tokens_cost_a_step_each_stops_being_asked_to_draft(overlap):
+    """The worker's reported step times reach the policy: drafts whose verify costs more than
+    the tokens it gains stop after the first few steps, and outputs stay plain decoding's."""
+    results = {}
+    for name, timing in (("cheap", (0.010, 0.001, 0.0)), ("steep", (0.010, 0.012, 0.0))):
+        sched, worker = make(draft_hits=2, timing=timing)
+        todo = prompts(1)
+        for rid, p in todo.items():
+            sched.submit(rid, p, sp(ignore_eos=True, max_new=60), seed=0)
+        res = drive(sched, worker, 2 if overlap else 1)
+        for rid, p in todo.items():
+            assert res[rid][0] == reference_output(p, 60), rid
+        results[name] = worker.decode_rows[len(worker.decode_rows) // 2:]  # the later half's tokens per step
+    assert max(results["cheap"]) > 1, results["cheap"]
+    assert max(results["steep"]) == 1, results["steep"]

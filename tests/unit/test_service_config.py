@@ -70,6 +70,17 @@ def test_a_percent_sign_in_help_prints_as_written() -> None:
     assert "(cosine, 3% warm-up)" in p.format_help()
 
 
+def test_no_shipped_flag_prints_a_doubled_percent_sign() -> None:
+    """Help strings write "%" as it should print (the generator escapes it for argparse)."""
+    from services.launcher.up import UpConfig
+    from services.router.config import RouterConfig
+    from services.scheduler.config import SchedulerConfig
+    from services.worker.config import WorkerConfig
+    for cls in (UpConfig, RouterConfig, SchedulerConfig, WorkerConfig):
+        text = flags_from_dataclass(cls, argparse.ArgumentParser()).format_help()
+        assert "%%" not in text, cls.__name__
+
+
 def test_invalid_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--listen", "nope"], ["--policy", "random"], ["--max-running", "x"]):
         with pytest.raises(SystemExit) as exit_:

@@ -45,8 +45,8 @@ def engine(tiny, spec: bool) -> Engine:
     worker = WorkerConfig(dtype="float32", kv_cache_bytes=8 << 20, max_requests=64,
                           speculative_algorithm="NGRAM" if spec else None, speculative_num_draft_tokens=4,
                           speculative_ngram_min_match_window_size=1)
-    return Engine(worker=worker, scheduler=SchedulerConfig(max_running_requests=64, speculative_row_cost=1e-6,
-                                                       speculative_disable_batch_size=1000),
+    return Engine(worker=worker, scheduler=SchedulerConfig(max_running_requests=64, speculative_cost_model="fixed",
+                                                       speculative_row_cost=1e-6, speculative_disable_batch_size=1000),
                   checkpoint=checkpoint, tokenizer=tokenizer)
 
 
