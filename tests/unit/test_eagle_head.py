@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.worker.speculative.eagle_head import EagleHead, EagleHeadConfig, HeadKV, default_attend
+from services.worker.speculative.eagle_head import EagleHead, EagleHeadConfig, HeadKV, default_attend, needs_mask
 from services.worker.speculative.train_draft import unroll
 
 L = 8  # the tiny target's decoder layers
@@ -139,6 +139,26 @@ def test_default_attend_mask():
     mask = default_attend(torch.tensor([0, 1, 2, 5]), torch.tensor([2, 3]))
     assert mask.tolist() == [[True, True, True, False, True, False],
                              [True, True, True, False, True, True]]
+
+
+def test_a_single_query_builds_no_mask_only_when_it_follows_every_entry():
+    """A chain's draft step and a decode's absorb skip the mask (all True); a query at a position
+    the cache already reaches past (a recompute) still gets default_attend's."""
+    assert not needs_mask(torch.tensor([0, 1, 2]), torch.tensor([3]))
+    assert not needs_mask(torch.tensor([], dtype=torch.int64), torch.tensor([0]))
+    assert needs_mask(torch.tensor([0, 1, 2]), torch.tensor([2]))
+    assert needs_mask(torch.tensor([0, 1]), torch.tensor([2, 3]))
+    head = make_head()
+    embeds, hidden, positions = inputs(head, 7)
+    with torch.no_grad():
+        for query in (6, 3):  # after every entry; inside them (entries 3-5 must be hidden)
+            cache = HeadKV.empty(head.config, torch.float32)
+            head.step(embeds[:6], hidden[:6], positions[:6], cache)
+            q = torch.tensor([query])
+            explicit = default_attend(cache.positions, q)
+            want = head.step(embeds[6:], hidden[6:], q, HeadKV(cache.k, cache.v, cache.positions), explicit)
+            got = head.step(embeds[6:], hidden[6:], q, cache)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
 
 
 def test_attend_mask_hides_entries():

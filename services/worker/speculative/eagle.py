@@ -158,14 +158,16 @@ class EagleDrafter:
         """One head step over the frontier's nodes (each attending to the true entries and its own
         ancestors' draft entries) → the next frontier: the topk best of their children."""
         n_old = len(s.cache)
-        attend = torch.zeros(len(frontier), n_old + len(frontier), dtype=torch.bool)
-        attend[:, :s.n_true] = True
-        for row, i in enumerate(frontier):
-            attend[row, n_old + row] = True
-            parent = nodes[i].parent
-            while parent >= 0:
-                attend[row, nodes[parent].entry] = True
-                parent = nodes[parent].parent
+        attend = None  # a chain's one node: the cache holds the true entries and its ancestors, all attended
+        if len(frontier) > 1 or n_old != s.n_true + nodes[frontier[0]].depth - 1:
+            attend = torch.zeros(len(frontier), n_old + len(frontier), dtype=torch.bool)
+            attend[:, :s.n_true] = True
+            for row, i in enumerate(frontier):
+                attend[row, n_old + row] = True
+                parent = nodes[i].parent
+                while parent >= 0:
+                    attend[row, nodes[parent].entry] = True
+                    parent = nodes[parent].parent
         tokens = torch.tensor([nodes[i].token for i in frontier], dtype=torch.int64)
         hidden = torch.stack([nodes[i].hidden for i in frontier])
         positions = torch.full((len(frontier),), position, dtype=torch.int64)

@@ -30,6 +30,8 @@ Heads never store the token embedding: the target's is passed to `load` and used
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -142,11 +144,18 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+@functools.lru_cache(maxsize=8)
+def _inverse_frequencies(d: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE's 1 / theta^(2i/d), twice over (rotate-half: [d/2] then the same [d/2]) -> [d]; computed
+    once (a draft step is a few dozen small ops: each counts)."""
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    return torch.cat([inv, inv])
+
+
 def rope_tables(positions: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Llama RoPE's cos and sin for positions [n] -> two [n, 1, d] float32 (rotate-half layout)."""
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d)  # [d/2]
-    ang = positions.to(torch.float32)[:, None] * inv[None]  # [n, d/2]
-    return ang.cos().repeat(1, 2)[:, None], ang.sin().repeat(1, 2)[:, None]
+    ang = positions.to(torch.float32)[:, None] * _inverse_frequencies(d, theta, positions.device)[None]  # [n, d]
+    return ang.cos()[:, None], ang.sin()[:, None]
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
@@ -193,10 +202,10 @@ class _Layer(nn.Module):
 
 
 def head_attention(attn: _Attention, c, x: torch.Tensor, positions: torch.Tensor, cache: HeadKV,
-                   attend: torch.Tensor) -> torch.Tensor:
+                   attend: torch.Tensor | None) -> torch.Tensor:
     """A head layer's attention over its own cache (EagleHead.step's, NextNHead.step's): x [n, in]
     at positions [n]; appends n entries (k after RoPE) to `cache`; attend [n, len(cache before) + n]
-    bool -> o_proj's output [n, H]. The g query heads of a KV head attend as g * n rows of it: two
+    bool, or None for every entry (one query after all of them) -> o_proj's output [n, H]. The g query heads of a KV head attend as g * n rows of it: two
     small matmuls, no copy of the cache per query head (a draft step attends one or a few rows)."""
     n, hkv, d = x.shape[0], c.num_key_value_heads, c.head_dim
     g = c.num_attention_heads // hkv
@@ -206,9 +215,16 @@ def head_attention(attn: _Attention, c, x: torch.Tensor, positions: torch.Tensor
     cache.append(k, attn.v_proj(x).view(n, hkv, d), positions)
     qg = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)  # [hkv, g * n, d]
     scores = torch.bmm(qg, cache.k.permute(1, 2, 0)) * d ** -0.5  # [hkv, g * n, m + n]
-    scores = scores.masked_fill(~attend.repeat(g, 1)[None], float("-inf"))
+    if attend is not None:
+        scores = scores.masked_fill(~attend.repeat(g, 1)[None], float("-inf"))
     o = torch.bmm(torch.softmax(scores.float(), -1).to(qg.dtype), cache.v.transpose(0, 1))  # [hkv, g * n, d]
     return attn.o_proj(o.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, -1))
+
+
+def needs_mask(cache_positions: torch.Tensor, positions: torch.Tensor) -> bool:
+    """Whether default_attend masks anything: more than one new query, or one that does not come
+    after every cached entry (a chain's draft step and a decode's absorb do: no mask to build)."""
+    return positions.shape[0] > 1 or (cache_positions.shape[0] > 0 and int(cache_positions[-1]) >= int(positions[0]))
 
 
 def default_attend(cache_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -274,7 +290,7 @@ class EagleHead(nn.Module):
         to `cache`; attend [n, len(cache before) + n] bool (True: may attend; default: see
         default_attend) -> (draft logits [n, draft_vocab] float32, out_hidden [n, H])."""
         c, layer = self.config, self.layer
-        if attend is None:
+        if attend is None and needs_mask(cache.positions, positions):
             attend = default_attend(cache.positions, positions)
         if c.eagle3:
             x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], -1)  # [n, 2H]

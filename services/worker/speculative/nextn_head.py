@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.speculative.eagle_head import HeadKV, RMSNorm, _Attention, _MLP, default_attend, head_attention
+from services.worker.speculative.eagle_head import (HeadKV, RMSNorm, _Attention, _MLP, default_attend, head_attention,
+                                                   needs_mask)
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class NextNHead(nn.Module):
         step's out_hidden), positions [n]; appends n entries to `cache`; attend [n, len(cache
         before) + n] bool (default: default_attend) -> (logits [n, V] float32, out_hidden [n, H],
         after shared_head.norm)."""
-        if attend is None:
+        if attend is None and needs_mask(cache.positions, positions):
             attend = default_attend(cache.positions, positions)
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))  # [n, H]
         h = x + head_attention(self.self_attn, self.config, self.input_layernorm(x), positions, cache, attend)
