@@ -321,3 +321,29 @@ def test_the_shipped_head_loads_for_the_default_model():
     ids = head.to_target_ids(torch.arange(2048))
     assert ids.unique().numel() == 2048 and 0 <= int(ids.min()) and int(ids.max()) < 49152
     assert torch.equal(head.t2d.nonzero()[:, 0], ids.sort().values)
+
+
+def test_a_request_that_is_not_drafting_holds_a_bounded_backlog_and_drafts_as_before(monkeypatch):
+    """Features of a request the scheduler does not ask to draft run through the head every
+    PENDING_LIMIT rows instead of piling up; its next proposal is the one a drafter that kept them
+    all pending makes."""
+    from services.worker.speculative import eagle
+    from services.worker.speculative.drafter import DraftRequest
+    head, limit = make_head(), eagle.PENDING_LIMIT
+    g = torch.Generator().manual_seed(3)
+    n = 2 * limit + 40
+    tokens = torch.randint(0, V, (n + 1,), generator=g).tolist()
+    aux = torch.randn(n, len(head.config.capture_layers) * T, generator=g)
+    drafts = []
+    for bound in (limit, 10 ** 9):  # the shipped bound; a drafter that never catches up
+        monkeypatch.setattr(eagle, "PENDING_LIMIT", bound)
+        drafter = eagle.EagleDrafter(head, topk=1, num_steps=3, num_draft_tokens=3)
+        drafter.admit("r", tokens[:1])
+        for pos in range(n):  # one decode step each: its row observed, then its sampled token
+            drafter.observe("r", pos, aux[pos:pos + 1])
+            drafter.extend("r", [tokens[pos + 1]])
+            assert len(drafter.streams["r"].pending_pos) <= bound
+        if bound == limit:
+            assert drafter.streams["r"].n_true >= 2 * (limit - 1)
+        drafts.append(drafter.propose([DraftRequest("r", 3)]))
+    assert drafts[0] == drafts[1] and len(drafts[0][0]) == 3

@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
 # the model id (ModelConfig.name) → the EAGLE-3 head shipped for it, under HEADS_DIR
 SHIPPED_HEADS = {DEFAULT_MODEL_ID: "smollm2-135m-instruct-eagle3"}
+# Observed rows a request may hold before they run through the head without a proposal: one that
+# is not drafting (the scheduler's cost model said no, or the batch is large) would otherwise keep
+# every token's features (3 layers' hidden states, 6.9 KB a token for the default model) until it
+# drafts again or ends.
+PENDING_LIMIT = 256
 
 
 @dataclass
@@ -98,7 +103,10 @@ class EagleDrafter:
         self.streams[rid] = _Stream(list(tokens), HeadKV.empty(self.head.config, p.dtype, p.device))
 
     def extend(self, rid: str, tokens: list[int]) -> None:
-        self.streams[rid].tokens += tokens
+        s = self.streams[rid]
+        s.tokens += tokens
+        if len(s.pending_pos) >= PENDING_LIMIT:
+            self._catch_up(s)
 
     def release(self, rid: str) -> None:
         self.streams.pop(rid, None)
@@ -153,6 +161,16 @@ class EagleDrafter:
         s.n_true = len(s.cache)
         s.pending_last = positions[-1]
         return logits[-1], out[-1]
+
+    @torch.inference_mode()
+    def _catch_up(self, s: _Stream) -> None:
+        """Run every pending row but the newest through the head now, as one step; the newest stays
+        pending, so the next proposal still drafts from its row."""
+        aux = torch.cat(s.pending_aux)
+        newest_pos, newest_aux = s.pending_pos[-1], aux[-1:]
+        s.pending_pos, s.pending_aux = s.pending_pos[:-1], [aux[:-1]]
+        self._absorb(s)
+        s.pending_pos, s.pending_aux = [newest_pos], [newest_aux]
 
     def _expand(self, s: _Stream, nodes: list[_Node], frontier: list[int], position: int) -> list[int]:
         """One head step over the frontier's nodes (each attending to the true entries and its own
