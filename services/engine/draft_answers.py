@@ -56,8 +56,9 @@ def answer_prompts(cfg: train_draft.TrainDraftConfig, model_path: str, tok) -> d
 def generate_answers(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int, samples: int, temperature: float,
                      seed: int, desc: str) -> list[list[list[int]]]:
     """Per prompt: its greedy answer, then `samples` - 1 sampled ones; an answer that stopped on
-    EOS ends with it (the Engine returns the stop token, as transformers' generate does). All prompts are queued at once and
-    batch in the Engine's decode steps; the bar counts finished answers."""
+    EOS ends with it (the Engine returns the stop token, as transformers' generate does). All
+    prompts are queued at once and batch in the Engine's decode steps; the bar counts finished
+    answers."""
     done: queue.SimpleQueue = queue.SimpleQueue()
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     for i, ids in enumerate(prompt_ids):

@@ -12,12 +12,13 @@ Until a step of n tokens has been seen, c(n) comes from its measured neighbours 
 the nearest two), from the prior's shape scaled to the one size measured, or with nothing
 measured from the prior 1 + row_cost (n - 1) in units of c(1) (--speculative-row-cost). A
 request that speculates from its first decode never runs a one-token step, so c(1) is often
-extrapolated from the verify sizes it did run. Steps
-that prefill, move KV between tiers or carry no timing (the model-free test worker) are not
-observed: only a decode step's time is a price of tokens.
+extrapolated from the verify sizes it did run. Steps that prefill, move KV between tiers or
+carry no timing (the model-free test worker) are not observed: only a decode step's time is a
+price of tokens.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 WEIGHT = 0.1  # weight of the newest observation in each exponential average
@@ -29,13 +30,16 @@ class StepCosts:
     seconds: dict[int, float] = field(default_factory=dict)  # tokens in a decode step → its forward's seconds
     draft_base: float | None = None  # the drafter's seconds in a step that drafted nothing (extending)
     draft_per_token: float | None = None  # the drafter's seconds per token drafted, beyond the base
+    sizes: list[int] = field(default_factory=list)  # the keys of `seconds`, sorted (step() runs per depth tried)
 
     def observe_step(self, tokens: int, forward_seconds: float, draft_seconds: float, drafted: int) -> None:
         """A decode step of `tokens` tokens took forward_seconds, draft_seconds of it drafting
         `drafted` tokens (the depths the plan asked for)."""
         if tokens < 1 or forward_seconds <= 0:
             return
-        _update(self.seconds, tokens, forward_seconds - draft_seconds)
+        if tokens not in self.seconds:
+            bisect.insort(self.sizes, tokens)
+        self.seconds[tokens] = _ema(self.seconds.get(tokens), forward_seconds - draft_seconds)
         if drafted <= 0:
             self.draft_base = _ema(self.draft_base, draft_seconds)
         else:
@@ -44,22 +48,16 @@ class StepCosts:
 
     def step(self, tokens: int) -> float:
         """c(tokens): measured, interpolated, or the prior (in units of c(1) when nothing is measured)."""
-        known = self.seconds
+        known, sizes = self.seconds, self.sizes
         if tokens in known:
             return known[tokens]
         if not known:
             return self._prior(tokens)
-        sizes = sorted(known)
         if len(sizes) == 1:  # one measured size: the prior's shape, scaled to it
             return known[sizes[0]] * self._prior(tokens) / self._prior(sizes[0])
-        below = [n for n in sizes if n < tokens]
-        above = [n for n in sizes if n > tokens]
-        if below and above:
-            a, b = below[-1], above[0]
-        elif below:  # beyond the largest: the slope of the two largest
-            a, b = below[-2], below[-1]
-        else:  # under the smallest: the slope of the two smallest
-            a, b = above[0], above[1]
+        # the two measured sizes around `tokens`, or the two nearest on its side: a line through them
+        i = min(max(bisect.bisect_left(sizes, tokens), 1), len(sizes) - 1)
+        a, b = sizes[i - 1], sizes[i]
         slope = max(0.0, (known[b] - known[a]) / (b - a))
         return max(known[a] + (tokens - a) * slope, known[sizes[0]] / self._prior(sizes[0]) * 0.1)
 
@@ -73,7 +71,3 @@ class StepCosts:
 
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + WEIGHT * (new - old)
-
-
-def _update(table: dict[int, float], key: int, value: float) -> None:
-    table[key] = _ema(table.get(key), value)

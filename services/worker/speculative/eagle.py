@@ -176,8 +176,8 @@ class EagleDrafter:
         """One head step over the frontier's nodes (each attending to the true entries and its own
         ancestors' draft entries) → the next frontier: the topk best of their children."""
         n_old = len(s.cache)
-        attend = None  # a chain's one node: the cache holds the true entries and its ancestors, all attended
-        if len(frontier) > 1 or n_old != s.n_true + nodes[frontier[0]].depth - 1:
+        attend = None  # a chain (topk 1): the cache holds the true entries and the node's ancestors, all attended
+        if self.topk > 1:
             attend = torch.zeros(len(frontier), n_old + len(frontier), dtype=torch.bool)
             attend[:, :s.n_true] = True
             for row, i in enumerate(frontier):

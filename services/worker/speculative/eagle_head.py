@@ -31,7 +31,6 @@ Heads never store the token embedding: the target's is passed to `load` and used
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -205,7 +204,8 @@ def head_attention(attn: _Attention, c, x: torch.Tensor, positions: torch.Tensor
                    attend: torch.Tensor | None) -> torch.Tensor:
     """A head layer's attention over its own cache (EagleHead.step's, NextNHead.step's): x [n, in]
     at positions [n]; appends n entries (k after RoPE) to `cache`; attend [n, len(cache before) + n]
-    bool, or None for every entry (one query after all of them) -> o_proj's output [n, H]. The g query heads of a KV head attend as g * n rows of it: two
+    bool, or None for every entry (one query after all of them) -> o_proj's output [n, H]. The g
+    query heads of a KV head attend as g * n rows of it: two
     small matmuls, no copy of the cache per query head (a draft step attends one or a few rows)."""
     n, hkv, d = x.shape[0], c.num_key_value_heads, c.head_dim
     g = c.num_attention_heads // hkv
@@ -224,7 +224,9 @@ def head_attention(attn: _Attention, c, x: torch.Tensor, positions: torch.Tensor
 def needs_mask(cache_positions: torch.Tensor, positions: torch.Tensor) -> bool:
     """Whether default_attend masks anything: more than one new query, or one that does not come
     after every cached entry (a chain's draft step and a decode's absorb do: no mask to build)."""
-    return positions.shape[0] > 1 or (cache_positions.shape[0] > 0 and int(cache_positions[-1]) >= int(positions[0]))
+    if positions.shape[0] > 1:
+        return True
+    return cache_positions.shape[0] > 0 and int(cache_positions[-1]) >= int(positions[0])
 
 
 def default_attend(cache_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
