@@ -40,10 +40,13 @@ def int8_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 @needs_int8
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_matches_the_float64_reference_of_the_same_rounding(qtype, rows):
-    w = weight(qtype, 40, 128)  # K = 128: two pairs of groups
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 3
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("k", [128, 192])
+def test_matches_the_float64_reference_of_the_same_rounding(qtype, rows, k):
+    """K = 128: two pairs of groups (Q4_1's four-group step on AVX2); 192: three (that step, then
+    a last pair, as the default model's 576 columns run)."""
+    w = weight(qtype, 40, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :32] = 0.0  # an all-zero group: scale 0, no division by zero
     got, want = int8_linear(x, w), reference(x, w)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
