@@ -88,8 +88,8 @@ inline __m256i dot_pair(__m256i w_lo, __m256i x_lo, __m256i w_hi, __m256i x_hi) 
 // Q4_1, four groups b..b+3 of NR weight rows against R x rows, added into acc [NR][R] in the
 // quad lane order [b, b, b+2, b+2 | b+1, b+1, b+3, b+3]. A pair's 16 int16 sums are folded with
 // the next pair's by one vphaddw before the vpmaddwd and the float scaling, so those run once
-// per four groups instead of once per two: on Zen 3 the multiply ports are what bound a step
-// of several rows (2-4 rows ~12% faster in isolation). The sums fit: <= 2 x 7,620.
+// per four groups instead of once per two: 6-15% fewer ns per group at 1-8 rows on Zen 3 with
+// the weights in L2 (docs/benchmarks.md). The sums fit in int16: <= 2 x 7,620.
 template <int R, int NR>
 inline void q4_quad(const uint8_t* qs, int64_t row_bytes, const float* d, int64_t nb, const Int8X& x, int64_t K,
                     int64_t b, __m256 (&acc)[NR][R]) {
