@@ -172,11 +172,14 @@ class Follower:
         except (BrokenPipeError, OSError) as exc:
             raise RuntimeError(f"worker rank {self.rank} (pid {self.proc.pid}) is gone: {exc}") from None
 
-    def stop(self, timeout_s: float) -> None:
+    def ask_to_stop(self) -> None:
         try:
             self.commands.send(("stop",))
         except OSError:
             pass
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        """After ask_to_stop: its exit, or a kill after timeout_s; then its pipes are closed."""
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -320,8 +323,10 @@ class WorkerGroup:
             except RuntimeError:  # a node is gone already
                 pass
         self._closing = True
+        for f in self.followers:  # every rank tears down at once: a rank's exit takes most of a second
+            f.ask_to_stop()
         for f in self.followers:
-            f.stop(timeout_s)
+            f.wait_stopped(timeout_s)
         self.followers = []
         leave_group()
         cpus, threads = self._restore
