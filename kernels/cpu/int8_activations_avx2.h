@@ -22,16 +22,13 @@ namespace radixmesh::qint8 {
 // [q_2p[0:16], q_2p+1[0:16], q_2p[16:32], q_2p+1[16:32]] and the scales [dx_2p x4, dx_2p+1 x4]
 // (dx_pair's row stride stays nb * 8 floats, as in the 512-bit path). So one 32-byte load of two
 // Q4_1 groups' nibbles splits into the bytes that meet x's first and second halves, with no
-// shuffle per weight. Q4_1 also reads the scales of four groups at a time (quad_scales, below).
+// shuffle per weight. Q4_1 also reads the scales of four groups at a time (quad_scales_at, below).
 // s is per group, as everywhere.
 
 // Where x row t's scales for groups b..b+3 (b % 4 == 0) lie in q4_quad's order
 // [dx_b, dx_b, dx_b+2, dx_b+2 | dx_b+1, dx_b+1, dx_b+3, dx_b+3]: after the row's nb * 4 pair-layout
 // floats, in the second half of its nb * 8 stride (which the 512-bit path fills with its own layout).
-inline float* quad_scales(float* dx_pair, int64_t t, int64_t nb, int64_t b) { return dx_pair + t * nb * 8 + nb * 4 + b * 2; }
-inline const float* quad_scales(const float* dx_pair, int64_t t, int64_t nb, int64_t b) {
-  return dx_pair + t * nb * 8 + nb * 4 + b * 2;
-}
+inline int64_t quad_scales_at(int64_t t, int64_t nb, int64_t b) { return t * nb * 8 + nb * 4 + b * 2; }
 
 // x [T, K] quantized into buffers the caller keeps alive (q [T, K], dx_pair [T, K/32 * 8],
 // s [T, K/32]); returns the view the matmul takes. dx = max|x| / 127, q = round-half-even(x / dx)
@@ -66,7 +63,7 @@ inline Int8X quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* dx
   for (int64_t t = 0; t < T; ++t)  // the quad order of q4_quad, after the pairs' in the row's stride
     for (int64_t b = 0; b + 4 <= nb; b += 4) {
       const float* pairs = dx_pair + t * nb * 8 + b * 4;  // [b x4 | b+1 x4], [b+2 x4 | b+3 x4]
-      _mm256_storeu_ps(quad_scales(dx_pair, t, nb, b),
+      _mm256_storeu_ps(dx_pair + quad_scales_at(t, nb, b),
                        _mm256_blend_ps(_mm256_loadu_ps(pairs), _mm256_loadu_ps(pairs + 8), 0b11001100));
     }
   return {q, dx_pair, s};
@@ -110,7 +107,7 @@ inline void q4_quad(const uint8_t* qs, int64_t row_bytes, const float* d, int64_
       const __m256i pair1 = _mm256_add_epi16(_mm256_maddubs_epi16(w1_lo, _mm256_loadu_si256(xr + 2)),
                                              _mm256_maddubs_epi16(w1_hi, _mm256_loadu_si256(xr + 3)));
       const __m256i sums = _mm256_madd_epi16(_mm256_hadd_epi16(pair0, pair1), ones);
-      const __m256 scale = _mm256_mul_ps(dn, _mm256_loadu_ps(quad_scales(x.dx_pair, r, nb, b)));
+      const __m256 scale = _mm256_mul_ps(dn, _mm256_loadu_ps(x.dx_pair + quad_scales_at(r, nb, b)));
       acc[n][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[n][r]);
     }
   }
